@@ -1,0 +1,94 @@
+//! virt-launcher: the process that runs one VM.
+//!
+//! `virt-launcher run --kernel PATH ...` boots a VM with the console on the terminal and exits
+//! with a status that says how the guest ended (see `vmm::VmEnd::exit_code` and the README).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use vmm::{SerialInput, SerialOutput, Vm, VmConfig};
+
+/// Exit status for a configuration the user must fix; nothing was started.
+const EXIT_BAD_CONFIG: u8 = 2;
+/// Exit status for a host failure (KVM unavailable, out of memory, ...).
+const EXIT_HOST_ERROR: u8 = 1;
+
+#[derive(Parser)]
+#[command(name = "virt-launcher", version, about = "Runs one microvirt VM")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Boot a VM in the foreground with its serial console on this terminal.
+    Run(RunArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Guest kernel: an ELF vmlinux (PVH entry if it has the note) or a bzImage.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// Initial ramdisk loaded high in guest RAM.
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    /// Kernel command line (at most 2047 bytes).
+    #[arg(long, default_value = "console=ttyS0 reboot=k panic=1")]
+    cmdline: String,
+    /// Number of vCPUs (1 up to what KVM allows, at most 254).
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Guest memory in MiB (8 to 1048576).
+    #[arg(long, default_value_t = 128)]
+    memory: u64,
+    /// Write the console to this file instead of stdout.
+    #[arg(long)]
+    console_log: Option<PathBuf>,
+    /// Do not feed stdin to the guest's console.
+    #[arg(long)]
+    no_console_input: bool,
+    /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
+    #[arg(long, hide = true)]
+    boot_timer: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(args) => run(args),
+    }
+}
+
+fn run(args: RunArgs) -> ExitCode {
+    let mut config = VmConfig::new(args.kernel);
+    config.initrd = args.initrd;
+    config.cmdline = args.cmdline;
+    config.vcpus = args.vcpus;
+    config.memory_mib = args.memory;
+    config.boot_timer = args.boot_timer;
+    config.serial.output = match args.console_log {
+        Some(p) => SerialOutput::File(p),
+        None => SerialOutput::Stdout,
+    };
+    config.serial.input = if args.no_console_input { SerialInput::None } else { SerialInput::Stdin };
+
+    let vm = match Vm::build(&config) {
+        Ok(vm) => vm,
+        Err(e) => {
+            eprintln!("virt-launcher: {e}");
+            return ExitCode::from(if e.is_config_error() { EXIT_BAD_CONFIG } else { EXIT_HOST_ERROR });
+        }
+    };
+    let end = vm.wait();
+    eprintln!("virt-launcher: {end}");
+    ExitCode::from(end.exit_code() as u8)
+}

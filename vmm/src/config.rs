@@ -1,0 +1,230 @@
+//! The one plain configuration a VM is built from. Every front end (the launcher's flags, its
+//! control socket, a VirtualMachine manifest) produces a `VmConfig`; `VmConfig::validate` is the
+//! single place that judges it, so every front end reports the same errors.
+
+use std::fmt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use crate::layout::CMDLINE_MAX_SIZE;
+
+/// Upper bound on vCPUs regardless of what KVM allows: the MP table and xAPIC IDs are 8-bit and
+/// 0xff is the broadcast ID.
+pub const MAX_VCPUS: u8 = 254;
+pub const MIN_MEMORY_MIB: u64 = 8;
+/// 1 TiB: beyond that the identity map and memory slots need more than this VMM sets up.
+pub const MAX_MEMORY_MIB: u64 = 1 << 20;
+
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub serial: SerialConfig,
+    /// Print `microvirt boot-timer: first KVM_RUN unix_ns=<n>` on stderr when vCPU 0 first
+    /// enters the guest, for start-up benchmarks.
+    pub boot_timer: bool,
+}
+
+impl VmConfig {
+    /// A config with defaults a user of Firecracker would expect: 1 vCPU, 128 MiB, serial on stdout.
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        VmConfig {
+            vcpus: 1,
+            memory_mib: 128,
+            kernel: kernel.into(),
+            initrd: None,
+            cmdline: String::from("console=ttyS0 reboot=k panic=1"),
+            serial: SerialConfig::default(),
+            boot_timer: false,
+        }
+    }
+}
+
+/// Where the guest's COM1 output goes.
+#[derive(Clone, Default)]
+pub enum SerialOutput {
+    #[default]
+    Stdout,
+    File(PathBuf),
+    /// Connect to a unix stream socket and write the console there.
+    UnixSocket(PathBuf),
+    /// Any writer the embedder provides (tests, the launcher's console fan-out).
+    Writer(Arc<Mutex<dyn Write + Send>>),
+    /// Discard output.
+    Null,
+}
+
+impl fmt::Debug for SerialOutput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SerialOutput::Stdout => write!(f, "Stdout"),
+            SerialOutput::File(p) => write!(f, "File({})", p.display()),
+            SerialOutput::UnixSocket(p) => write!(f, "UnixSocket({})", p.display()),
+            SerialOutput::Writer(_) => write!(f, "Writer"),
+            SerialOutput::Null => write!(f, "Null"),
+        }
+    }
+}
+
+/// Where the guest's COM1 input comes from.
+#[derive(Clone, Debug, Default)]
+pub enum SerialInput {
+    #[default]
+    None,
+    Stdin,
+    /// Connect to a unix stream socket and feed what it sends to the guest.
+    UnixSocket(PathBuf),
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct SerialConfig {
+    pub output: SerialOutput,
+    pub input: SerialInput,
+}
+
+/// A rejected configuration: which option, what was given, what is accepted.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("--vcpus {given}: must be between 1 and {max}")]
+    Vcpus { given: u64, max: u64 },
+    #[error("--memory {given}: must be between {min} and {max} MiB")]
+    Memory { given: u64, min: u64, max: u64 },
+    #[error("--kernel {path}: {reason}")]
+    Kernel { path: String, reason: String },
+    #[error("--initrd {path}: {reason}")]
+    Initrd { path: String, reason: String },
+    #[error("--cmdline: {len} bytes is too long, at most {max} bytes are accepted")]
+    CmdlineTooLong { len: usize, max: usize },
+    #[error("--cmdline: {0}")]
+    Cmdline(String),
+    #[error("--memory {memory_mib}: {what} needs {needed_mib} MiB of guest RAM; give at least that")]
+    MemoryTooSmall { memory_mib: u64, what: String, needed_mib: u64 },
+}
+
+impl VmConfig {
+    /// Checks everything that can be checked without KVM. `max_vcpus` is KVM's limit when known.
+    pub fn validate(&self, kvm_max_vcpus: Option<usize>) -> Result<(), ConfigError> {
+        let max_vcpus = kvm_max_vcpus.map_or(MAX_VCPUS as u64, |m| (m as u64).min(MAX_VCPUS as u64));
+        if self.vcpus == 0 || self.vcpus as u64 > max_vcpus {
+            return Err(ConfigError::Vcpus { given: self.vcpus as u64, max: max_vcpus });
+        }
+        if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&self.memory_mib) {
+            return Err(ConfigError::Memory {
+                given: self.memory_mib,
+                min: MIN_MEMORY_MIB,
+                max: MAX_MEMORY_MIB,
+            });
+        }
+        // The NUL terminator also needs room.
+        if self.cmdline.len() >= CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong {
+                len: self.cmdline.len(),
+                max: CMDLINE_MAX_SIZE - 1,
+            });
+        }
+        if let Some(bad) = self.cmdline.chars().find(|c| !c.is_ascii() || (c.is_ascii_control() && *c != ' ')) {
+            return Err(ConfigError::Cmdline(format!(
+                "character {bad:?} is not accepted; only printable ASCII is"
+            )));
+        }
+        check_readable_file(&self.kernel).map_err(|reason| ConfigError::Kernel {
+            path: self.kernel.display().to_string(),
+            reason,
+        })?;
+        if let Some(initrd) = &self.initrd {
+            check_readable_file(initrd).map_err(|reason| ConfigError::Initrd {
+                path: initrd.display().to_string(),
+                reason,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn check_readable_file(path: &std::path::Path) -> Result<(), String> {
+    let meta = std::fs::metadata(path).map_err(io_reason)?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    std::fs::File::open(path).map_err(io_reason)?;
+    Ok(())
+}
+
+fn io_reason(e: std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => "no such file".into(),
+        std::io::ErrorKind::PermissionDenied => "permission denied (not readable)".into(),
+        _ => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Any readable regular file stands in for a kernel here; the loader judges its format.
+    fn exe() -> VmConfig {
+        VmConfig::new(std::env::current_exe().unwrap())
+    }
+
+    #[test]
+    fn accepts_defaults() {
+        exe().validate(Some(32)).unwrap();
+    }
+
+    #[test]
+    fn rejects_zero_and_too_many_vcpus() {
+        let mut c = exe();
+        c.vcpus = 0;
+        assert_eq!(c.validate(Some(4)), Err(ConfigError::Vcpus { given: 0, max: 4 }));
+        c.vcpus = 5;
+        let e = c.validate(Some(4)).unwrap_err();
+        assert_eq!(e.to_string(), "--vcpus 5: must be between 1 and 4");
+        c.vcpus = 255;
+        assert_eq!(c.validate(None), Err(ConfigError::Vcpus { given: 255, max: 254 }));
+    }
+
+    #[test]
+    fn rejects_memory_out_of_range() {
+        let mut c = exe();
+        c.memory_mib = 4;
+        assert!(c.validate(None).unwrap_err().to_string().starts_with("--memory 4: must be between 8 and"));
+        c.memory_mib = MAX_MEMORY_MIB + 1;
+        assert!(matches!(c.validate(None), Err(ConfigError::Memory { .. })));
+    }
+
+    #[test]
+    fn rejects_long_cmdline() {
+        let mut c = exe();
+        c.cmdline = "a".repeat(CMDLINE_MAX_SIZE);
+        assert_eq!(
+            c.validate(None).unwrap_err().to_string(),
+            "--cmdline: 2048 bytes is too long, at most 2047 bytes are accepted"
+        );
+        c.cmdline = "a".repeat(CMDLINE_MAX_SIZE - 1);
+        c.validate(None).unwrap();
+    }
+
+    #[test]
+    fn rejects_control_characters_in_cmdline() {
+        let mut c = exe();
+        c.cmdline = "console=ttyS0\nfoo".into();
+        assert!(matches!(c.validate(None), Err(ConfigError::Cmdline(_))));
+    }
+
+    #[test]
+    fn rejects_missing_kernel_and_directories() {
+        let mut c = exe();
+        c.kernel = "/nonexistent/vmlinux".into();
+        assert_eq!(c.validate(None).unwrap_err().to_string(), "--kernel /nonexistent/vmlinux: no such file");
+        c.kernel = "/tmp".into();
+        assert_eq!(c.validate(None).unwrap_err().to_string(), "--kernel /tmp: not a regular file");
+        let mut c = exe();
+        c.initrd = Some("/nonexistent/initrd".into());
+        assert_eq!(c.validate(None).unwrap_err().to_string(), "--initrd /nonexistent/initrd: no such file");
+    }
+}

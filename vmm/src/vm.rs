@@ -1,0 +1,417 @@
+//! The builder that turns a `VmConfig` into a running VM, and the handle to control it.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::SystemTime;
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::VmFd;
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::boot::{self, BootSpec};
+use crate::bus::Bus;
+use crate::config::{ConfigError, SerialInput, VmConfig};
+use crate::devices::i8042::I8042;
+use crate::devices::power::PowerPort;
+use crate::devices::serial::{open_output, SerialDevice, SerialInputHandler};
+use crate::devices::EventFdTrigger;
+use crate::kvm::{KvmAcceleration, KvmContext, KvmError};
+use crate::layout::*;
+use crate::vcpu::{self, RunState, Vcpu, VcpuContext, VcpuControl};
+
+/// Guest RAM. The dirty bitmap tracks writes the VMM itself makes (device DMA), which KVM's
+/// dirty log cannot see; migration ORs both.
+pub type GuestMemory = vm_memory::GuestMemoryMmap<AtomicBitmap>;
+
+/// How a VM ended. Always a value: a guest can never make the VMM hang or panic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmEnd {
+    /// The guest powered off (shutdown port or KVM system event).
+    PoweredOff,
+    /// The guest asked for a reset (i8042 0xFE, shutdown port or KVM system event).
+    Reset,
+    /// A vCPU triple-faulted (KVM_EXIT_SHUTDOWN).
+    TripleFault { vcpu: u8 },
+    /// KVM could not emulate something; `insn` holds the bytes at `rip` when readable.
+    InternalError { vcpu: u8, suberror: u32, rip: u64, insn: Vec<u8> },
+    /// KVM could not enter the guest.
+    EntryFailure { vcpu: u8, reason: u64, cpu: u32 },
+    /// A vCPU halted with interrupts it can never receive.
+    Halted { vcpu: u8 },
+    /// The host stopped the VM.
+    Stopped,
+    /// The VMM hit an error running a vCPU.
+    VcpuError { vcpu: u8, message: String },
+}
+
+impl fmt::Display for VmEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VmEnd::PoweredOff => write!(f, "guest powered off"),
+            VmEnd::Reset => write!(f, "guest requested a reset"),
+            VmEnd::TripleFault { vcpu } => write!(f, "vCPU {vcpu} triple-faulted"),
+            VmEnd::InternalError { vcpu, suberror, rip, insn } => {
+                write!(f, "KVM internal error on vCPU {vcpu} (suberror {suberror}")?;
+                if *suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
+                    write!(f, ": emulation failure")?;
+                }
+                write!(f, ") at rip {rip:#x}, instruction bytes [")?;
+                for (i, b) in insn.iter().enumerate() {
+                    write!(f, "{}{b:02x}", if i > 0 { " " } else { "" })?;
+                }
+                write!(f, "]")
+            }
+            VmEnd::EntryFailure { vcpu, reason, cpu } => {
+                write!(f, "KVM failed to enter vCPU {vcpu} on host CPU {cpu} (hardware reason {reason:#x})")
+            }
+            VmEnd::Halted { vcpu } => write!(f, "vCPU {vcpu} halted for good"),
+            VmEnd::Stopped => write!(f, "stopped by the host"),
+            VmEnd::VcpuError { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
+        }
+    }
+}
+
+impl VmEnd {
+    /// The launcher's exit status for this end (documented in the README).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            VmEnd::PoweredOff | VmEnd::Stopped => 0,
+            VmEnd::Reset => 10,
+            VmEnd::TripleFault { .. } => 11,
+            VmEnd::InternalError { .. } => 12,
+            VmEnd::EntryFailure { .. } | VmEnd::VcpuError { .. } => 13,
+            VmEnd::Halted { .. } => 14,
+        }
+    }
+}
+
+/// The first end reported wins; later ones (other vCPUs winding down) are ignored.
+#[derive(Clone, Default)]
+pub struct VmEndSignal(Arc<(Mutex<Option<VmEnd>>, Condvar)>);
+
+impl VmEndSignal {
+    pub fn signal(&self, end: VmEnd) {
+        let mut g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            tracing::info!(%end, "VM ended");
+            *g = Some(end);
+            self.0 .1.notify_all();
+        }
+    }
+
+    pub fn get(&self) -> Option<VmEnd> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn wait(&self) -> VmEnd {
+        let mut g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(e) = g.as_ref() {
+                return e.clone();
+            }
+            g = self.0 .1.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    pub fn wait_timeout(&self, t: std::time::Duration) -> Option<VmEnd> {
+        let g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self.0 .1.wait_timeout_while(g, t, |e| e.is_none()).unwrap_or_else(|p| p.into_inner());
+        g.clone()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    #[error("KVM: {0}")]
+    KvmSetup(String),
+    #[error("guest memory: {0}")]
+    Memory(String),
+    #[error(transparent)]
+    Boot(#[from] boot::BootError),
+    #[error("vCPU setup: {0}")]
+    Vcpu(String),
+    #[error("devices: {0}")]
+    Device(String),
+}
+
+impl VmError {
+    /// True for errors in what the user asked for (exit code 2), as opposed to host failures.
+    pub fn is_config_error(&self) -> bool {
+        matches!(self, VmError::Config(_))
+    }
+}
+
+/// Facts about the running VM for front ends.
+#[derive(Clone, Debug)]
+pub struct VmInfo {
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    pub acceleration: KvmAcceleration,
+}
+
+pub struct Vm {
+    pub info: VmInfo,
+    vm_fd: Arc<VmFd>,
+    memory: GuestMemory,
+    control: Arc<VcpuControl>,
+    end: VmEndSignal,
+    vcpu_threads: Vec<JoinHandle<()>>,
+    event_thread: Option<JoinHandle<()>>,
+    event_stop: EventFd,
+    first_run: Arc<OnceLock<SystemTime>>,
+}
+
+/// Watches the reset and stop eventfds on the event-manager thread.
+struct Lifecycle {
+    reset: EventFd,
+    stop: EventFd,
+    end: VmEndSignal,
+    stopping: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl MutEventSubscriber for Lifecycle {
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [&self.reset, &self.stop] {
+            if let Err(e) = ops.add(Events::new(fd, EventSet::IN)) {
+                tracing::error!("event loop: {e:?}");
+            }
+        }
+    }
+
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        use std::os::fd::AsRawFd;
+        if events.fd() == self.reset.as_raw_fd() {
+            let _ = self.reset.read();
+            self.end.signal(VmEnd::Reset);
+        } else if events.fd() == self.stop.as_raw_fd() {
+            let _ = self.stop.read();
+            self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+fn kvm_err(what: &str) -> impl Fn(kvm_ioctls::Error) -> VmError + '_ {
+    move |e| VmError::KvmSetup(format!("{what}: {e}"))
+}
+
+impl Vm {
+    /// Validates `config`, builds the VM and starts its vCPUs.
+    pub fn build(config: &VmConfig) -> Result<Vm, VmError> {
+        let kvm = KvmContext::open()?;
+        config.validate(Some(kvm.max_vcpus))?;
+        boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
+        let mem_size = config.memory_mib * MIB;
+
+        let vm_fd = kvm.kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        vm_fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+        vm_fd
+            .set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+            .map_err(kvm_err("KVM_SET_IDENTITY_MAP_ADDR"))?;
+        vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+
+        let memory = GuestMemory::from_ranges(&ram_regions(mem_size)).map_err(|e| VmError::Memory(e.to_string()))?;
+        for (slot, region) in memory.iter().enumerate() {
+            let host = region
+                .get_host_address(vm_memory::MemoryRegionAddress(0))
+                .map_err(|e| VmError::Memory(e.to_string()))?;
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: host as u64,
+            };
+            // SAFETY: the mapping lives in `memory`, which outlives the VM fd's use of it (the
+            // Vm owns both and joins the vCPU threads before dropping memory).
+            unsafe { vm_fd.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+
+        let boot = boot::load(
+            &memory,
+            &BootSpec {
+                mem_size,
+                vcpus: config.vcpus,
+                kernel: &config.kernel,
+                initrd: config.initrd.as_deref(),
+                cmdline: &config.cmdline,
+            },
+        )?;
+
+        let end = VmEndSignal::default();
+        let dev_err = |what: &'static str| move |e: std::io::Error| VmError::Device(format!("{what}: {e}"));
+        let mut pio = Bus::new();
+        let mmio = Bus::new();
+
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        vm_fd.register_irqfd(&serial_irq, SERIAL_COM1_IRQ).map_err(kvm_err("KVM_IRQFD serial"))?;
+        let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        let out = open_output(&config.serial.output).map_err(dev_err("serial output"))?;
+        let serial = Arc::new(Mutex::new(SerialDevice::new(
+            EventFdTrigger(serial_irq),
+            drained.try_clone().map_err(dev_err("eventfd"))?,
+            out,
+        )));
+        pio.insert(SERIAL_COM1_PORT as u64, 8, serial.clone()).map_err(|e| VmError::Device(e.to_string()))?;
+
+        let reset = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        let i8042 = Arc::new(Mutex::new(I8042::new(EventFdTrigger(reset.try_clone().map_err(dev_err("eventfd"))?))));
+        pio.insert(I8042_PORT as u64, 5, i8042).map_err(|e| VmError::Device(e.to_string()))?;
+        pio.insert(POWER_PORT as u64, 1, Arc::new(Mutex::new(PowerPort::new(end.clone()))))
+            .map_err(|e| VmError::Device(e.to_string()))?;
+
+        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+            EventManager::new().map_err(|e| VmError::Device(format!("event manager: {e:?}")))?;
+        let event_stop = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        em.add_subscriber(Arc::new(Mutex::new(Lifecycle {
+            reset,
+            stop: event_stop.try_clone().map_err(dev_err("eventfd"))?,
+            end: end.clone(),
+            stopping: stopping.clone(),
+        })));
+        let input: Option<Box<dyn crate::devices::serial::InputSource>> = match &config.serial.input {
+            SerialInput::None => None,
+            SerialInput::Stdin => Some(Box::new(std::io::stdin())),
+            SerialInput::UnixSocket(p) => {
+                Some(Box::new(std::os::unix::net::UnixStream::connect(p).map_err(dev_err("serial input socket"))?))
+            }
+        };
+        if let Some(input) = input {
+            em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(serial, input, drained))));
+        }
+
+        let mut vcpus = Vec::with_capacity(config.vcpus as usize);
+        for id in 0..config.vcpus {
+            let v = Vcpu::new(&vm_fd, id).map_err(|e| VmError::Vcpu(format!("KVM_CREATE_VCPU {id}: {e}")))?;
+            v.configure(&kvm.kvm, config.vcpus, &boot).map_err(|e| VmError::Vcpu(format!("vCPU {id}: {e}")))?;
+            vcpus.push(v);
+        }
+        vcpu::register_kick_handler().map_err(VmError::Vcpu)?;
+
+        let event_thread = std::thread::Builder::new()
+            .name("vmm-events".into())
+            .spawn(move || {
+                while !stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                    if let Err(e) = em.run() {
+                        tracing::error!("event loop: {e:?}");
+                        break;
+                    }
+                }
+            })
+            .map_err(dev_err("event thread"))?;
+
+        let control = VcpuControl::new();
+        let first_run = Arc::new(OnceLock::new());
+        let pio = Arc::new(pio);
+        let mmio = Arc::new(mmio);
+        let mut vcpu_threads = Vec::new();
+        for v in vcpus {
+            let ctx = VcpuContext {
+                pio: pio.clone(),
+                mmio: mmio.clone(),
+                memory: memory.clone(),
+                control: control.clone(),
+                end: end.clone(),
+                first_run: first_run.clone(),
+                boot_timer: config.boot_timer,
+            };
+            vcpu_threads.push(vcpu::spawn(v, ctx).map_err(|e| VmError::Vcpu(format!("thread: {e}")))?);
+        }
+
+        Ok(Vm {
+            info: VmInfo { vcpus: config.vcpus, memory_mib: config.memory_mib, acceleration: kvm.acceleration },
+            vm_fd: Arc::new(vm_fd),
+            memory,
+            control,
+            end,
+            vcpu_threads,
+            event_thread: Some(event_thread),
+            event_stop,
+            first_run,
+        })
+    }
+
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    pub fn vm_fd(&self) -> &Arc<VmFd> {
+        &self.vm_fd
+    }
+
+    /// When the first vCPU first entered KVM_RUN.
+    pub fn first_run(&self) -> Option<SystemTime> {
+        self.first_run.get().copied()
+    }
+
+    pub fn end_signal(&self) -> VmEndSignal {
+        self.end.clone()
+    }
+
+    /// Stops every vCPU outside guest mode; returns once all are parked.
+    pub fn pause(&self) {
+        self.control.set(RunState::Paused);
+        for t in &self.vcpu_threads {
+            vcpu::kick(t);
+        }
+        self.control.wait_parked(self.live_vcpus());
+    }
+
+    pub fn resume(&self) {
+        self.control.set(RunState::Running);
+    }
+
+    pub fn state(&self) -> RunState {
+        self.control.state()
+    }
+
+    fn live_vcpus(&self) -> usize {
+        self.vcpu_threads.iter().filter(|t| !t.is_finished()).count()
+    }
+
+    /// Ends the VM from the host side.
+    pub fn stop(&self) {
+        self.end.signal(VmEnd::Stopped);
+    }
+
+    /// Blocks until the VM ends, then tears down its threads and returns how it ended.
+    pub fn wait(mut self) -> VmEnd {
+        let end = self.end.wait();
+        self.shutdown();
+        end
+    }
+
+    fn shutdown(&mut self) {
+        self.control.set(RunState::Stopping);
+        for t in &self.vcpu_threads {
+            vcpu::kick(t);
+        }
+        for t in self.vcpu_threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = self.event_stop.write(1);
+        if let Some(t) = self.event_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if !self.vcpu_threads.is_empty() || self.event_thread.is_some() {
+            self.end.signal(VmEnd::Stopped);
+            self.shutdown();
+        }
+    }
+}
