@@ -17,6 +17,11 @@ pub unsafe fn inb(port: u16) -> u8 {
     v
 }
 
+/// A received byte, if the UART has one (LSR bit 0).
+pub fn serial_read() -> Option<u8> {
+    unsafe { (inb(COM1 + 5) & 1 != 0).then(|| inb(COM1)) }
+}
+
 pub struct Serial;
 
 impl core::fmt::Write for Serial {

@@ -151,6 +151,7 @@ pub extern "C" fn probe_main(zero_page: *const u8) -> ! {
             result(n == 8, format_args!("popcnt executed natively, result={n}"))
         }
         "reset" => hw::i8042_reset(),
+        "console" => console_test(),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }
@@ -204,6 +205,31 @@ fn memory_test(boot: &BootInfo) -> ! {
         result(false, format_args!("mismatches={bad} first={first_bad:#x} writes={writes}"));
     }
     result(true, format_args!("writes={writes} above_4g={above_4g} top={top:#x}"))
+}
+
+/// Prints `tick N` lines while waiting for console input, echoes what arrives, and finishes
+/// when a line ends: exercises serial input and gives the host a guest that runs until told.
+fn console_test() -> ! {
+    let mut line = [0u8; 64];
+    let mut len = 0;
+    let mut tick = 0u64;
+    loop {
+        for _ in 0..20_000 {
+            if let Some(b) = hw::serial_read() {
+                if b == b'\n' || b == b'\r' {
+                    let s = core::str::from_utf8(&line[..len]).unwrap_or("?");
+                    result(true, format_args!("received={s} ticks={tick}"));
+                }
+                if len < line.len() {
+                    line[len] = b;
+                    len += 1;
+                }
+                let _ = write!(Serial, "echo {}\n", b as char);
+            }
+        }
+        tick += 1;
+        let _ = writeln!(Serial, "tick {tick}");
+    }
 }
 
 #[panic_handler]
