@@ -40,7 +40,7 @@ struct RunArgs {
     cmdline: String,
     /// Number of vCPUs (1 up to what KVM allows, at most 254).
     #[arg(long, default_value_t = 1)]
-    vcpus: u8,
+    vcpus: u64,
     /// Guest memory in MiB (8 to 1048576).
     #[arg(long, default_value_t = 128)]
     memory: u64,
@@ -69,23 +69,39 @@ fn main() -> ExitCode {
 }
 
 fn run(args: RunArgs) -> ExitCode {
+    let Ok(vcpus) = u8::try_from(args.vcpus) else {
+        let e = vmm::ConfigError::Vcpus {
+            given: args.vcpus,
+            max: vmm::config::MAX_VCPUS as u64,
+        };
+        eprintln!("virt-launcher: {e}");
+        return ExitCode::from(EXIT_BAD_CONFIG);
+    };
     let mut config = VmConfig::new(args.kernel);
     config.initrd = args.initrd;
     config.cmdline = args.cmdline;
-    config.vcpus = args.vcpus;
+    config.vcpus = vcpus;
     config.memory_mib = args.memory;
     config.boot_timer = args.boot_timer;
     config.serial.output = match args.console_log {
         Some(p) => SerialOutput::File(p),
         None => SerialOutput::Stdout,
     };
-    config.serial.input = if args.no_console_input { SerialInput::None } else { SerialInput::Stdin };
+    config.serial.input = if args.no_console_input {
+        SerialInput::None
+    } else {
+        SerialInput::Stdin
+    };
 
     let vm = match Vm::build(&config) {
         Ok(vm) => vm,
         Err(e) => {
             eprintln!("virt-launcher: {e}");
-            return ExitCode::from(if e.is_config_error() { EXIT_BAD_CONFIG } else { EXIT_HOST_ERROR });
+            return ExitCode::from(if e.is_config_error() {
+                EXIT_BAD_CONFIG
+            } else {
+                EXIT_HOST_ERROR
+            });
         }
     };
     let end = vm.wait();

@@ -10,12 +10,19 @@ use std::time::{Duration, Instant};
 use vmm::{SerialInput, SerialOutput, Vm, VmConfig, VmEnd};
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// Tests that need KVM fail loudly without it; they never pass by skipping.
 pub fn require_kvm() {
-    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         panic!("this test needs /dev/kvm and cannot open it: {e}");
     }
 }
@@ -32,13 +39,18 @@ pub fn build_guest_image(args: &[&str]) -> Vec<PathBuf> {
         String::from_utf8_lossy(&out.stderr)
     );
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let last = stdout.lines().last().expect("guest-images/build printed nothing");
+    let last = stdout
+        .lines()
+        .last()
+        .expect("guest-images/build printed nothing");
     last.split_whitespace().map(PathBuf::from).collect()
 }
 
 pub fn probe_path() -> PathBuf {
     static PROBE: OnceLock<PathBuf> = OnceLock::new();
-    PROBE.get_or_init(|| build_guest_image(&["probe"]).remove(0)).clone()
+    PROBE
+        .get_or_init(|| build_guest_image(&["probe"]).remove(0))
+        .clone()
 }
 
 /// A console sink shared with the test.
@@ -81,7 +93,9 @@ pub struct ProbeResult {
 
 impl ProbeResult {
     pub fn parse(console: &str) -> Option<ProbeResult> {
-        let line = console.lines().find_map(|l| l.strip_prefix("PROBE RESULT "))?;
+        let line = console
+            .lines()
+            .find_map(|l| l.strip_prefix("PROBE RESULT "))?;
         let mut it = line.splitn(3, ' ');
         let test = it.next()?.to_string();
         let ok = match it.next()? {
@@ -89,12 +103,18 @@ impl ProbeResult {
             "FAIL" => false,
             _ => return None,
         };
-        Some(ProbeResult { test, ok, details: it.next().unwrap_or("").trim_end().to_string() })
+        Some(ProbeResult {
+            test,
+            ok,
+            details: it.next().unwrap_or("").trim_end().to_string(),
+        })
     }
 
     /// The value of `key=value` in the details.
     pub fn field(&self, key: &str) -> Option<&str> {
-        self.details.split(' ').find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+        self.details
+            .split(' ')
+            .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
     }
 }
 
@@ -128,11 +148,18 @@ pub fn run_to_end(vm: Vm, console: &Console, timeout: Duration) -> ProbeRun {
     if ended.is_none() {
         vm.stop();
         let _ = vm.wait();
-        panic!("VM still running after {timeout:?}; console:\n{}", console.text());
+        panic!(
+            "VM still running after {timeout:?}; console:\n{}",
+            console.text()
+        );
     }
     let end = vm.wait();
     let text = console.text();
-    ProbeRun { result: ProbeResult::parse(&text), console: text, end }
+    ProbeRun {
+        result: ProbeResult::parse(&text),
+        console: text,
+        end,
+    }
 }
 
 #[cfg(test)]
@@ -145,7 +172,11 @@ mod tests {
         assert_eq!((r.test.as_str(), r.ok), ("smp", true));
         assert_eq!(r.field("cpus"), Some("2"));
         assert_eq!(r.field("nope"), None);
-        assert!(!ProbeResult::parse("PROBE RESULT boot FAIL e820: empty").unwrap().ok);
+        assert!(
+            !ProbeResult::parse("PROBE RESULT boot FAIL e820: empty")
+                .unwrap()
+                .ok
+        );
         assert_eq!(ProbeResult::parse("PROBE RESULT boot MAYBE"), None);
         assert_eq!(ProbeResult::parse("no result"), None);
     }

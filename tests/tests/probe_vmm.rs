@@ -9,9 +9,18 @@ use vmm::{Vm, VmEnd};
 const T: Duration = Duration::from_secs(60);
 
 fn expect_ok(run: &ProbeRun, test: &str) -> ProbeResult {
-    let r = run.result.clone().unwrap_or_else(|| panic!("no result line; end={:?}; console:\n{}", run.end, run.console));
+    let r = run.result.clone().unwrap_or_else(|| {
+        panic!(
+            "no result line; end={:?}; console:\n{}",
+            run.end, run.console
+        )
+    });
     assert_eq!(r.test, test);
-    assert!(r.ok, "probe reported failure: {}\n{}", r.details, run.console);
+    assert!(
+        r.ok,
+        "probe reported failure: {}\n{}",
+        r.details, run.console
+    );
     assert_eq!(run.end, VmEnd::PoweredOff, "console:\n{}", run.console);
     r
 }
@@ -25,9 +34,18 @@ fn expected_ram_kib(mib: u64) -> u64 {
 fn boot_reports_e820_matching_config() {
     for (vcpus, mib) in [(1, 64), (2, 256)] {
         let run = run_probe("boot", vcpus, mib, T);
-        assert!(run.console.starts_with("microvirt probe guest: hello"), "{}", run.console);
+        assert!(
+            run.console.starts_with("microvirt probe guest: hello"),
+            "{}",
+            run.console
+        );
         let r = expect_ok(&run, "boot");
-        assert_eq!(r.field("ram_kib"), Some(expected_ram_kib(mib).to_string().as_str()), "{}", run.console);
+        assert_eq!(
+            r.field("ram_kib"),
+            Some(expected_ram_kib(mib).to_string().as_str()),
+            "{}",
+            run.console
+        );
         assert_eq!(r.field("e820"), Some("3"));
         // The command line arrived intact.
         assert_eq!(r.field("cmdline_len"), Some("29"));
@@ -55,7 +73,10 @@ fn memory_above_the_mmio_gap() {
     let run = run_probe("boot", 1, mib, T);
     let r = expect_ok(&run, "boot");
     assert_eq!(r.field("e820"), Some("4"));
-    assert_eq!(r.field("ram_kib"), Some(expected_ram_kib(mib).to_string().as_str()));
+    assert_eq!(
+        r.field("ram_kib"),
+        Some(expected_ram_kib(mib).to_string().as_str())
+    );
 }
 
 #[test]
@@ -63,9 +84,17 @@ fn smp_every_vcpu_checks_in() {
     for vcpus in [1u8, 2, 4] {
         let run = run_probe("smp", vcpus, 128, T);
         let r = expect_ok(&run, "smp");
-        assert_eq!(r.field("cpus"), Some(vcpus.to_string().as_str()), "{}", run.console);
+        assert_eq!(
+            r.field("cpus"),
+            Some(vcpus.to_string().as_str()),
+            "{}",
+            run.console
+        );
         assert_eq!(r.field("mptable_cpus"), Some(vcpus.to_string().as_str()));
-        assert_eq!(r.field("apic_mask"), Some(format!("{:#x}", (1u64 << vcpus) - 1).as_str()));
+        assert_eq!(
+            r.field("apic_mask"),
+            Some(format!("{:#x}", (1u64 << vcpus) - 1).as_str())
+        );
     }
 }
 
@@ -84,7 +113,12 @@ fn unemulated_instruction_is_reported_with_its_bytes() {
     let kvm = vmm::KvmContext::open().unwrap();
     if kvm.acceleration.is_software_emulated() {
         match &run.end {
-            VmEnd::InternalError { vcpu: 0, suberror: 1, rip, insn } => {
+            VmEnd::InternalError {
+                vcpu: 0,
+                suberror: 1,
+                rip,
+                insn,
+            } => {
                 // popcnt r64, r/m64 = F3 REX.W 0F B8
                 assert_eq!(&insn[..4], &[0xf3, 0x48, 0x0f, 0xb8], "{:?}", run.end);
                 assert!(*rip >= 0x20_0000);
@@ -121,10 +155,19 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     assert_eq!(vm.state(), vmm::vcpu::RunState::Paused);
     let len = console.len();
     std::thread::sleep(Duration::from_millis(1500));
-    assert_eq!(console.len(), len, "guest ran while paused:\n{}", console.text());
+    assert_eq!(
+        console.len(),
+        len,
+        "guest ran while paused:\n{}",
+        console.text()
+    );
     vm.resume();
     let tick = format!("tick {}", console.text().matches("tick ").count() + 1);
-    assert!(console.wait_for(&tick, T), "guest did not continue after resume:\n{}", console.text());
+    assert!(
+        console.wait_for(&tick, T),
+        "guest did not continue after resume:\n{}",
+        console.text()
+    );
     use std::io::Write;
     input.write_all(b"hello\n").unwrap();
     let run = run_to_end(vm, &console, T);

@@ -10,7 +10,9 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{boot_params, setup_header};
-use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info};
+use linux_loader::loader::elf::start_info::{
+    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
+};
 use linux_loader::loader::elf::PvhBootCapability;
 use linux_loader::loader::{self, BzImage, Cmdline, Elf, KernelLoader};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
@@ -46,14 +48,23 @@ pub struct KernelExtent {
 /// Identifies the kernel format and how much memory it needs, so that a wrong file or a too
 /// small guest is a configuration error, not a loader failure halfway through.
 pub fn inspect_kernel(path: &Path) -> Result<KernelExtent, ConfigError> {
-    let err = |reason: String| ConfigError::Kernel { path: path.display().to_string(), reason };
+    let err = |reason: String| ConfigError::Kernel {
+        path: path.display().to_string(),
+        reason,
+    };
     let mut f = File::open(path).map_err(|e| err(e.to_string()))?;
     let mut head = vec![0u8; 0x280];
     let n = read_up_to(&mut f, &mut head).map_err(|e| err(e.to_string()))?;
     head.truncate(n);
     if head.starts_with(b"\x7fELF") {
-        if head.len() < 64 || head[4] != 2 || head[5] != 1 || u16::from_le_bytes([head[18], head[19]]) != 62 {
-            return Err(err("ELF file is not a little-endian ELF64 x86_64 image".into()));
+        if head.len() < 64
+            || head[4] != 2
+            || head[5] != 1
+            || u16::from_le_bytes([head[18], head[19]]) != 62
+        {
+            return Err(err(
+                "ELF file is not a little-endian ELF64 x86_64 image".into()
+            ));
         }
         let phoff = u64::from_le_bytes(head[32..40].try_into().unwrap());
         let phentsize = u16::from_le_bytes([head[54], head[55]]) as u64;
@@ -64,8 +75,10 @@ pub fn inspect_kernel(path: &Path) -> Result<KernelExtent, ConfigError> {
         let mut end = 0u64;
         for i in 0..phnum {
             let mut ph = [0u8; 56];
-            f.seek(SeekFrom::Start(phoff + i * phentsize)).map_err(|e| err(e.to_string()))?;
-            f.read_exact(&mut ph).map_err(|_| err("ELF program header table is truncated".into()))?;
+            f.seek(SeekFrom::Start(phoff + i * phentsize))
+                .map_err(|e| err(e.to_string()))?;
+            f.read_exact(&mut ph)
+                .map_err(|_| err("ELF program header table is truncated".into()))?;
             if u32::from_le_bytes(ph[0..4].try_into().unwrap()) != 1 {
                 continue; // not PT_LOAD
             }
@@ -74,21 +87,33 @@ pub fn inspect_kernel(path: &Path) -> Result<KernelExtent, ConfigError> {
             if paddr < HIMEM_START {
                 return Err(err(format!("ELF segment at {paddr:#x} is below 1 MiB; kernels load at or above {HIMEM_START:#x}")));
             }
-            end = end.max(paddr.checked_add(memsz).ok_or_else(|| err("ELF segment size overflows".into()))?);
+            end = end.max(
+                paddr
+                    .checked_add(memsz)
+                    .ok_or_else(|| err("ELF segment size overflows".into()))?,
+            );
         }
         if end == 0 {
             return Err(err("ELF file has no loadable segment".into()));
         }
-        return Ok(KernelExtent { format: KernelFormat::Elf, end });
+        return Ok(KernelExtent {
+            format: KernelFormat::Elf,
+            end,
+        });
     }
     if head.len() >= 0x264 && head[0x202..0x206] == *b"HdrS" {
         // init_size (boot protocol 2.10+) is the memory the kernel needs from its load address,
         // including its decompression buffer.
         let init_size = u32::from_le_bytes(head[0x260..0x264].try_into().unwrap()) as u64;
         let file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
-        return Ok(KernelExtent { format: KernelFormat::BzImage, end: HIMEM_START + init_size.max(file_len) });
+        return Ok(KernelExtent {
+            format: KernelFormat::BzImage,
+            end: HIMEM_START + init_size.max(file_len),
+        });
     }
-    Err(err("neither an ELF vmlinux nor a bzImage (no ELF magic, no \"HdrS\" header)".into()))
+    Err(err(
+        "neither an ELF vmlinux nor a bzImage (no ELF magic, no \"HdrS\" header)".into(),
+    ))
 }
 
 fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -108,26 +133,42 @@ fn mib_ceil(bytes: u64) -> u64 {
 
 /// Where the initrd goes: the highest page-aligned spot under both the low RAM end and the
 /// kernel's `initrd_addr_max`, above the kernel.
-pub fn initrd_address(mem_size: u64, kernel_end: u64, initrd_size: u64, addr_max: u64) -> Option<u64> {
+pub fn initrd_address(
+    mem_size: u64,
+    kernel_end: u64,
+    initrd_size: u64,
+    addr_max: u64,
+) -> Option<u64> {
     let top = low_ram_end(mem_size).min(addr_max.saturating_add(1));
     let start = top.checked_sub(initrd_size)? & !(PAGE_SIZE - 1);
     (start >= kernel_end.next_multiple_of(PAGE_SIZE)).then_some(start)
 }
 
 /// Checks kernel and initrd fit in the configured memory; returns the kernel's extent.
-pub fn check_fits(memory_mib: u64, kernel: &Path, initrd: Option<&Path>) -> Result<KernelExtent, ConfigError> {
+pub fn check_fits(
+    memory_mib: u64,
+    kernel: &Path,
+    initrd: Option<&Path>,
+) -> Result<KernelExtent, ConfigError> {
     let extent = inspect_kernel(kernel)?;
     let mem = memory_mib * MIB;
     let low = low_ram_end(mem);
     let initrd_size = match initrd {
         Some(p) => std::fs::metadata(p)
-            .map_err(|e| ConfigError::Initrd { path: p.display().to_string(), reason: e.to_string() })?
+            .map_err(|e| ConfigError::Initrd {
+                path: p.display().to_string(),
+                reason: e.to_string(),
+            })?
             .len(),
         None => 0,
     };
     let needed = extent.end.next_multiple_of(PAGE_SIZE) + initrd_size.next_multiple_of(PAGE_SIZE);
     if needed > low {
-        let what = if initrd.is_some() { "the kernel plus initrd" } else { "the kernel" };
+        let what = if initrd.is_some() {
+            "the kernel plus initrd"
+        } else {
+            "the kernel"
+        };
         return Err(ConfigError::MemoryTooSmall {
             memory_mib,
             what: what.into(),
@@ -190,12 +231,21 @@ pub fn load<M: GuestMemoryBackend>(mem: &M, spec: &BootSpec) -> Result<BootEntry
         }
     };
 
-    let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
-    cmdline.insert_str(spec.cmdline).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    let mut cmdline =
+        Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    cmdline
+        .insert_str(spec.cmdline)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
     loader::load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline)?;
 
     let initrd = match spec.initrd {
-        Some(p) => Some(load_initrd(mem, spec.mem_size, result.kernel_end, result.setup_header.as_ref(), p)?),
+        Some(p) => Some(load_initrd(
+            mem,
+            spec.mem_size,
+            result.kernel_end,
+            result.setup_header.as_ref(),
+            p,
+        )?),
         None => None,
     };
     crate::arch::mptable::write(mem, spec.vcpus)?;
@@ -214,7 +264,11 @@ pub fn load<M: GuestMemoryBackend>(mem: &M, spec: &BootSpec) -> Result<BootEntry
         }
     };
     tracing::debug!(?mode, entry = format_args!("{entry:#x}"), "kernel loaded");
-    Ok(BootEntry { entry, mode, boot_info })
+    Ok(BootEntry {
+        entry,
+        mode,
+        boot_info,
+    })
 }
 
 fn load_initrd<M: GuestMemoryBackend>(
@@ -226,13 +280,19 @@ fn load_initrd<M: GuestMemoryBackend>(
 ) -> Result<(u64, u64), BootError> {
     let pstr = path.display().to_string();
     let mut f = File::open(path).map_err(|e| BootError::Io(pstr.clone(), e))?;
-    let size = f.metadata().map_err(|e| BootError::Io(pstr.clone(), e))?.len();
+    let size = f
+        .metadata()
+        .map_err(|e| BootError::Io(pstr.clone(), e))?
+        .len();
     let addr_max = hdr
         .map(|h| h.initrd_addr_max as u64)
         .filter(|m| *m != 0)
         .unwrap_or(DEFAULT_INITRD_ADDR_MAX);
-    let addr = initrd_address(mem_size, kernel_end, size, addr_max)
-        .ok_or(BootError::InitrdTooLarge { size, limit: low_ram_end(mem_size).min(addr_max) })?;
+    let addr =
+        initrd_address(mem_size, kernel_end, size, addr_max).ok_or(BootError::InitrdTooLarge {
+            size,
+            limit: low_ram_end(mem_size).min(addr_max),
+        })?;
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
         .map_err(|e| BootError::BootParams(format!("copying initrd: {e}")))?;
     Ok((addr, size))
@@ -271,7 +331,8 @@ fn write_zero_page<M: GuestMemoryBackend>(
     }
     params.e820_entries = e820.len() as u8;
     let bp = BootParams::new::<boot_params>(&params, GuestAddress(ZERO_PAGE_START));
-    LinuxBootConfigurator::write_bootparams::<M>(&bp, mem).map_err(|e| BootError::BootParams(e.to_string()))
+    LinuxBootConfigurator::write_bootparams::<M>(&bp, mem)
+        .map_err(|e| BootError::BootParams(e.to_string()))
 }
 
 fn write_pvh_start_info<M: GuestMemoryBackend>(
@@ -280,7 +341,9 @@ fn write_pvh_start_info<M: GuestMemoryBackend>(
     e820: &[E820Entry],
 ) -> Result<(), BootError> {
     if e820.len() > PVH_MEMMAP_MAX_ENTRIES {
-        return Err(BootError::BootParams("too many memory map entries for PVH".into()));
+        return Err(BootError::BootParams(
+            "too many memory map entries for PVH".into(),
+        ));
     }
     let mut info = hvm_start_info {
         magic: XEN_HVM_START_MAGIC,
@@ -292,20 +355,30 @@ fn write_pvh_start_info<M: GuestMemoryBackend>(
     };
     let memmap: Vec<hvm_memmap_table_entry> = e820
         .iter()
-        .map(|e| hvm_memmap_table_entry { addr: e.addr, size: e.size, type_: e.kind as u32, reserved: 0 })
+        .map(|e| hvm_memmap_table_entry {
+            addr: e.addr,
+            size: e.size,
+            type_: e.kind as u32,
+            reserved: 0,
+        })
         .collect();
     let mut modules = Vec::new();
     if let Some((paddr, size)) = initrd {
         info.nr_modules = 1;
         info.modlist_paddr = PVH_MODLIST_START;
-        modules.push(hvm_modlist_entry { paddr, size, ..Default::default() });
+        modules.push(hvm_modlist_entry {
+            paddr,
+            size,
+            ..Default::default()
+        });
     }
     let mut bp = BootParams::new::<hvm_start_info>(&info, GuestAddress(PVH_INFO_START));
     bp.set_sections::<hvm_memmap_table_entry>(&memmap, GuestAddress(PVH_MEMMAP_START));
     if !modules.is_empty() {
         bp.set_modules::<hvm_modlist_entry>(&modules, GuestAddress(PVH_MODLIST_START));
     }
-    PvhBootConfigurator::write_bootparams::<M>(&bp, mem).map_err(|e| BootError::BootParams(e.to_string()))
+    PvhBootConfigurator::write_bootparams::<M>(&bp, mem)
+        .map_err(|e| BootError::BootParams(e.to_string()))
 }
 
 /// Reads `len` bytes of guest memory, for diagnostics; out-of-range parts are skipped.
@@ -356,12 +429,21 @@ mod tests {
     #[test]
     fn recognises_elf_and_rejects_garbage() {
         let p = tmpfile("elf", &elf(0x20_0000, 0x10_0000));
-        assert_eq!(inspect_kernel(&p).unwrap(), KernelExtent { format: KernelFormat::Elf, end: 0x30_0000 });
+        assert_eq!(
+            inspect_kernel(&p).unwrap(),
+            KernelExtent {
+                format: KernelFormat::Elf,
+                end: 0x30_0000
+            }
+        );
         let g = tmpfile("garbage", b"#!/bin/sh\necho not a kernel\n");
         let e = inspect_kernel(&g).unwrap_err().to_string();
         assert!(e.contains("neither an ELF vmlinux nor a bzImage"), "{e}");
         let low = tmpfile("low", &elf(0x1000, 0x1000));
-        assert!(inspect_kernel(&low).unwrap_err().to_string().contains("below 1 MiB"));
+        assert!(inspect_kernel(&low)
+            .unwrap_err()
+            .to_string()
+            .contains("below 1 MiB"));
         for p in [p, g, low] {
             std::fs::remove_file(p).unwrap();
         }
@@ -374,7 +456,13 @@ mod tests {
         b[0x260..0x264].copy_from_slice(&(32u32 << 20).to_le_bytes());
         let p = tmpfile("bz", &b);
         let x = inspect_kernel(&p).unwrap();
-        assert_eq!(x, KernelExtent { format: KernelFormat::BzImage, end: HIMEM_START + (32 << 20) });
+        assert_eq!(
+            x,
+            KernelExtent {
+                format: KernelFormat::BzImage,
+                end: HIMEM_START + (32 << 20)
+            }
+        );
         std::fs::remove_file(p).unwrap();
     }
 
@@ -382,10 +470,16 @@ mod tests {
     fn memory_too_small_names_what_is_needed() {
         let k = tmpfile("big", &elf(0x100_0000, 40 << 20)); // ends at 56 MiB
         let e = check_fits(32, &k, None).unwrap_err();
-        assert_eq!(e.to_string(), "--memory 32: the kernel needs 56 MiB of guest RAM; give at least that");
+        assert_eq!(
+            e.to_string(),
+            "--memory 32: the kernel needs 56 MiB of guest RAM; give at least that"
+        );
         check_fits(64, &k, None).unwrap();
         let i = tmpfile("initrd", &vec![0u8; 10 << 20]);
-        assert!(matches!(check_fits(64, &k, Some(&i)), Err(ConfigError::MemoryTooSmall { needed_mib: 66, .. })));
+        assert!(matches!(
+            check_fits(64, &k, Some(&i)),
+            Err(ConfigError::MemoryTooSmall { needed_mib: 66, .. })
+        ));
         for p in [k, i] {
             std::fs::remove_file(p).unwrap();
         }
@@ -400,6 +494,9 @@ mod tests {
         let a = initrd_address(8 * GIB, 0x200_0000, 1 << 20, DEFAULT_INITRD_ADDR_MAX).unwrap();
         assert!(a + (1 << 20) <= DEFAULT_INITRD_ADDR_MAX + 1);
         // Does not fit above the kernel.
-        assert_eq!(initrd_address(64 * MIB, 60 * MIB, 8 * MIB, DEFAULT_INITRD_ADDR_MAX), None);
+        assert_eq!(
+            initrd_address(64 * MIB, 60 * MIB, 8 * MIB, DEFAULT_INITRD_ADDR_MAX),
+            None
+        );
     }
 }

@@ -31,8 +31,16 @@ impl Bus {
         Self::default()
     }
 
-    pub fn insert(&mut self, base: u64, len: u64, device: Arc<Mutex<dyn BusDevice>>) -> Result<(), BusError> {
-        let end = base.checked_add(len).filter(|_| len > 0).ok_or(BusError::Overlap { base, len })?;
+    pub fn insert(
+        &mut self,
+        base: u64,
+        len: u64,
+        device: Arc<Mutex<dyn BusDevice>>,
+    ) -> Result<(), BusError> {
+        let end = base
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or(BusError::Overlap { base, len })?;
         if let Some((b, r)) = self.ranges.range(..end).next_back() {
             if b + r.len > base {
                 return Err(BusError::Overlap { base, len });
@@ -51,7 +59,10 @@ impl Bus {
     pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
         match self.find(addr) {
             Some((off, r)) => {
-                r.device.lock().unwrap_or_else(|p| p.into_inner()).read(off, data);
+                r.device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .read(off, data);
                 true
             }
             None => false,
@@ -61,7 +72,10 @@ impl Bus {
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
         match self.find(addr) {
             Some((off, r)) => {
-                r.device.lock().unwrap_or_else(|p| p.into_inner()).write(off, data);
+                r.device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .write(off, data);
                 true
             }
             None => false,

@@ -101,16 +101,26 @@ pub enum ConfigError {
     CmdlineTooLong { len: usize, max: usize },
     #[error("--cmdline: {0}")]
     Cmdline(String),
-    #[error("--memory {memory_mib}: {what} needs {needed_mib} MiB of guest RAM; give at least that")]
-    MemoryTooSmall { memory_mib: u64, what: String, needed_mib: u64 },
+    #[error(
+        "--memory {memory_mib}: {what} needs {needed_mib} MiB of guest RAM; give at least that"
+    )]
+    MemoryTooSmall {
+        memory_mib: u64,
+        what: String,
+        needed_mib: u64,
+    },
 }
 
 impl VmConfig {
     /// Checks everything that can be checked without KVM. `max_vcpus` is KVM's limit when known.
     pub fn validate(&self, kvm_max_vcpus: Option<usize>) -> Result<(), ConfigError> {
-        let max_vcpus = kvm_max_vcpus.map_or(MAX_VCPUS as u64, |m| (m as u64).min(MAX_VCPUS as u64));
+        let max_vcpus =
+            kvm_max_vcpus.map_or(MAX_VCPUS as u64, |m| (m as u64).min(MAX_VCPUS as u64));
         if self.vcpus == 0 || self.vcpus as u64 > max_vcpus {
-            return Err(ConfigError::Vcpus { given: self.vcpus as u64, max: max_vcpus });
+            return Err(ConfigError::Vcpus {
+                given: self.vcpus as u64,
+                max: max_vcpus,
+            });
         }
         if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&self.memory_mib) {
             return Err(ConfigError::Memory {
@@ -126,7 +136,11 @@ impl VmConfig {
                 max: CMDLINE_MAX_SIZE - 1,
             });
         }
-        if let Some(bad) = self.cmdline.chars().find(|c| !c.is_ascii() || (c.is_ascii_control() && *c != ' ')) {
+        if let Some(bad) = self
+            .cmdline
+            .chars()
+            .find(|c| !c.is_ascii() || (c.is_ascii_control() && *c != ' '))
+        {
             return Err(ConfigError::Cmdline(format!(
                 "character {bad:?} is not accepted; only printable ASCII is"
             )));
@@ -180,19 +194,32 @@ mod tests {
     fn rejects_zero_and_too_many_vcpus() {
         let mut c = exe();
         c.vcpus = 0;
-        assert_eq!(c.validate(Some(4)), Err(ConfigError::Vcpus { given: 0, max: 4 }));
+        assert_eq!(
+            c.validate(Some(4)),
+            Err(ConfigError::Vcpus { given: 0, max: 4 })
+        );
         c.vcpus = 5;
         let e = c.validate(Some(4)).unwrap_err();
         assert_eq!(e.to_string(), "--vcpus 5: must be between 1 and 4");
         c.vcpus = 255;
-        assert_eq!(c.validate(None), Err(ConfigError::Vcpus { given: 255, max: 254 }));
+        assert_eq!(
+            c.validate(None),
+            Err(ConfigError::Vcpus {
+                given: 255,
+                max: 254
+            })
+        );
     }
 
     #[test]
     fn rejects_memory_out_of_range() {
         let mut c = exe();
         c.memory_mib = 4;
-        assert!(c.validate(None).unwrap_err().to_string().starts_with("--memory 4: must be between 8 and"));
+        assert!(c
+            .validate(None)
+            .unwrap_err()
+            .to_string()
+            .starts_with("--memory 4: must be between 8 and"));
         c.memory_mib = MAX_MEMORY_MIB + 1;
         assert!(matches!(c.validate(None), Err(ConfigError::Memory { .. })));
     }
@@ -220,11 +247,20 @@ mod tests {
     fn rejects_missing_kernel_and_directories() {
         let mut c = exe();
         c.kernel = "/nonexistent/vmlinux".into();
-        assert_eq!(c.validate(None).unwrap_err().to_string(), "--kernel /nonexistent/vmlinux: no such file");
+        assert_eq!(
+            c.validate(None).unwrap_err().to_string(),
+            "--kernel /nonexistent/vmlinux: no such file"
+        );
         c.kernel = "/tmp".into();
-        assert_eq!(c.validate(None).unwrap_err().to_string(), "--kernel /tmp: not a regular file");
+        assert_eq!(
+            c.validate(None).unwrap_err().to_string(),
+            "--kernel /tmp: not a regular file"
+        );
         let mut c = exe();
         c.initrd = Some("/nonexistent/initrd".into());
-        assert_eq!(c.validate(None).unwrap_err().to_string(), "--initrd /nonexistent/initrd: no such file");
+        assert_eq!(
+            c.validate(None).unwrap_err().to_string(),
+            "--initrd /nonexistent/initrd: no such file"
+        );
     }
 }

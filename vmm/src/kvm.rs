@@ -85,7 +85,11 @@ impl KvmContext {
                 "KVM is software-emulated on this host (no vmx/svm): guests run ~1000x slower than on hardware KVM"
             );
         }
-        Ok(KvmContext { kvm, max_vcpus, acceleration })
+        Ok(KvmContext {
+            kvm,
+            max_vcpus,
+            acceleration,
+        })
     }
 }
 
@@ -114,9 +118,15 @@ mod tests {
     #[test]
     fn vmx_flag_means_hardware() {
         let info = "processor: 0\nflags\t\t: fpu vme vmx sse\n";
-        assert_eq!(detect_acceleration(info, Path::new("/nonexistent")), KvmAcceleration::Hardware);
+        assert_eq!(
+            detect_acceleration(info, Path::new("/nonexistent")),
+            KvmAcceleration::Hardware
+        );
         let info = "flags\t\t: fpu svm\n";
-        assert_eq!(detect_acceleration(info, Path::new("/nonexistent")), KvmAcceleration::Hardware);
+        assert_eq!(
+            detect_acceleration(info, Path::new("/nonexistent")),
+            KvmAcceleration::Hardware
+        );
     }
 
     #[test]
@@ -126,7 +136,9 @@ mod tests {
         std::fs::create_dir_all(dir.join("kvm_pvm")).unwrap();
         assert_eq!(
             detect_acceleration(info, &dir),
-            KvmAcceleration::SoftwareEmulated { backend: "kvm_pvm".into() }
+            KvmAcceleration::SoftwareEmulated {
+                backend: "kvm_pvm".into()
+            }
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

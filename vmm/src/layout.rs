@@ -71,7 +71,10 @@ pub fn ram_regions(mem_size: u64) -> Vec<(GuestAddress, usize)> {
     } else {
         vec![
             (GuestAddress(0), MMIO_GAP_START as usize),
-            (GuestAddress(MMIO_GAP_END), (mem_size - MMIO_GAP_START) as usize),
+            (
+                GuestAddress(MMIO_GAP_END),
+                (mem_size - MMIO_GAP_START) as usize,
+            ),
         ]
     }
 }
@@ -98,13 +101,25 @@ pub struct E820Entry {
 /// The e820 map the guest gets, for both the Linux zero page and the PVH memory map.
 pub fn e820_map(mem_size: u64) -> Vec<E820Entry> {
     let mut map = vec![
-        E820Entry { addr: 0, size: EBDA_START, kind: E820Kind::Ram },
+        E820Entry {
+            addr: 0,
+            size: EBDA_START,
+            kind: E820Kind::Ram,
+        },
         // EBDA with the MP table, the VGA hole and the BIOS area: never RAM.
-        E820Entry { addr: EBDA_START, size: HIMEM_START - EBDA_START, kind: E820Kind::Reserved },
+        E820Entry {
+            addr: EBDA_START,
+            size: HIMEM_START - EBDA_START,
+            kind: E820Kind::Reserved,
+        },
     ];
     let low_end = low_ram_end(mem_size);
     if low_end > HIMEM_START {
-        map.push(E820Entry { addr: HIMEM_START, size: low_end - HIMEM_START, kind: E820Kind::Ram });
+        map.push(E820Entry {
+            addr: HIMEM_START,
+            size: low_end - HIMEM_START,
+            kind: E820Kind::Ram,
+        });
     }
     if mem_size > MMIO_GAP_START {
         map.push(E820Entry {
@@ -115,6 +130,17 @@ pub fn e820_map(mem_size: u64) -> Vec<E820Entry> {
     }
     map
 }
+
+// The fixed boot structures must not overlap each other or the guest RAM regions; checked at
+// compile time.
+const _: () = {
+    assert!(PVH_MEMMAP_START + 24 * PVH_MEMMAP_MAX_ENTRIES as u64 <= ZERO_PAGE_START);
+    assert!(ZERO_PAGE_START + 4096 <= BOOT_STACK_POINTER && BOOT_STACK_POINTER <= PML4_START);
+    assert!(PDE_START + 4096 <= CMDLINE_START);
+    assert!(CMDLINE_START + CMDLINE_MAX_SIZE as u64 <= EBDA_START);
+    assert!(KVM_IDENTITY_MAP_ADDRESS >= MMIO_GAP_START && KVM_TSS_ADDRESS + 3 * 4096 <= MMIO_GAP_END);
+    assert!(VIRTIO_MMIO_START >= MMIO_GAP_START && VIRTIO_MMIO_START < IOAPIC_START);
+};
 
 #[cfg(test)]
 mod tests {
@@ -152,23 +178,23 @@ mod tests {
     fn e820_covers_all_ram_and_reserves_ebda() {
         for mem in [64 * MIB, 3 * GIB, 5 * GIB] {
             let map = e820_map(mem);
-            let ram: u64 = map.iter().filter(|e| e.kind == E820Kind::Ram).map(|e| e.size).sum();
+            let ram: u64 = map
+                .iter()
+                .filter(|e| e.kind == E820Kind::Ram)
+                .map(|e| e.size)
+                .sum();
             // Everything except the EBDA..1 MiB hole is reported as RAM.
             assert_eq!(ram, mem - (HIMEM_START - EBDA_START), "mem {mem}");
-            assert!(map.iter().any(|e| e.kind == E820Kind::Reserved && e.addr == EBDA_START));
+            assert!(map
+                .iter()
+                .any(|e| e.kind == E820Kind::Reserved && e.addr == EBDA_START));
             for e in &map {
                 let end = e.addr + e.size;
-                assert!(end <= MMIO_GAP_START || e.addr >= MMIO_GAP_END, "{e:?} overlaps gap");
+                assert!(
+                    end <= MMIO_GAP_START || e.addr >= MMIO_GAP_END,
+                    "{e:?} overlaps gap"
+                );
             }
         }
-    }
-
-    #[test]
-    fn fixed_addresses_do_not_overlap() {
-        assert!(PVH_MEMMAP_START + 24 * PVH_MEMMAP_MAX_ENTRIES as u64 <= ZERO_PAGE_START);
-        assert!(ZERO_PAGE_START + 4096 <= PML4_START);
-        assert!(PDE_START + 4096 <= CMDLINE_START);
-        assert!(CMDLINE_START + CMDLINE_MAX_SIZE as u64 <= EBDA_START);
-        assert!(KVM_IDENTITY_MAP_ADDRESS >= MMIO_GAP_START && KVM_TSS_ADDRESS + 3 * 4096 <= APIC_START.max(MMIO_GAP_END));
     }
 }

@@ -60,7 +60,10 @@ pub struct VcpuControl {
 
 impl VcpuControl {
     pub fn new() -> Arc<Self> {
-        Arc::new(VcpuControl { state: Mutex::new((RunState::Running, 0)), changed: Condvar::new() })
+        Arc::new(VcpuControl {
+            state: Mutex::new((RunState::Running, 0)),
+            changed: Condvar::new(),
+        })
     }
 
     pub fn set(&self, s: RunState) {
@@ -103,7 +106,10 @@ pub struct Vcpu {
 
 impl Vcpu {
     pub fn new(vm: &VmFd, id: u8) -> Result<Self, kvm_ioctls::Error> {
-        Ok(Vcpu { id, fd: vm.create_vcpu(id as u64)? })
+        Ok(Vcpu {
+            id,
+            fd: vm.create_vcpu(id as u64)?,
+        })
     }
 
     /// CPUID, MSRs, FPU and LAPIC for every vCPU; registers only for the boot processor
@@ -113,19 +119,38 @@ impl Vcpu {
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| format!("KVM_GET_SUPPORTED_CPUID: {e}"))?;
         cpuid::shape(cpuid.as_mut_slice(), self.id, count);
-        self.fd.set_cpuid2(&cpuid).map_err(|e| format!("KVM_SET_CPUID2: {e}"))?;
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(|e| format!("KVM_SET_CPUID2: {e}"))?;
 
-        let msrs = Msrs::from_entries(&regs::boot_msrs()).map_err(|e| format!("MSR list: {e:?}"))?;
-        let n = self.fd.set_msrs(&msrs).map_err(|e| format!("KVM_SET_MSRS: {e}"))?;
+        let msrs =
+            Msrs::from_entries(&regs::boot_msrs()).map_err(|e| format!("MSR list: {e:?}"))?;
+        let n = self
+            .fd
+            .set_msrs(&msrs)
+            .map_err(|e| format!("KVM_SET_MSRS: {e}"))?;
         if n != msrs.as_slice().len() {
-            return Err(format!("KVM_SET_MSRS set {n} of {} MSRs", msrs.as_slice().len()));
+            return Err(format!(
+                "KVM_SET_MSRS set {n} of {} MSRs",
+                msrs.as_slice().len()
+            ));
         }
-        self.fd.set_fpu(&regs::boot_fpu()).map_err(|e| format!("KVM_SET_FPU: {e}"))?;
-        let mut lapic = self.fd.get_lapic().map_err(|e| format!("KVM_GET_LAPIC: {e}"))?;
+        self.fd
+            .set_fpu(&regs::boot_fpu())
+            .map_err(|e| format!("KVM_SET_FPU: {e}"))?;
+        let mut lapic = self
+            .fd
+            .get_lapic()
+            .map_err(|e| format!("KVM_GET_LAPIC: {e}"))?;
         regs::set_lint(&mut lapic);
-        self.fd.set_lapic(&lapic).map_err(|e| format!("KVM_SET_LAPIC: {e}"))?;
+        self.fd
+            .set_lapic(&lapic)
+            .map_err(|e| format!("KVM_SET_LAPIC: {e}"))?;
         if self.id == 0 {
-            let sregs = self.fd.get_sregs().map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
+            let sregs = self
+                .fd
+                .get_sregs()
+                .map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
             self.fd
                 .set_sregs(&regs::boot_sregs(sregs, boot.mode))
                 .map_err(|e| format!("KVM_SET_SREGS: {e}"))?;
@@ -148,14 +173,16 @@ pub struct VcpuContext {
 }
 
 pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new().name(format!("vcpu{}", vcpu.id)).spawn(move || {
-        KVM_RUN_PTR.with(|p| p.set(vcpu.fd.get_kvm_run() as *mut kvm_run));
-        let end = run_loop(&mut vcpu, &ctx);
-        KVM_RUN_PTR.with(|p| p.set(std::ptr::null_mut()));
-        if let Some(end) = end {
-            ctx.end.signal(end);
-        }
-    })
+    std::thread::Builder::new()
+        .name(format!("vcpu{}", vcpu.id))
+        .spawn(move || {
+            KVM_RUN_PTR.with(|p| p.set(vcpu.fd.get_kvm_run() as *mut kvm_run));
+            let end = run_loop(&mut vcpu, &ctx);
+            KVM_RUN_PTR.with(|p| p.set(std::ptr::null_mut()));
+            if let Some(end) = end {
+                ctx.end.signal(end);
+            }
+        })
 }
 
 fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
@@ -167,7 +194,9 @@ fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
         if ctx.first_run.get().is_none() {
             let now = std::time::SystemTime::now();
             if ctx.first_run.set(now).is_ok() && ctx.boot_timer {
-                let ns = now.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+                let ns = now
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos());
                 eprintln!("microvirt boot-timer: first KVM_RUN unix_ns={ns}");
             }
         }
@@ -202,15 +231,27 @@ fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
             }
             Ok(VcpuExit::InternalError) => return Some(internal_error(vcpu, &ctx.memory)),
             Ok(VcpuExit::FailEntry(reason, cpu)) => {
-                return Some(VmEnd::EntryFailure { vcpu: id, reason, cpu })
+                return Some(VmEnd::EntryFailure {
+                    vcpu: id,
+                    reason,
+                    cpu,
+                })
             }
             Ok(other) => {
-                return Some(VmEnd::VcpuError { vcpu: id, message: format!("unhandled exit {other:?}") })
+                return Some(VmEnd::VcpuError {
+                    vcpu: id,
+                    message: format!("unhandled exit {other:?}"),
+                })
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 vcpu.fd.set_kvm_immediate_exit(0);
             }
-            Err(e) => return Some(VmEnd::VcpuError { vcpu: id, message: format!("KVM_RUN: {e}") }),
+            Err(e) => {
+                return Some(VmEnd::VcpuError {
+                    vcpu: id,
+                    message: format!("KVM_RUN: {e}"),
+                })
+            }
         }
     }
 }
@@ -228,7 +269,12 @@ fn internal_error(vcpu: &mut Vcpu, mem: &GuestMemory) -> VmEnd {
         }
         _ => (0, Vec::new()),
     };
-    VmEnd::InternalError { vcpu: vcpu.id, suberror, rip, insn }
+    VmEnd::InternalError {
+        vcpu: vcpu.id,
+        suberror,
+        rip,
+        insn,
+    }
 }
 
 /// Interrupts a vCPU thread inside KVM_RUN.

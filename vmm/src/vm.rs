@@ -38,7 +38,12 @@ pub enum VmEnd {
     /// A vCPU triple-faulted (KVM_EXIT_SHUTDOWN).
     TripleFault { vcpu: u8 },
     /// KVM could not emulate something; `insn` holds the bytes at `rip` when readable.
-    InternalError { vcpu: u8, suberror: u32, rip: u64, insn: Vec<u8> },
+    InternalError {
+        vcpu: u8,
+        suberror: u32,
+        rip: u64,
+        insn: Vec<u8>,
+    },
     /// KVM could not enter the guest.
     EntryFailure { vcpu: u8, reason: u64, cpu: u32 },
     /// A vCPU halted with interrupts it can never receive.
@@ -55,7 +60,12 @@ impl fmt::Display for VmEnd {
             VmEnd::PoweredOff => write!(f, "guest powered off"),
             VmEnd::Reset => write!(f, "guest requested a reset"),
             VmEnd::TripleFault { vcpu } => write!(f, "vCPU {vcpu} triple-faulted"),
-            VmEnd::InternalError { vcpu, suberror, rip, insn } => {
+            VmEnd::InternalError {
+                vcpu,
+                suberror,
+                rip,
+                insn,
+            } => {
                 write!(f, "KVM internal error on vCPU {vcpu} (suberror {suberror}")?;
                 if *suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
                     write!(f, ": emulation failure")?;
@@ -120,7 +130,11 @@ impl VmEndSignal {
 
     pub fn wait_timeout(&self, t: std::time::Duration) -> Option<VmEnd> {
         let g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
-        let (g, _) = self.0 .1.wait_timeout_while(g, t, |e| e.is_none()).unwrap_or_else(|p| p.into_inner());
+        let (g, _) = self
+            .0
+             .1
+            .wait_timeout_while(g, t, |e| e.is_none())
+            .unwrap_or_else(|p| p.into_inner());
         g.clone()
     }
 }
@@ -194,7 +208,8 @@ impl MutEventSubscriber for Lifecycle {
             self.end.signal(VmEnd::Reset);
         } else if events.fd() == self.stop.as_raw_fd() {
             let _ = self.stop.read();
-            self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+            self.stopping
+                .store(true, std::sync::atomic::Ordering::SeqCst);
         }
     }
 }
@@ -212,15 +227,23 @@ impl Vm {
         let mem_size = config.memory_mib * MIB;
 
         let vm_fd = kvm.kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-        vm_fd.set_tss_address(KVM_TSS_ADDRESS as usize).map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+        vm_fd
+            .set_tss_address(KVM_TSS_ADDRESS as usize)
+            .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
         vm_fd
             .set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
             .map_err(kvm_err("KVM_SET_IDENTITY_MAP_ADDR"))?;
-        vm_fd.create_irq_chip().map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-        let pit = kvm_pit_config { flags: KVM_PIT_SPEAKER_DUMMY, ..Default::default() };
+        vm_fd
+            .create_irq_chip()
+            .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
         vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
 
-        let memory = GuestMemory::from_ranges(&ram_regions(mem_size)).map_err(|e| VmError::Memory(e.to_string()))?;
+        let memory = GuestMemory::from_ranges(&ram_regions(mem_size))
+            .map_err(|e| VmError::Memory(e.to_string()))?;
         for (slot, region) in memory.iter().enumerate() {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
@@ -234,7 +257,8 @@ impl Vm {
             };
             // SAFETY: the mapping lives in `memory`, which outlives the VM fd's use of it (the
             // Vm owns both and joins the vCPU threads before dropping memory).
-            unsafe { vm_fd.set_user_memory_region(r) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+            unsafe { vm_fd.set_user_memory_region(r) }
+                .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
         }
 
         let boot = boot::load(
@@ -249,12 +273,15 @@ impl Vm {
         )?;
 
         let end = VmEndSignal::default();
-        let dev_err = |what: &'static str| move |e: std::io::Error| VmError::Device(format!("{what}: {e}"));
+        let dev_err =
+            |what: &'static str| move |e: std::io::Error| VmError::Device(format!("{what}: {e}"));
         let mut pio = Bus::new();
         let mmio = Bus::new();
 
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
-        vm_fd.register_irqfd(&serial_irq, SERIAL_COM1_IRQ).map_err(kvm_err("KVM_IRQFD serial"))?;
+        vm_fd
+            .register_irqfd(&serial_irq, SERIAL_COM1_IRQ)
+            .map_err(kvm_err("KVM_IRQFD serial"))?;
         let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
         let out = open_output(&config.serial.output).map_err(dev_err("serial output"))?;
         let serial = Arc::new(Mutex::new(SerialDevice::new(
@@ -262,13 +289,21 @@ impl Vm {
             drained.try_clone().map_err(dev_err("eventfd"))?,
             out,
         )));
-        pio.insert(SERIAL_COM1_PORT as u64, 8, serial.clone()).map_err(|e| VmError::Device(e.to_string()))?;
+        pio.insert(SERIAL_COM1_PORT as u64, 8, serial.clone())
+            .map_err(|e| VmError::Device(e.to_string()))?;
 
         let reset = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
-        let i8042 = Arc::new(Mutex::new(I8042::new(EventFdTrigger(reset.try_clone().map_err(dev_err("eventfd"))?))));
-        pio.insert(I8042_PORT as u64, 5, i8042).map_err(|e| VmError::Device(e.to_string()))?;
-        pio.insert(POWER_PORT as u64, 1, Arc::new(Mutex::new(PowerPort::new(end.clone()))))
+        let i8042 = Arc::new(Mutex::new(I8042::new(EventFdTrigger(
+            reset.try_clone().map_err(dev_err("eventfd"))?,
+        ))));
+        pio.insert(I8042_PORT as u64, 5, i8042)
             .map_err(|e| VmError::Device(e.to_string()))?;
+        pio.insert(
+            POWER_PORT as u64,
+            1,
+            Arc::new(Mutex::new(PowerPort::new(end.clone()))),
+        )
+        .map_err(|e| VmError::Device(e.to_string()))?;
 
         let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
             EventManager::new().map_err(|e| VmError::Device(format!("event manager: {e:?}")))?;
@@ -280,21 +315,27 @@ impl Vm {
             end: end.clone(),
             stopping: stopping.clone(),
         })));
-        let input: Option<Box<dyn crate::devices::serial::InputSource>> = match &config.serial.input {
+        let input: Option<Box<dyn crate::devices::serial::InputSource>> = match &config.serial.input
+        {
             SerialInput::None => None,
             SerialInput::Stdin => Some(Box::new(std::io::stdin())),
-            SerialInput::UnixSocket(p) => {
-                Some(Box::new(std::os::unix::net::UnixStream::connect(p).map_err(dev_err("serial input socket"))?))
-            }
+            SerialInput::UnixSocket(p) => Some(Box::new(
+                std::os::unix::net::UnixStream::connect(p)
+                    .map_err(dev_err("serial input socket"))?,
+            )),
         };
         if let Some(input) = input {
-            em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(serial, input, drained))));
+            em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(
+                serial, input, drained,
+            ))));
         }
 
         let mut vcpus = Vec::with_capacity(config.vcpus as usize);
         for id in 0..config.vcpus {
-            let v = Vcpu::new(&vm_fd, id).map_err(|e| VmError::Vcpu(format!("KVM_CREATE_VCPU {id}: {e}")))?;
-            v.configure(&kvm.kvm, config.vcpus, &boot).map_err(|e| VmError::Vcpu(format!("vCPU {id}: {e}")))?;
+            let v = Vcpu::new(&vm_fd, id)
+                .map_err(|e| VmError::Vcpu(format!("KVM_CREATE_VCPU {id}: {e}")))?;
+            v.configure(&kvm.kvm, config.vcpus, &boot)
+                .map_err(|e| VmError::Vcpu(format!("vCPU {id}: {e}")))?;
             vcpus.push(v);
         }
         vcpu::register_kick_handler().map_err(VmError::Vcpu)?;
@@ -326,11 +367,16 @@ impl Vm {
                 first_run: first_run.clone(),
                 boot_timer: config.boot_timer,
             };
-            vcpu_threads.push(vcpu::spawn(v, ctx).map_err(|e| VmError::Vcpu(format!("thread: {e}")))?);
+            vcpu_threads
+                .push(vcpu::spawn(v, ctx).map_err(|e| VmError::Vcpu(format!("thread: {e}")))?);
         }
 
         Ok(Vm {
-            info: VmInfo { vcpus: config.vcpus, memory_mib: config.memory_mib, acceleration: kvm.acceleration },
+            info: VmInfo {
+                vcpus: config.vcpus,
+                memory_mib: config.memory_mib,
+                acceleration: kvm.acceleration,
+            },
             vm_fd: Arc::new(vm_fd),
             memory,
             control,
@@ -377,7 +423,10 @@ impl Vm {
     }
 
     fn live_vcpus(&self) -> usize {
-        self.vcpu_threads.iter().filter(|t| !t.is_finished()).count()
+        self.vcpu_threads
+            .iter()
+            .filter(|t| !t.is_finished())
+            .count()
     }
 
     /// Ends the VM from the host side.

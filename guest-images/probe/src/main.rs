@@ -57,11 +57,21 @@ impl BootInfo {
         self.ram().map(|e| e.addr + e.size).max().unwrap_or(0)
     }
     pub fn param(&self, key: &str) -> Option<&'static str> {
-        self.cmdline.split(' ').find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+        self.cmdline
+            .split(' ')
+            .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
     }
 }
 
-static mut BOOT: BootInfo = BootInfo { e820: [E820 { addr: 0, size: 0, kind: 0 }; E820_MAX], e820_len: 0, cmdline: "" };
+static mut BOOT: BootInfo = BootInfo {
+    e820: [E820 {
+        addr: 0,
+        size: 0,
+        kind: 0,
+    }; E820_MAX],
+    e820_len: 0,
+    cmdline: "",
+};
 
 unsafe fn read_boot_info(zero_page: *const u8) -> &'static BootInfo {
     let boot = &mut *core::ptr::addr_of_mut!(BOOT);
@@ -125,24 +135,46 @@ static mut TEST_NAME: &str = "unknown";
 
 pub fn result(ok: bool, details: core::fmt::Arguments) -> ! {
     let name = unsafe { TEST_NAME };
-    let _ = writeln!(Serial, "PROBE RESULT {} {} {}", name, if ok { "OK" } else { "FAIL" }, details);
+    let _ = writeln!(
+        Serial,
+        "PROBE RESULT {} {} {}",
+        name,
+        if ok { "OK" } else { "FAIL" },
+        details
+    );
     power_off()
 }
 
 #[no_mangle]
-pub extern "C" fn probe_main(zero_page: *const u8) -> ! {
+/// # Safety
+/// Called once from `_start` with the zero page the VMM put in RSI.
+pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
     let _ = writeln!(Serial, "microvirt probe guest: hello");
     let boot = unsafe { read_boot_info(zero_page) };
     let test = boot.param("probe.test").unwrap_or("boot");
     unsafe { TEST_NAME = test };
     let ram_kib: u64 = boot.ram().map(|e| e.size).sum::<u64>() >> 10;
-    let _ = writeln!(Serial, "probe: e820 entries={} ram_kib={} cmdline_len={}", boot.e820_len, ram_kib, boot.cmdline.len());
+    let _ = writeln!(
+        Serial,
+        "probe: e820 entries={} ram_kib={} cmdline_len={}",
+        boot.e820_len,
+        ram_kib,
+        boot.cmdline.len()
+    );
     if let Err(e) = check_e820(boot) {
         result(false, format_args!("e820: {e}"));
     }
     hw::paging::identity_map(boot.ram_top().max(0x1_0000_0000));
     match test {
-        "boot" => result(true, format_args!("e820={} ram_kib={} cmdline_len={}", boot.e820_len, ram_kib, boot.cmdline.len())),
+        "boot" => result(
+            true,
+            format_args!(
+                "e820={} ram_kib={} cmdline_len={}",
+                boot.e820_len,
+                ram_kib,
+                boot.cmdline.len()
+            ),
+        ),
         "memory" => memory_test(boot),
         "smp" => smp::run(),
         "triplefault" => hw::triple_fault(),
@@ -202,9 +234,15 @@ fn memory_test(boot: &BootInfo) -> ! {
         }
     });
     if bad > 0 {
-        result(false, format_args!("mismatches={bad} first={first_bad:#x} writes={writes}"));
+        result(
+            false,
+            format_args!("mismatches={bad} first={first_bad:#x} writes={writes}"),
+        );
     }
-    result(true, format_args!("writes={writes} above_4g={above_4g} top={top:#x}"))
+    result(
+        true,
+        format_args!("writes={writes} above_4g={above_4g} top={top:#x}"),
+    )
 }
 
 /// Prints `tick N` lines while waiting for console input, echoes what arrives, and finishes
@@ -224,7 +262,7 @@ fn console_test() -> ! {
                     line[len] = b;
                     len += 1;
                 }
-                let _ = write!(Serial, "echo {}\n", b as char);
+                let _ = writeln!(Serial, "echo {}", b as char);
             }
         }
         tick += 1;

@@ -173,7 +173,10 @@ pub fn run() -> ! {
     };
     let my_id = (lapic_read(LAPIC_ID) >> 24) as u8;
     if my_id != bsp {
-        result(false, format_args!("BSP APIC ID {my_id} but MP table says {bsp}"));
+        result(
+            false,
+            format_args!("BSP APIC ID {my_id} but MP table says {bsp}"),
+        );
     }
     SEEN.fetch_or(1 << (bsp & 63), Ordering::SeqCst);
     CHECKED_IN.fetch_add(1, Ordering::SeqCst);
@@ -184,9 +187,14 @@ pub fn run() -> ! {
         let size = core::ptr::addr_of!(ap_trampoline_end) as usize - start as usize;
         core::ptr::copy_nonoverlapping(start, TRAMPOLINE as *mut u8, size);
     }
-    let var = |sym: *const u8| TRAMPOLINE + (sym as u64 - core::ptr::addr_of!(ap_trampoline_start) as u64);
-    let (cr3_at, stack_at, entry_at) =
-        (var(core::ptr::addr_of!(tramp_cr3)), var(core::ptr::addr_of!(tramp_stack)), var(core::ptr::addr_of!(tramp_entry)));
+    let var = |sym: *const u8| {
+        TRAMPOLINE + (sym as u64 - core::ptr::addr_of!(ap_trampoline_start) as u64)
+    };
+    let (cr3_at, stack_at, entry_at) = (
+        var(core::ptr::addr_of!(tramp_cr3)),
+        var(core::ptr::addr_of!(tramp_stack)),
+        var(core::ptr::addr_of!(tramp_entry)),
+    );
     unsafe {
         core::ptr::write_volatile(cr3_at as *mut u64, crate::hw::paging::cr3());
         core::ptr::write_volatile(entry_at as *mut u64, ap_main as *const () as u64);
@@ -217,10 +225,19 @@ pub fn run() -> ! {
             }
         }
         if !arrived {
-            result(false, format_args!("APIC ID {id} did not check in; cpus={}", CHECKED_IN.load(Ordering::SeqCst)));
+            result(
+                false,
+                format_args!(
+                    "APIC ID {id} did not check in; cpus={}",
+                    CHECKED_IN.load(Ordering::SeqCst)
+                ),
+            );
         }
     }
     let seen = SEEN.load(Ordering::SeqCst);
     let cpus = CHECKED_IN.load(Ordering::SeqCst);
-    result(cpus as usize == n, format_args!("cpus={cpus} mptable_cpus={n} apic_mask={seen:#x}"))
+    result(
+        cpus as usize == n,
+        format_args!("cpus={cpus} mptable_cpus={n} apic_mask={seen:#x}"),
+    )
 }

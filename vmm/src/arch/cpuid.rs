@@ -80,7 +80,15 @@ mod tests {
     use super::*;
 
     fn entry(function: u32, index: u32) -> kvm_cpuid_entry2 {
-        kvm_cpuid_entry2 { function, index, eax: 0xffff_ffff, ebx: 0xffff_ffff, ecx: 0, edx: 0, ..Default::default() }
+        kvm_cpuid_entry2 {
+            function,
+            index,
+            eax: 0xffff_ffff,
+            ebx: 0xffff_ffff,
+            ecx: 0,
+            edx: 0,
+            ..Default::default()
+        }
     }
 
     fn supported() -> Vec<kvm_cpuid_entry2> {
@@ -88,7 +96,15 @@ mod tests {
         l4.eax = 1 << 5 | 1; // L1 data
         let mut l4_3 = entry(4, 3);
         l4_3.eax = 3 << 5 | 3; // L3 unified
-        vec![entry(1, 0), l4, l4_3, entry(0xb, 0), entry(0xb, 1), entry(0xb, 2), entry(0x8000_0008, 0)]
+        vec![
+            entry(1, 0),
+            l4,
+            l4_3,
+            entry(0xb, 0),
+            entry(0xb, 1),
+            entry(0xb, 2),
+            entry(0x8000_0008, 0),
+        ]
     }
 
     #[test]
@@ -111,11 +127,20 @@ mod tests {
     fn topology_levels() {
         let mut c = supported();
         shape(&mut c, 1, 3);
-        let smt = c.iter().find(|e| e.function == 0xb && e.index == 0).unwrap();
+        let smt = c
+            .iter()
+            .find(|e| e.function == 0xb && e.index == 0)
+            .unwrap();
         assert_eq!((smt.eax, smt.ebx, smt.ecx >> 8), (0, 1, 1));
-        let core = c.iter().find(|e| e.function == 0xb && e.index == 1).unwrap();
+        let core = c
+            .iter()
+            .find(|e| e.function == 0xb && e.index == 1)
+            .unwrap();
         assert_eq!((core.eax, core.ebx, core.ecx >> 8), (2, 3, 2)); // 3 cores need 2 ID bits
-        let end = c.iter().find(|e| e.function == 0xb && e.index == 2).unwrap();
+        let end = c
+            .iter()
+            .find(|e| e.function == 0xb && e.index == 2)
+            .unwrap();
         assert_eq!(end.ecx >> 8, 0);
         let l1d = c.iter().find(|e| e.function == 4 && e.index == 0).unwrap();
         assert_eq!((l1d.eax >> 26, (l1d.eax >> 14) & 0xfff), (2, 0));

@@ -38,7 +38,10 @@ pub enum MpTableError {
 }
 
 fn checksum(bytes: &[u8]) -> u8 {
-    bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b)).wrapping_neg()
+    bytes
+        .iter()
+        .fold(0u8, |a, b| a.wrapping_add(*b))
+        .wrapping_neg()
 }
 
 /// The IOAPIC's ID comes right after the processors'.
@@ -85,7 +88,11 @@ pub fn build(num_cpus: u8) -> Result<Vec<u8>, MpTableError> {
     entries += 1;
     // ISA IRQ n is IOAPIC pin n; pin 0 is the PIC's ExtINT.
     for irq in 0..IOAPIC_PINS {
-        let kind = if irq == 0 { IRQ_TYPE_EXTINT } else { IRQ_TYPE_INT };
+        let kind = if irq == 0 {
+            IRQ_TYPE_EXTINT
+        } else {
+            IRQ_TYPE_INT
+        };
         t.extend_from_slice(&[ENTRY_IOINTSRC, kind, 0, 0, 0, irq, ioapic, irq]);
         entries += 1;
     }
@@ -112,7 +119,8 @@ pub fn build(num_cpus: u8) -> Result<Vec<u8>, MpTableError> {
 
 pub fn write<M: GuestMemory>(mem: &M, num_cpus: u8) -> Result<(), MpTableError> {
     let bytes = build(num_cpus)?;
-    mem.write_slice(&bytes, GuestAddress(EBDA_START)).map_err(|_| MpTableError::NotEnoughMemory)
+    mem.write_slice(&bytes, GuestAddress(EBDA_START))
+        .map_err(|_| MpTableError::NotEnoughMemory)
 }
 
 #[cfg(test)]

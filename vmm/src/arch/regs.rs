@@ -15,11 +15,11 @@ pub const GDT_TSS_SEL: u16 = 0x20;
 
 /// Flat 4 GiB descriptors: flags (G, D/B, L), access byte.
 pub const BOOT_GDT: [u64; 5] = [
-    0,                                      // null
-    gdt_entry(0xc09b, 0, 0xfffff),          // 32-bit code
-    gdt_entry(0xa09b, 0, 0xfffff),          // 64-bit code
-    gdt_entry(0xc093, 0, 0xfffff),          // data
-    gdt_entry(0x808b, 0, 0xfffff),          // TSS (busy)
+    0,                             // null
+    gdt_entry(0xc09b, 0, 0xfffff), // 32-bit code
+    gdt_entry(0xa09b, 0, 0xfffff), // 64-bit code
+    gdt_entry(0xc093, 0, 0xfffff), // data
+    gdt_entry(0x808b, 0, 0xfffff), // TSS (busy)
 ];
 
 const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
@@ -32,13 +32,17 @@ const fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
 
 /// Decodes a GDT entry into the segment KVM wants.
 pub fn segment_from_gdt(entry: u64, selector: u16) -> kvm_segment {
-    let base = (((entry >> 16) & 0xff_ffff) | ((entry >> 32) & 0xff00_0000)) as u64;
+    let base = ((entry >> 16) & 0xff_ffff) | ((entry >> 32) & 0xff00_0000);
     let limit_raw = ((entry & 0xffff) | ((entry >> 32) & 0xf_0000)) as u32;
     let g = ((entry >> 55) & 1) as u8;
     kvm_segment {
         base,
         // With granularity set the limit counts 4 KiB pages.
-        limit: if g == 1 { (limit_raw << 12) | 0xfff } else { limit_raw },
+        limit: if g == 1 {
+            (limit_raw << 12) | 0xfff
+        } else {
+            limit_raw
+        },
         selector,
         type_: ((entry >> 40) & 0xf) as u8,
         present: ((entry >> 47) & 1) as u8,
@@ -71,7 +75,10 @@ pub enum EntryMode {
 
 /// Writes the GDT, an empty IDT and (for 64-bit entry) identity page tables mapping the first
 /// 1 GiB with 2 MiB pages, which covers the kernel, boot data and the initial stack.
-pub fn write_boot_tables<M: GuestMemory>(mem: &M, mode: EntryMode) -> Result<(), vm_memory::GuestMemoryError> {
+pub fn write_boot_tables<M: GuestMemory>(
+    mem: &M,
+    mode: EntryMode,
+) -> Result<(), vm_memory::GuestMemoryError> {
     for (i, e) in BOOT_GDT.iter().enumerate() {
         mem.write_obj(*e, GuestAddress(BOOT_GDT_START + (i * 8) as u64))?;
     }
@@ -124,7 +131,11 @@ pub fn boot_sregs(mut sregs: kvm_sregs, mode: EntryMode) -> kvm_sregs {
 
 /// General registers at entry. `boot_info` is the zero page (Linux64) or start_info (PVH).
 pub fn boot_regs(entry: u64, boot_info: u64, mode: EntryMode) -> kvm_regs {
-    let mut regs = kvm_regs { rflags: 0x2, rip: entry, ..Default::default() };
+    let mut regs = kvm_regs {
+        rflags: 0x2,
+        rip: entry,
+        ..Default::default()
+    };
     match mode {
         EntryMode::Linux64 => {
             regs.rsp = BOOT_STACK_POINTER;
@@ -138,7 +149,11 @@ pub fn boot_regs(entry: u64, boot_info: u64, mode: EntryMode) -> kvm_regs {
 
 /// x87 control word and MXCSR as after FNINIT / reset.
 pub fn boot_fpu() -> kvm_fpu {
-    kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() }
+    kvm_fpu {
+        fcw: 0x37f,
+        mxcsr: 0x1f80,
+        ..Default::default()
+    }
 }
 
 pub const MSR_IA32_SYSENTER_CS: u32 = 0x174;
@@ -157,7 +172,11 @@ const MISC_ENABLE_FAST_STRING: u64 = 1;
 const MTRR_DEF_TYPE_WB_ENABLED: u64 = (1 << 11) | 6;
 
 pub fn boot_msrs() -> Vec<kvm_msr_entry> {
-    let e = |index, data| kvm_msr_entry { index, data, ..Default::default() };
+    let e = |index, data| kvm_msr_entry {
+        index,
+        data,
+        ..Default::default()
+    };
     vec![
         e(MSR_IA32_SYSENTER_CS, 0),
         e(MSR_IA32_SYSENTER_ESP, 0),
@@ -235,7 +254,10 @@ mod tests {
     #[test]
     fn gdt_entries_decode_to_flat_segments() {
         let cs = segment_from_gdt(BOOT_GDT[2], GDT_CODE64_SEL);
-        assert_eq!((cs.base, cs.limit, cs.l, cs.db, cs.present, cs.type_, cs.s), (0, 0xffff_ffff, 1, 0, 1, 0xb, 1));
+        assert_eq!(
+            (cs.base, cs.limit, cs.l, cs.db, cs.present, cs.type_, cs.s),
+            (0, 0xffff_ffff, 1, 0, 1, 0xb, 1)
+        );
         let cs32 = segment_from_gdt(BOOT_GDT[1], GDT_CODE32_SEL);
         assert_eq!((cs32.l, cs32.db, cs32.limit), (0, 1, 0xffff_ffff));
         let ds = segment_from_gdt(BOOT_GDT[3], GDT_DATA_SEL);
@@ -274,7 +296,10 @@ mod tests {
     #[test]
     fn regs_carry_boot_info_per_protocol() {
         let r = boot_regs(0x100_0000, ZERO_PAGE_START, EntryMode::Linux64);
-        assert_eq!((r.rip, r.rsi, r.rsp, r.rflags), (0x100_0000, ZERO_PAGE_START, BOOT_STACK_POINTER, 2));
+        assert_eq!(
+            (r.rip, r.rsi, r.rsp, r.rflags),
+            (0x100_0000, ZERO_PAGE_START, BOOT_STACK_POINTER, 2)
+        );
         let r = boot_regs(0x100_0000, PVH_INFO_START, EntryMode::Pvh);
         assert_eq!((r.rbx, r.rsi), (PVH_INFO_START, 0));
     }

@@ -13,7 +13,9 @@ pub struct I8042 {
 
 impl I8042 {
     pub fn new(reset_evt: EventFdTrigger) -> Self {
-        I8042 { inner: I8042Device::new(reset_evt) }
+        I8042 {
+            inner: I8042Device::new(reset_evt),
+        }
     }
 }
 

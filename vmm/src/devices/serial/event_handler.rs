@@ -24,8 +24,19 @@ pub struct SerialInputHandler {
 }
 
 impl SerialInputHandler {
-    pub fn new(device: Arc<Mutex<SerialDevice>>, input: Box<dyn InputSource>, drained: EventFd) -> Self {
-        SerialInputHandler { device, input, drained, pending: Vec::new(), input_registered: false, input_eof: false }
+    pub fn new(
+        device: Arc<Mutex<SerialDevice>>,
+        input: Box<dyn InputSource>,
+        drained: EventFd,
+    ) -> Self {
+        SerialInputHandler {
+            device,
+            input,
+            drained,
+            pending: Vec::new(),
+            input_registered: false,
+            input_eof: false,
+        }
     }
 
     fn input_fd(&self) -> RawFd {
@@ -83,7 +94,9 @@ impl MutEventSubscriber for SerialInputHandler {
             match self.input.read(&mut buf) {
                 Ok(0) => self.input_eof = true,
                 Ok(n) => self.pending.extend_from_slice(&buf[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted || e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::Interrupted
+                        || e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => {
                     tracing::warn!("serial input read failed: {e}");
                     self.input_eof = true;

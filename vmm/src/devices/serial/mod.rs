@@ -49,7 +49,12 @@ impl Write for SharedWriter {
 pub fn open_output(out: &SerialOutput) -> io::Result<Box<dyn Write + Send>> {
     Ok(match out {
         SerialOutput::Stdout => Box::new(io::stdout()),
-        SerialOutput::File(p) => Box::new(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+        SerialOutput::File(p) => Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)?,
+        ),
         SerialOutput::UnixSocket(p) => Box::new(UnixStream::connect(p)?),
         SerialOutput::Writer(w) => Box::new(SharedWriter(w.clone())),
         SerialOutput::Null => Box::new(io::sink()),
@@ -58,7 +63,9 @@ pub fn open_output(out: &SerialOutput) -> io::Result<Box<dyn Write + Send>> {
 
 impl SerialDevice {
     pub fn new(irq: EventFdTrigger, drained: EventFd, out: Box<dyn Write + Send>) -> Self {
-        SerialDevice { uart: Serial::with_events(irq, InputDrained(drained), out) }
+        SerialDevice {
+            uart: Serial::with_events(irq, InputDrained(drained), out),
+        }
     }
 }
 
@@ -102,7 +109,11 @@ mod tests {
         let cap = Capture::default();
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let drained = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let mut dev = SerialDevice::new(EventFdTrigger(irq.try_clone().unwrap()), drained, Box::new(cap.clone()));
+        let mut dev = SerialDevice::new(
+            EventFdTrigger(irq.try_clone().unwrap()),
+            drained,
+            Box::new(cap.clone()),
+        );
         dev.write(1, &[0x02]); // IER: THR empty interrupt
         for b in b"hi" {
             dev.write(0, &[*b]);
@@ -115,7 +126,11 @@ mod tests {
     fn input_is_readable_and_draining_signals() {
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let drained = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let mut dev = SerialDevice::new(EventFdTrigger(irq), drained.try_clone().unwrap(), Box::new(io::sink()));
+        let mut dev = SerialDevice::new(
+            EventFdTrigger(irq),
+            drained.try_clone().unwrap(),
+            Box::new(io::sink()),
+        );
         dev.uart.enqueue_raw_bytes(b"ok").unwrap();
         let mut b = [0u8];
         dev.read(0, &mut b);

@@ -1,0 +1,138 @@
+//! `virt-launcher run` as a user runs it: exit codes and one-line errors for bad input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn launcher(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+        .arg("run")
+        .args(args)
+        .arg("--no-console-input")
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap()
+}
+
+/// Bad input: exit code 2, exactly one line on stderr naming the option, nothing started.
+fn assert_rejected(args: &[&str], expected: &str) {
+    let out = launcher(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "args {args:?}: stderr {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "args {args:?}: {stderr}");
+    assert!(
+        stderr.contains(expected),
+        "args {args:?}: expected {expected:?} in {stderr:?}"
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "the guest started: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+fn tmp(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("mv-cli-{}-{name}", std::process::id()));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn bad_input_is_a_one_line_error_with_exit_code_2() {
+    let probe = tests::probe_path();
+    let probe = probe.to_str().unwrap();
+    assert_rejected(
+        &["--kernel", "/nonexistent/vmlinux"],
+        "--kernel /nonexistent/vmlinux: no such file",
+    );
+    assert_rejected(&["--kernel", "/tmp"], "--kernel /tmp: not a regular file");
+    let junk = tmp("junk", b"this is not a kernel");
+    assert_rejected(
+        &["--kernel", junk.to_str().unwrap()],
+        "neither an ELF vmlinux nor a bzImage",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--initrd", "/nonexistent/initrd"],
+        "--initrd /nonexistent/initrd: no such file",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--vcpus", "0"],
+        "--vcpus 0: must be between 1 and",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--vcpus", "300"],
+        "--vcpus 300: must be between 1 and",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--memory", "2"],
+        "--memory 2: must be between 8 and 1048576 MiB",
+    );
+    let long = "x".repeat(3000);
+    assert_rejected(
+        &["--kernel", probe, "--cmdline", &long],
+        "--cmdline: 3000 bytes is too long, at most 2047",
+    );
+    // A 24 MiB initrd does not fit in a 16 MiB guest next to the probe.
+    let big = tmp("initrd", &vec![0u8; 24 << 20]);
+    assert_rejected(
+        &[
+            "--kernel",
+            probe,
+            "--initrd",
+            big.to_str().unwrap(),
+            "--memory",
+            "16",
+        ],
+        "--memory 16: the kernel plus initrd needs",
+    );
+    for p in [junk, big] {
+        std::fs::remove_file(p).unwrap();
+    }
+}
+
+#[test]
+fn exit_code_reflects_how_the_guest_ended() {
+    tests::require_kvm();
+    let probe = tests::probe_path();
+    let probe = probe.to_str().unwrap();
+    let cases = [("boot", 0), ("triplefault", 11), ("reset", 10)];
+    for (test, code) in cases {
+        let cmdline = format!("console=ttyS0 probe.test={test}");
+        let out = launcher(&["--kernel", probe, "--cmdline", &cmdline, "--memory", "64"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "{test}: {stdout} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.starts_with("microvirt probe guest: hello"),
+            "{stdout}"
+        );
+    }
+    let out = launcher(&[
+        "--kernel",
+        probe,
+        "--cmdline",
+        "probe.test=boot",
+        "--memory",
+        "64",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PROBE RESULT boot OK"));
+    let log = std::env::temp_dir().join(format!("mv-cli-{}-console.log", std::process::id()));
+    let out = launcher(&[
+        "--kernel",
+        probe,
+        "--cmdline",
+        "probe.test=boot",
+        "--console-log",
+        log.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(out.stdout.is_empty());
+    assert!(std::fs::read_to_string(&log)
+        .unwrap()
+        .contains("PROBE RESULT boot OK"));
+    std::fs::remove_file(&log).unwrap();
+    assert!(Path::new(probe).exists());
+}
