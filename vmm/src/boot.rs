@@ -102,6 +102,14 @@ pub fn inspect_kernel(path: &Path) -> Result<KernelExtent, ConfigError> {
         });
     }
     if head.len() >= 0x264 && head[0x202..0x206] == *b"HdrS" {
+        let version = u16::from_le_bytes([head[0x206], head[0x207]]);
+        if version < 0x0206 || head[0x211] & 1 == 0 {
+            return Err(err(format!(
+                "bzImage boot protocol {}.{:02} without LOADED_HIGH is not supported; 2.06 or newer is",
+                version >> 8,
+                version & 0xff
+            )));
+        }
         // init_size (boot protocol 2.10+) is the memory the kernel needs from its load address,
         // including its decompression buffer.
         let init_size = u32::from_le_bytes(head[0x260..0x264].try_into().unwrap()) as u64;
@@ -453,6 +461,11 @@ mod tests {
     fn recognises_bzimage_header() {
         let mut b = vec![0u8; 0x1000];
         b[0x202..0x206].copy_from_slice(b"HdrS");
+        b[0x206..0x208].copy_from_slice(&0x0205u16.to_le_bytes());
+        let p = tmpfile("bz-old", &b);
+        assert!(inspect_kernel(&p).unwrap_err().to_string().contains("boot protocol 2.05"));
+        b[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        b[0x211] = 1;
         b[0x260..0x264].copy_from_slice(&(32u32 << 20).to_le_bytes());
         let p = tmpfile("bz", &b);
         let x = inspect_kernel(&p).unwrap();
