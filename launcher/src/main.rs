@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use vmm::config::{CacheMode, DiskConfig};
 use vmm::{SerialInput, SerialOutput, Vm, VmConfig};
 
 /// Exit status for a configuration the user must fix; nothing was started.
@@ -50,6 +51,10 @@ struct RunArgs {
     /// Do not feed stdin to the guest's console.
     #[arg(long)]
     no_console_input: bool,
+    /// A virtio-blk disk: PATH[,readonly][,serial=S][,cache=none|writeback]. Repeatable; the
+    /// guest sees them in order as vda, vdb, ...
+    #[arg(long = "disk", value_name = "SPEC")]
+    disks: Vec<String>,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
@@ -77,7 +82,18 @@ fn run(args: RunArgs) -> ExitCode {
         eprintln!("virt-launcher: {e}");
         return ExitCode::from(EXIT_BAD_CONFIG);
     };
+    let mut disks = Vec::new();
+    for spec in &args.disks {
+        match parse_disk(spec) {
+            Ok(d) => disks.push(d),
+            Err(e) => {
+                eprintln!("virt-launcher: {e}");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        }
+    }
     let mut config = VmConfig::new(args.kernel);
+    config.disks = disks;
     config.initrd = args.initrd;
     config.cmdline = args.cmdline;
     config.vcpus = vcpus;
@@ -107,4 +123,55 @@ fn run(args: RunArgs) -> ExitCode {
     let end = vm.wait();
     eprintln!("virt-launcher: {end}");
     ExitCode::from(end.exit_code() as u8)
+}
+
+/// Parses `PATH[,readonly][,serial=S][,cache=none|writeback]`.
+fn parse_disk(spec: &str) -> Result<DiskConfig, String> {
+    let mut parts = spec.split(',');
+    let path = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| format!("--disk {spec:?}: the image path is missing"))?;
+    let mut d = DiskConfig::new(path);
+    for opt in parts {
+        match opt.split_once('=') {
+            None if opt == "readonly" || opt == "ro" => d.read_only = true,
+            Some(("serial", s)) => d.serial = Some(s.to_string()),
+            Some(("cache", "none")) => d.cache = CacheMode::None,
+            Some(("cache", "writeback")) => d.cache = CacheMode::Writeback,
+            Some(("cache", other)) => {
+                return Err(format!("--disk {path}: cache={other} is not accepted; use cache=none or cache=writeback"))
+            }
+            _ => {
+                return Err(format!(
+                    "--disk {path}: unknown option {opt:?}; accepted: readonly, serial=S, cache=none|writeback"
+                ))
+            }
+        }
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_specs() {
+        let d = parse_disk("/a.img,readonly,serial=abc,cache=none").unwrap();
+        assert_eq!(
+            (d.read_only, d.serial.as_deref(), d.cache),
+            (true, Some("abc"), CacheMode::None)
+        );
+        assert_eq!(parse_disk("/a.img").unwrap(), DiskConfig::new("/a.img"));
+        assert!(parse_disk("/a.img,cache=unsafe")
+            .unwrap_err()
+            .contains("cache=unsafe is not accepted"));
+        assert!(parse_disk("/a.img,bogus")
+            .unwrap_err()
+            .contains("unknown option \"bogus\""));
+        assert!(parse_disk(",readonly")
+            .unwrap_err()
+            .contains("path is missing"));
+    }
 }

@@ -463,7 +463,10 @@ mod tests {
         b[0x202..0x206].copy_from_slice(b"HdrS");
         b[0x206..0x208].copy_from_slice(&0x0205u16.to_le_bytes());
         let p = tmpfile("bz-old", &b);
-        assert!(inspect_kernel(&p).unwrap_err().to_string().contains("boot protocol 2.05"));
+        assert!(inspect_kernel(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("boot protocol 2.05"));
         b[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
         b[0x211] = 1;
         b[0x260..0x264].copy_from_slice(&(32u32 << 20).to_le_bytes());

@@ -27,7 +27,49 @@ pub struct VmConfig {
     /// Print `microvirt boot-timer: first KVM_RUN unix_ns=<n>` on stderr when vCPU 0 first
     /// enters the guest, for start-up benchmarks.
     pub boot_timer: bool,
+    /// virtio-blk disks, in guest order (vda, vdb, ...).
+    pub disks: Vec<DiskConfig>,
 }
+
+pub use crate::devices::virtio::block::CacheMode;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// Returned to the guest by GET_ID (at most 20 bytes).
+    pub serial: Option<String>,
+    pub cache: CacheMode,
+}
+
+impl DiskConfig {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        DiskConfig {
+            path: path.into(),
+            read_only: false,
+            serial: None,
+            cache: CacheMode::Writeback,
+        }
+    }
+}
+
+/// The guest name of the i-th disk: vda, vdb, ..., vdz, vdaa, ...
+pub fn disk_name(i: usize) -> String {
+    let mut n = i;
+    let mut s = Vec::new();
+    loop {
+        s.push(b'a' + (n % 26) as u8);
+        if n < 26 {
+            break;
+        }
+        n = n / 26 - 1;
+    }
+    s.reverse();
+    format!("vd{}", String::from_utf8(s).unwrap())
+}
+
+/// The most virtio-mmio devices a VM gets: one legacy IRQ each, 5 to 23.
+pub const MAX_VIRTIO_DEVICES: usize = 19;
 
 impl VmConfig {
     /// A config with defaults a user of Firecracker would expect: 1 vCPU, 128 MiB, serial on stdout.
@@ -40,6 +82,7 @@ impl VmConfig {
             cmdline: String::from("console=ttyS0 reboot=k panic=1"),
             serial: SerialConfig::default(),
             boot_timer: false,
+            disks: Vec::new(),
         }
     }
 }
@@ -101,6 +144,10 @@ pub enum ConfigError {
     CmdlineTooLong { len: usize, max: usize },
     #[error("--cmdline: {0}")]
     Cmdline(String),
+    #[error("--disk {path}: {reason}")]
+    Disk { path: String, reason: String },
+    #[error("{given} virtio devices requested; at most {max} are supported")]
+    TooManyDevices { given: usize, max: usize },
     #[error(
         "--memory {memory_mib}: {what} needs {needed_mib} MiB of guest RAM; give at least that"
     )]
@@ -145,6 +192,35 @@ impl VmConfig {
                 "character {bad:?} is not accepted; only printable ASCII is"
             )));
         }
+        if self.disks.len() > MAX_VIRTIO_DEVICES {
+            return Err(ConfigError::TooManyDevices {
+                given: self.disks.len(),
+                max: MAX_VIRTIO_DEVICES,
+            });
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            let path = d.path.display().to_string();
+            if self.disks[..i].iter().any(|o| o.path == d.path) {
+                return Err(ConfigError::Disk {
+                    path,
+                    reason: format!(
+                        "given twice (as {} and {})",
+                        disk_name(self.disks.iter().position(|o| o.path == d.path).unwrap()),
+                        disk_name(i)
+                    ),
+                });
+            }
+            if let Some(serial) = &d.serial {
+                if serial.len() > 20 || !serial.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(ConfigError::Disk {
+                        path,
+                        reason: format!(
+                            "serial={serial:?}: at most 20 printable ASCII characters are accepted"
+                        ),
+                    });
+                }
+            }
+        }
         check_readable_file(&self.kernel).map_err(|reason| ConfigError::Kernel {
             path: self.kernel.display().to_string(),
             reason,
@@ -183,6 +259,39 @@ mod tests {
     /// Any readable regular file stands in for a kernel here; the loader judges its format.
     fn exe() -> VmConfig {
         VmConfig::new(std::env::current_exe().unwrap())
+    }
+
+    #[test]
+    fn disk_names_follow_linux() {
+        assert_eq!(disk_name(0), "vda");
+        assert_eq!(disk_name(25), "vdz");
+        assert_eq!(disk_name(26), "vdaa");
+        assert_eq!(disk_name(27), "vdab");
+    }
+
+    #[test]
+    fn rejects_duplicate_disks_and_bad_serials() {
+        let mut c = exe();
+        c.disks = vec![DiskConfig::new("/tmp/a.img"), DiskConfig::new("/tmp/a.img")];
+        assert_eq!(
+            c.validate(None).unwrap_err().to_string(),
+            "--disk /tmp/a.img: given twice (as vda and vdb)"
+        );
+        let mut d = DiskConfig::new("/tmp/a.img");
+        d.serial = Some("x".repeat(21));
+        c.disks = vec![d];
+        assert!(c
+            .validate(None)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 20 printable ASCII"));
+        c.disks = (0..20)
+            .map(|i| DiskConfig::new(format!("/tmp/{i}.img")))
+            .collect();
+        assert_eq!(
+            c.validate(None),
+            Err(ConfigError::TooManyDevices { given: 20, max: 19 })
+        );
     }
 
     #[test]

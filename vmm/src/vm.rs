@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::VmFd;
+use kvm_ioctls::{IoEventAddress, VmFd};
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::epoll::EventSet;
@@ -15,10 +15,13 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot::{self, BootSpec};
 use crate::bus::Bus;
-use crate::config::{ConfigError, SerialInput, VmConfig};
+use crate::config::{disk_name, ConfigError, SerialInput, VmConfig};
 use crate::devices::i8042::I8042;
 use crate::devices::power::PowerPort;
 use crate::devices::serial::{open_output, SerialDevice, SerialInputHandler};
+use crate::devices::virtio::block::{Block, Disk, DiskError};
+use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::devices::EventFdTrigger;
 use crate::kvm::{KvmAcceleration, KvmContext, KvmError};
 use crate::layout::*;
@@ -182,6 +185,65 @@ pub struct Vm {
     event_thread: Option<JoinHandle<()>>,
     event_stop: EventFd,
     first_run: Arc<OnceLock<SystemTime>>,
+    blocks: Vec<Arc<Mutex<Block>>>,
+}
+
+/// Where the i-th virtio-mmio device lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VirtioSlot {
+    pub base: u64,
+    pub irq: u32,
+}
+
+/// First legacy IRQ for virtio devices (0-4 are the PIT, keyboard, cascade and COM ports).
+pub const VIRTIO_FIRST_IRQ: u32 = 5;
+
+impl VirtioSlot {
+    pub fn at(i: usize) -> VirtioSlot {
+        VirtioSlot {
+            base: VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE,
+            irq: VIRTIO_FIRST_IRQ + i as u32,
+        }
+    }
+
+    /// ` virtio_mmio.device=4K@0xd0000000:5`
+    pub fn cmdline_entry(&self) -> String {
+        format!(" virtio_mmio.device=4K@{:#x}:{}", self.base, self.irq)
+    }
+}
+
+type Subscribers = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
+
+/// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
+/// event manager.
+fn attach_virtio(
+    vm_fd: &VmFd,
+    memory: &GuestMemory,
+    mmio: &mut Bus,
+    em: &mut Subscribers,
+    slot: VirtioSlot,
+    device: Arc<Mutex<dyn VirtioDevice>>,
+    subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>,
+) -> Result<(), VmError> {
+    let irqfd =
+        EventFd::new(libc::EFD_NONBLOCK).map_err(|e| VmError::Device(format!("eventfd: {e}")))?;
+    vm_fd
+        .register_irqfd(&irqfd, slot.irq)
+        .map_err(kvm_err("KVM_IRQFD virtio"))?;
+    {
+        let d = device.lock().unwrap();
+        for (q, evt) in d.queue_events().iter().enumerate() {
+            let addr = IoEventAddress::Mmio(slot.base + QUEUE_NOTIFY_OFFSET);
+            vm_fd
+                .register_ioevent(evt, &addr, q as u32)
+                .map_err(kvm_err("KVM_IOEVENTFD virtio"))?;
+        }
+    }
+    let transport = MmioTransport::new(device, memory.clone(), VirtioInterrupt::new(irqfd));
+    mmio.insert(slot.base, VIRTIO_MMIO_SIZE, Arc::new(Mutex::new(transport)))
+        .map_err(|e| VmError::Device(e.to_string()))?;
+    em.add_subscriber(subscriber);
+    Ok(())
 }
 
 /// Watches the reset and stop eventfds on the event-manager thread.
@@ -225,6 +287,23 @@ impl Vm {
         config.validate(Some(kvm.max_vcpus))?;
         boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
+        // Disks first: a missing or locked image is the user's to fix, before anything starts.
+        let mut disks = Vec::with_capacity(config.disks.len());
+        for d in &config.disks {
+            let disk = Disk::open(&d.path, d.read_only, d.cache).map_err(|e| {
+                let reason = match e {
+                    DiskError::Open { reason, .. } => reason,
+                    DiskError::Locked { .. } => {
+                        "locked by another VM (advisory lock held)".to_string()
+                    }
+                };
+                ConfigError::Disk {
+                    path: d.path.display().to_string(),
+                    reason,
+                }
+            })?;
+            disks.push(disk);
+        }
 
         let vm_fd = kvm.kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         vm_fd
@@ -261,22 +340,11 @@ impl Vm {
                 .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
         }
 
-        let boot = boot::load(
-            &memory,
-            &BootSpec {
-                mem_size,
-                vcpus: config.vcpus,
-                kernel: &config.kernel,
-                initrd: config.initrd.as_deref(),
-                cmdline: &config.cmdline,
-            },
-        )?;
-
         let end = VmEndSignal::default();
         let dev_err =
             |what: &'static str| move |e: std::io::Error| VmError::Device(format!("{what}: {e}"));
         let mut pio = Bus::new();
-        let mmio = Bus::new();
+        let mut mmio = Bus::new();
 
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
         vm_fd
@@ -305,7 +373,7 @@ impl Vm {
         )
         .map_err(|e| VmError::Device(e.to_string()))?;
 
-        let mut em: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+        let mut em: Subscribers =
             EventManager::new().map_err(|e| VmError::Device(format!("event manager: {e:?}")))?;
         let event_stop = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
         let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -329,6 +397,46 @@ impl Vm {
                 serial, input, drained,
             ))));
         }
+
+        // virtio-mmio devices: one 4 KiB window and one legacy IRQ each, announced on the
+        // kernel command line the way a guest without ACPI finds them.
+        let mut cmdline = config.cmdline.clone();
+        let mut blocks = Vec::new();
+        for (i, (disk, dcfg)) in disks.into_iter().zip(&config.disks).enumerate() {
+            let block = Block::new(disk_name(i), disk, dcfg.serial.as_deref())
+                .map_err(dev_err("virtio-blk"))?;
+            let block = Arc::new(Mutex::new(block));
+            let slot = VirtioSlot::at(blocks.len());
+            attach_virtio(
+                &vm_fd,
+                &memory,
+                &mut mmio,
+                &mut em,
+                slot,
+                block.clone(),
+                block.clone(),
+            )?;
+            cmdline.push_str(&slot.cmdline_entry());
+            blocks.push(block);
+        }
+        if cmdline.len() >= CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong {
+                len: cmdline.len(),
+                max: CMDLINE_MAX_SIZE - 1,
+            }
+            .into());
+        }
+
+        let boot = boot::load(
+            &memory,
+            &BootSpec {
+                mem_size,
+                vcpus: config.vcpus,
+                kernel: &config.kernel,
+                initrd: config.initrd.as_deref(),
+                cmdline: &cmdline,
+            },
+        )?;
 
         let mut vcpus = Vec::with_capacity(config.vcpus as usize);
         for id in 0..config.vcpus {
@@ -385,7 +493,13 @@ impl Vm {
             event_thread: Some(event_thread),
             event_stop,
             first_run,
+            blocks,
         })
+    }
+
+    /// The VM's virtio-blk devices, in guest order.
+    pub fn blocks(&self) -> &[Arc<Mutex<Block>>] {
+        &self.blocks
     }
 
     pub fn memory(&self) -> &GuestMemory {

@@ -10,8 +10,10 @@
 #![no_std]
 #![no_main]
 
+mod blk;
 mod hw;
 mod smp;
+mod virtio;
 
 use core::fmt::Write;
 use core::panic::PanicInfo;
@@ -133,6 +135,33 @@ pub fn probe_end() -> u64 {
 
 static mut TEST_NAME: &str = "unknown";
 
+/// A fixed-size line buffer for building result details without an allocator.
+pub struct Line {
+    buf: [u8; 1024],
+    len: usize,
+}
+
+impl Line {
+    pub const fn new() -> Self {
+        Line {
+            buf: [0; 1024],
+            len: 0,
+        }
+    }
+    pub fn as_str(&self) -> &str {
+        core::str::from_utf8(&self.buf[..self.len]).unwrap_or("?")
+    }
+}
+
+impl Write for Line {
+    fn write_str(&mut self, s: &str) -> core::fmt::Result {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
 pub fn result(ok: bool, details: core::fmt::Arguments) -> ! {
     let name = unsafe { TEST_NAME };
     let _ = writeln!(
@@ -184,6 +213,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         }
         "reset" => hw::i8042_reset(),
         "console" => console_test(),
+        "blk" => blk::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }

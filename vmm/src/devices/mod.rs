@@ -2,6 +2,7 @@
 pub mod i8042;
 pub mod power;
 pub mod serial;
+pub mod virtio;
 
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;

@@ -1,0 +1,189 @@
+//! `probe.test=blk`: on every virtio-blk disk, write a known pattern to sectors spread across
+//! the disk, flush, read back and verify; check a read-only disk rejects writes; read the serial.
+
+use core::fmt::Write;
+
+use crate::virtio::{Device, Queue, Rings, DESC_F_WRITE};
+use crate::{result, Line};
+
+const T_IN: u32 = 0;
+const T_OUT: u32 = 1;
+const T_FLUSH: u32 = 4;
+const T_GET_ID: u32 = 8;
+const F_RO: u64 = 1 << 5;
+const F_FLUSH: u64 = 1 << 9;
+const SAMPLES: u64 = 16;
+const SPINS: u32 = 5_000_000;
+
+static mut RINGS: [Rings; 8] = [const { Rings::new() }; 8];
+
+#[repr(C, align(4096))]
+struct Page([u8; 4096]);
+static mut HDR: Page = Page([0; 4096]);
+static mut DATA: Page = Page([0; 4096]);
+static mut DATA2: Page = Page([0; 4096]);
+
+/// The bytes the probe writes to `sector`: a readable tag the host test checks in the image file,
+/// then a sector-dependent pattern.
+pub fn pattern(sector: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (sector as u8).wrapping_mul(31).wrapping_add(i as u8);
+    }
+    let tag = b"MVPROBE sector ";
+    buf[..tag.len()].copy_from_slice(tag);
+    let mut n = sector;
+    let mut digits = [b'0'; 20];
+    let mut k = 20;
+    loop {
+        k -= 1;
+        digits[k] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    buf[tag.len()..tag.len() + 20 - k].copy_from_slice(&digits[k..]);
+}
+
+struct Disk {
+    dev: Device,
+    q: Queue,
+}
+
+impl Disk {
+    /// Submits one request and returns its status byte. The header and status live in HDR.
+    fn request(
+        &mut self,
+        kind: u32,
+        sector: u64,
+        data: &[(u64, u32, bool)],
+    ) -> Result<u8, &'static str> {
+        let hdr = unsafe { core::ptr::addr_of_mut!(HDR.0) as *mut u8 };
+        unsafe {
+            core::ptr::write_volatile(hdr as *mut u32, kind);
+            core::ptr::write_volatile(hdr.add(4) as *mut u32, 0);
+            core::ptr::write_volatile(hdr.add(8) as *mut u64, sector);
+            core::ptr::write_volatile(hdr.add(64), 0xff);
+        }
+        let mut chain = [(0u64, 0u32, 0u16); 4];
+        chain[0] = (hdr as u64, 16, 0);
+        for (i, &(a, l, w)) in data.iter().enumerate() {
+            chain[1 + i] = (a, l, if w { DESC_F_WRITE } else { 0 });
+        }
+        chain[1 + data.len()] = (hdr as u64 + 64, 1, DESC_F_WRITE);
+        self.q.push(&chain[..2 + data.len()]);
+        self.dev.notify(&self.q);
+        self.q.wait_used(SPINS).ok_or("request timed out")?;
+        Ok(unsafe { core::ptr::read_volatile(hdr.add(64)) })
+    }
+}
+
+fn data_ptr() -> *mut u8 {
+    unsafe { core::ptr::addr_of_mut!(DATA.0) as *mut u8 }
+}
+
+fn data2_ptr() -> *mut u8 {
+    unsafe { core::ptr::addr_of_mut!(DATA2.0) as *mut u8 }
+}
+
+fn test_disk(i: usize, base: u64, out: &mut Line) -> Result<(), &'static str> {
+    let dev = Device { base };
+    let features = dev.init(F_RO | F_FLUSH)?;
+    let rings = unsafe { &mut (*core::ptr::addr_of_mut!(RINGS))[i] };
+    let q = dev.setup_queue(0, rings)?;
+    dev.driver_ok();
+    let sectors = dev.config_u64(0);
+    let mut d = Disk { dev, q };
+    let ro = features & F_RO != 0;
+
+    // Serial through GET_ID.
+    let st = d.request(T_GET_ID, 0, &[(data_ptr() as u64, 20, true)])?;
+    if st != 0 {
+        return Err("GET_ID failed");
+    }
+    let id = unsafe { core::slice::from_raw_parts(data_ptr(), 20) };
+    let id_len = id.iter().position(|&b| b == 0).unwrap_or(20);
+    let serial = core::str::from_utf8(&id[..id_len]).unwrap_or("?");
+    let _ = write!(
+        out,
+        " d{i}.serial={serial} d{i}.sectors={sectors} d{i}.mode={}",
+        if ro { "ro" } else { "rw" }
+    );
+    if sectors < 2 {
+        return Err("disk too small");
+    }
+
+    let sample = |k: u64| k * (sectors - 2) / (SAMPLES - 1);
+    if ro {
+        let st = d.request(T_OUT, 0, &[(data_ptr() as u64, 512, false)])?;
+        if st == 0 {
+            return Err("write to a read-only disk succeeded");
+        }
+        let _ = write!(out, " d{i}.write_rejected=1");
+        return Ok(());
+    }
+    // Writes: one sector each, and the last one as two segments across two sectors.
+    for k in 0..SAMPLES {
+        let s = sample(k);
+        let buf = unsafe { core::slice::from_raw_parts_mut(data_ptr(), 512) };
+        pattern(s, buf);
+        let st = if k == SAMPLES - 1 {
+            let buf2 = unsafe { core::slice::from_raw_parts_mut(data2_ptr(), 512) };
+            pattern(s + 1, buf2);
+            d.request(
+                T_OUT,
+                s,
+                &[
+                    (data_ptr() as u64, 512, false),
+                    (data2_ptr() as u64, 512, false),
+                ],
+            )?
+        } else {
+            d.request(T_OUT, s, &[(data_ptr() as u64, 512, false)])?
+        };
+        if st != 0 {
+            return Err("write failed");
+        }
+    }
+    if d.request(T_FLUSH, 0, &[])? != 0 {
+        return Err("flush failed");
+    }
+    let mut verified = 0;
+    let mut expect = [0u8; 512];
+    for k in 0..SAMPLES {
+        let s = sample(k);
+        unsafe { core::ptr::write_bytes(data_ptr(), 0, 1024) };
+        if d.request(T_IN, s, &[(data_ptr() as u64, 1024, true)])? != 0 {
+            return Err("read failed");
+        }
+        let got = unsafe { core::slice::from_raw_parts(data_ptr(), 512) };
+        pattern(s, &mut expect);
+        if got != expect {
+            return Err("read back differs from what was written");
+        }
+        verified += 1;
+    }
+    // Reading past the end must fail, not return stale data.
+    if d.request(T_IN, sectors, &[(data_ptr() as u64, 512, true)])? == 0 {
+        return Err("read beyond the disk succeeded");
+    }
+    let _ = write!(out, " d{i}.verified={verified}");
+    Ok(())
+}
+
+pub fn run(cmdline: &str) -> ! {
+    let mut bases = [0u64; 8];
+    let n = crate::virtio::devices(cmdline, &mut bases);
+    let mut disks = 0;
+    let mut out = Line::new();
+    for (i, &b) in bases[..n].iter().enumerate() {
+        if (Device { base: b }).device_id() != 2 {
+            continue;
+        }
+        disks += 1;
+        if let Err(e) = test_disk(i, b, &mut out) {
+            result(false, format_args!("{e} disks={disks}{}", out.as_str()));
+        }
+    }
+    result(disks > 0, format_args!("disks={disks}{}", out.as_str()))
+}

@@ -1,0 +1,28 @@
+//! virtio-blk on the event-manager thread: queue notifications (ioeventfd) and activation.
+
+use std::os::fd::AsRawFd;
+
+use event_manager::{EventOps, Events, MutEventSubscriber};
+use vmm_sys_util::epoll::EventSet;
+
+use super::Block;
+
+impl MutEventSubscriber for Block {
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [&self.queue_evts[0], &self.activate_evt] {
+            if let Err(e) = ops.add(Events::new(fd, EventSet::IN)) {
+                tracing::error!(disk = %self.id, "virtio-blk: cannot watch eventfd: {e:?}");
+            }
+        }
+    }
+
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.queue_evts[0].as_raw_fd() {
+            let _ = self.queue_evts[0].read();
+        } else if fd == self.activate_evt.as_raw_fd() {
+            let _ = self.activate_evt.read();
+        }
+        self.process_queue();
+    }
+}

@@ -1,0 +1,491 @@
+//! virtio-blk: raw images and block devices, with flush, get-id, discard and write-zeroes.
+//! Requests run on the event-manager thread (see `event_handler`), never on a vCPU thread.
+
+pub mod disk;
+mod event_handler;
+pub mod request;
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::bitmap::Bitmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use vmm_sys_util::eventfd::EventFd;
+
+pub use disk::{CacheMode, Disk, DiskError};
+use request::*;
+
+use super::{
+    read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_BLOCK,
+    VIRTIO_F_VERSION_1,
+};
+use crate::vm::GuestMemory;
+
+pub const VIRTIO_BLK_F_SIZE_MAX: u64 = 1 << 1;
+pub const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
+pub const VIRTIO_BLK_F_RO: u64 = 1 << 5;
+pub const VIRTIO_BLK_F_BLK_SIZE: u64 = 1 << 6;
+pub const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+pub const VIRTIO_BLK_F_DISCARD: u64 = 1 << 13;
+pub const VIRTIO_BLK_F_WRITE_ZEROES: u64 = 1 << 14;
+
+pub const QUEUE_SIZE: u16 = 256;
+/// Largest single data segment and most segments per request we accept (and advertise).
+pub const SIZE_MAX: u32 = 1 << 20;
+pub const SEG_MAX: u32 = 126;
+/// O_DIRECT alignment for bounce buffers.
+const DIRECT_ALIGN: usize = 4096;
+const MAX_DISCARD_SECTORS: u32 = u32::MAX >> SECTOR_SHIFT;
+
+/// Per-device counters for status reporting.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockCounters {
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub flushes: u64,
+    pub errors: u64,
+}
+
+pub struct Block {
+    pub id: String,
+    disk: Disk,
+    serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
+    config: Vec<u8>,
+    avail_features: u64,
+    acked_features: u64,
+    queue_evts: [EventFd; 1],
+    activate_evt: EventFd,
+    active: Option<Active>,
+    pub counters: BlockCounters,
+}
+
+struct Active {
+    mem: GuestMemory,
+    queue: Queue,
+    interrupt: Arc<VirtioInterrupt>,
+}
+
+impl Block {
+    pub fn new(id: String, disk: Disk, serial: Option<&str>) -> std::io::Result<Block> {
+        let mut avail_features = VIRTIO_F_VERSION_1
+            | VIRTIO_BLK_F_SIZE_MAX
+            | VIRTIO_BLK_F_SEG_MAX
+            | VIRTIO_BLK_F_BLK_SIZE
+            | VIRTIO_BLK_F_FLUSH;
+        if disk.read_only {
+            avail_features |= VIRTIO_BLK_F_RO;
+        } else {
+            avail_features |= VIRTIO_BLK_F_DISCARD | VIRTIO_BLK_F_WRITE_ZEROES;
+        }
+        let mut s = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        if let Some(serial) = serial {
+            let b = serial.as_bytes();
+            let n = b.len().min(s.len());
+            s[..n].copy_from_slice(&b[..n]);
+        }
+        let config = build_config(disk.sectors());
+        Ok(Block {
+            id,
+            disk,
+            serial: s,
+            config,
+            avail_features,
+            acked_features: 0,
+            queue_evts: [EventFd::new(libc::EFD_NONBLOCK)?],
+            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
+            active: None,
+            counters: BlockCounters::default(),
+        })
+    }
+
+    pub fn disk(&self) -> &Disk {
+        &self.disk
+    }
+
+    /// Pops and completes every available request; interrupts the guest once at the end.
+    pub fn process_queue(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mut completed = false;
+        loop {
+            let chain = match active.queue.iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    tracing::warn!(disk = %self.id, "virtio-blk: broken available ring ({e}); device needs reset");
+                    active.interrupt.device_needs_reset();
+                    return;
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let descs: Vec<_> = chain.collect();
+            let used_len = execute(
+                &self.disk,
+                &self.serial,
+                &active.mem,
+                &descs,
+                &mut self.counters,
+            );
+            if let Err(e) = active.queue.add_used(&active.mem, head, used_len) {
+                tracing::warn!(disk = %self.id, "virtio-blk: cannot complete request: {e}");
+                active.interrupt.device_needs_reset();
+                return;
+            }
+            completed = true;
+        }
+        if completed && active.queue.needs_notification(&active.mem).unwrap_or(true) {
+            active.interrupt.signal(INT_USED_RING);
+        }
+    }
+}
+
+/// The virtio_blk_config layout (VIRTIO 1.2 §5.2.4).
+fn build_config(sectors: u64) -> Vec<u8> {
+    let mut c = vec![0u8; 60];
+    c[0..8].copy_from_slice(&sectors.to_le_bytes());
+    c[8..12].copy_from_slice(&SIZE_MAX.to_le_bytes());
+    c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
+    c[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes()); // blk_size
+    c[36..40].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
+    c[40..44].copy_from_slice(&1u32.to_le_bytes()); // max_discard_seg
+    c[44..48].copy_from_slice(&1u32.to_le_bytes()); // discard_sector_alignment
+    c[48..52].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes()); // max_write_zeroes_sectors
+    c[52..56].copy_from_slice(&1u32.to_le_bytes()); // max_write_zeroes_seg
+    c[56] = 1; // write_zeroes_may_unmap
+    c
+}
+
+/// Runs one request and writes its status; returns the used length (bytes the device wrote).
+fn execute(
+    disk: &Disk,
+    serial: &[u8],
+    mem: &GuestMemory,
+    descs: &[virtio_queue::desc::split::Descriptor],
+    counters: &mut BlockCounters,
+) -> u32 {
+    counters.requests += 1;
+    let limits = Limits {
+        seg_max: SEG_MAX,
+        size_max: SIZE_MAX,
+    };
+    let (status, status_addr, written) = match parse(mem, descs, limits) {
+        Ok(req) => {
+            let (status, written) = match run(disk, serial, mem, &req, counters) {
+                Ok(w) => (VIRTIO_BLK_S_OK, w),
+                Err(s) => (s, 0),
+            };
+            (status, Some(req.status), written)
+        }
+        Err((e, status_addr)) => {
+            tracing::debug!("virtio-blk: malformed request: {e}");
+            (VIRTIO_BLK_S_IOERR, status_addr, 0)
+        }
+    };
+    if status != VIRTIO_BLK_S_OK {
+        counters.errors += 1;
+    }
+    match status_addr {
+        Some(a) if mem.write_obj(status, a).is_ok() => written + 1,
+        _ => 0,
+    }
+}
+
+fn io_err(e: std::io::Error) -> u8 {
+    tracing::debug!("virtio-blk: I/O error: {e}");
+    VIRTIO_BLK_S_IOERR
+}
+
+/// Checks a sector range lies within the disk; returns the byte offset.
+fn disk_range(disk: &Disk, sector: u64, len: u64) -> Result<u64, u8> {
+    let off = sector.checked_mul(SECTOR_SIZE).ok_or(VIRTIO_BLK_S_IOERR)?;
+    match off.checked_add(len) {
+        Some(end) if end <= disk.size => Ok(off),
+        _ => Err(VIRTIO_BLK_S_IOERR),
+    }
+}
+
+fn run(
+    disk: &Disk,
+    serial: &[u8],
+    mem: &GuestMemory,
+    req: &Request,
+    counters: &mut BlockCounters,
+) -> Result<u32, u8> {
+    match req.kind {
+        RequestType::In => {
+            let mut off = disk_range(disk, req.sector, req.data_len())?;
+            for &(addr, len) in &req.data {
+                transfer(disk, mem, addr, len, off, Direction::FromDisk)?;
+                off += len as u64;
+            }
+            counters.read_bytes += req.data_len();
+            Ok(req.data_len() as u32)
+        }
+        RequestType::Out => {
+            if disk.read_only {
+                return Err(VIRTIO_BLK_S_IOERR);
+            }
+            let mut off = disk_range(disk, req.sector, req.data_len())?;
+            for &(addr, len) in &req.data {
+                transfer(disk, mem, addr, len, off, Direction::ToDisk)?;
+                off += len as u64;
+            }
+            counters.write_bytes += req.data_len();
+            Ok(0)
+        }
+        RequestType::Flush => {
+            counters.flushes += 1;
+            if disk.read_only {
+                return Ok(0);
+            }
+            disk.file.sync_data().map_err(io_err)?;
+            Ok(0)
+        }
+        RequestType::GetId => {
+            let (addr, _) = req.data[0];
+            mem.write_slice(serial, addr)
+                .map_err(|_| VIRTIO_BLK_S_IOERR)?;
+            Ok(serial.len() as u32)
+        }
+        RequestType::Discard | RequestType::WriteZeroes => {
+            if disk.read_only {
+                return Err(VIRTIO_BLK_S_IOERR);
+            }
+            for &(addr, len) in &req.data {
+                for i in 0..(len / SEGMENT_SIZE) {
+                    let at = GuestAddress(addr.0 + (i * SEGMENT_SIZE) as u64);
+                    let sector: u64 = mem.read_obj(at).map_err(|_| VIRTIO_BLK_S_IOERR)?;
+                    let n: u32 = mem
+                        .read_obj(GuestAddress(at.0 + 8))
+                        .map_err(|_| VIRTIO_BLK_S_IOERR)?;
+                    let flags: u32 = mem
+                        .read_obj(GuestAddress(at.0 + 12))
+                        .map_err(|_| VIRTIO_BLK_S_IOERR)?;
+                    let bytes = (n as u64) << SECTOR_SHIFT;
+                    let off = disk_range(disk, sector, bytes)?;
+                    let unmap =
+                        req.kind == RequestType::Discard || flags & WRITE_ZEROES_FLAG_UNMAP != 0;
+                    zero_range(disk, off, bytes, unmap)?;
+                }
+            }
+            Ok(0)
+        }
+        RequestType::Unsupported(t) => {
+            tracing::debug!("virtio-blk: unsupported request type {t}");
+            Err(VIRTIO_BLK_S_UNSUPP)
+        }
+    }
+}
+
+/// Discard punches a hole (reads return zeroes); write-zeroes without unmap keeps the
+/// allocation. Both leave zeroes behind, so a guest can rely on either.
+fn zero_range(disk: &Disk, off: u64, len: u64, unmap: bool) -> Result<(), u8> {
+    if len == 0 {
+        return Ok(());
+    }
+    let mode = if unmap {
+        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+    } else {
+        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+    };
+    // SAFETY: fallocate on our own fd with checked, in-range arguments.
+    let r = unsafe { libc::fallocate(disk.file.as_raw_fd(), mode, off as i64, len as i64) };
+    if r == 0 {
+        return Ok(());
+    }
+    // File systems without hole punching: write zeroes.
+    let zeroes = vec![0u8; 64 * 1024];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(zeroes.len() as u64) as usize;
+        pwrite_all(&disk.file, &zeroes[..n], off + done).map_err(io_err)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+fn pwrite_all(f: &std::fs::File, buf: &[u8], off: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    f.write_all_at(buf, off)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    FromDisk,
+    ToDisk,
+}
+
+/// A page-aligned buffer for O_DIRECT, whose buffers, offsets and lengths must be aligned.
+struct AlignedBuf {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> AlignedBuf {
+        let layout = std::alloc::Layout::from_size_align(len.max(DIRECT_ALIGN), DIRECT_ALIGN)
+            .expect("layout");
+        // SAFETY: non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "out of memory");
+        AlignedBuf { ptr, layout }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
+/// Moves `len` bytes between guest memory at `addr` and the disk at `off`. A short read (the
+/// image is shorter than it was) is an I/O error, never stale guest data reported as success.
+fn transfer(
+    disk: &Disk,
+    mem: &GuestMemory,
+    addr: GuestAddress,
+    len: u32,
+    off: u64,
+    dir: Direction,
+) -> Result<(), u8> {
+    if len == 0 {
+        return Ok(());
+    }
+    let slice = mem
+        .get_slice(addr, len as usize)
+        .map_err(|_| VIRTIO_BLK_S_IOERR)?;
+    let fd = disk.file.as_raw_fd();
+    let len = len as usize;
+    let direct = disk.cache == CacheMode::None;
+    let bounce = direct.then(|| AlignedBuf::new(len.next_multiple_of(DIRECT_ALIGN)));
+    let rw_len = if direct {
+        len.next_multiple_of(SECTOR_SIZE as usize)
+    } else {
+        len
+    };
+    match dir {
+        Direction::FromDisk => {
+            let guard = slice.ptr_guard_mut();
+            let buf = bounce.as_ref().map_or(guard.as_ptr(), |b| b.ptr);
+            let n = full_io(rw_len, |done| {
+                // SAFETY: `buf` has `rw_len` writable bytes (guest slice or bounce buffer).
+                unsafe {
+                    libc::pread(
+                        fd,
+                        buf.add(done) as *mut libc::c_void,
+                        rw_len - done,
+                        (off + done as u64) as i64,
+                    )
+                }
+            })?;
+            if n < len {
+                return Err(VIRTIO_BLK_S_IOERR);
+            }
+            if let Some(b) = &bounce {
+                // SAFETY: both ranges have `len` bytes and do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(b.ptr, guard.as_ptr(), len) };
+            }
+            // The VMM wrote guest memory behind KVM's back: record it for migration.
+            slice.bitmap().mark_dirty(0, len);
+        }
+        Direction::ToDisk => {
+            let guard = slice.ptr_guard();
+            let buf = match &bounce {
+                Some(b) => {
+                    // SAFETY: both ranges have `len` bytes and do not overlap.
+                    unsafe { std::ptr::copy_nonoverlapping(guard.as_ptr(), b.ptr, len) };
+                    b.ptr as *const u8
+                }
+                None => guard.as_ptr(),
+            };
+            let n = full_io(rw_len, |done| {
+                // SAFETY: `buf` has `rw_len` readable bytes.
+                unsafe {
+                    libc::pwrite(
+                        fd,
+                        buf.add(done) as *const libc::c_void,
+                        rw_len - done,
+                        (off + done as u64) as i64,
+                    )
+                }
+            })?;
+            if n < len {
+                return Err(VIRTIO_BLK_S_IOERR);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Repeats a positional read or write (`op(done)` transfers from byte `done` on) until `total`
+/// bytes moved, EOF, or an error; returns the bytes moved.
+fn full_io(total: usize, mut op: impl FnMut(usize) -> isize) -> Result<usize, u8> {
+    let mut done = 0usize;
+    while done < total {
+        match op(done) {
+            0 => break,
+            r if r > 0 => done += r as usize,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(io_err(e));
+                }
+            }
+        }
+    }
+    Ok(done)
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        TYPE_BLOCK
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+    fn avail_features(&self) -> u64 {
+        self.avail_features
+    }
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        let queue = queues
+            .into_iter()
+            .next()
+            .ok_or(ActivateError::BadQueue(0))?;
+        if !queue.ready() {
+            return Err(ActivateError::BadQueue(0));
+        }
+        self.active = Some(Active {
+            mem,
+            queue,
+            interrupt,
+        });
+        // Requests queued before activation completed are picked up on the event thread.
+        let _ = self.activate_evt.write(1);
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+    }
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+}

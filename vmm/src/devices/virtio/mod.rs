@@ -1,0 +1,113 @@
+//! virtio 1.2 devices on the virtio-mmio transport (version 2). The transport (`mmio`) owns
+//! the register file and the device status state machine; each device folder holds the device
+//! logic and its event handler side by side.
+
+pub mod block;
+pub mod mmio;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::vm::GuestMemory;
+
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+pub const VIRTIO_F_RING_EVENT_IDX: u64 = 1 << 29;
+
+pub const TYPE_NET: u32 = 1;
+pub const TYPE_BLOCK: u32 = 2;
+
+/// Device status bits (VIRTIO 1.2 §2.1).
+pub mod status {
+    pub const ACKNOWLEDGE: u32 = 1;
+    pub const DRIVER: u32 = 2;
+    pub const DRIVER_OK: u32 = 4;
+    pub const FEATURES_OK: u32 = 8;
+    pub const DEVICE_NEEDS_RESET: u32 = 64;
+    pub const FAILED: u32 = 128;
+}
+
+/// Interrupt status bits (virtio-mmio InterruptStatus).
+pub const INT_USED_RING: u32 = 1;
+pub const INT_CONFIG_CHANGE: u32 = 2;
+
+/// The device side of a virtio-mmio interrupt: a status word the driver reads and acks, and an
+/// irqfd that injects the device's GSI.
+pub struct VirtioInterrupt {
+    pub status: AtomicU32,
+    pub irqfd: EventFd,
+    /// Set by a device whose driver broke the queue protocol (e.g. an available index running
+    /// ahead of the queue size); the transport reports DEVICE_NEEDS_RESET.
+    pub needs_reset: std::sync::atomic::AtomicBool,
+}
+
+impl VirtioInterrupt {
+    pub fn new(irqfd: EventFd) -> Arc<Self> {
+        Arc::new(VirtioInterrupt {
+            status: AtomicU32::new(0),
+            irqfd,
+            needs_reset: Default::default(),
+        })
+    }
+
+    pub fn device_needs_reset(&self) {
+        self.needs_reset.store(true, Ordering::SeqCst);
+        self.signal(INT_CONFIG_CHANGE);
+    }
+
+    pub fn signal(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!("virtio interrupt: {e}");
+        }
+    }
+
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("queue {0} is not ready or its rings are outside guest memory")]
+    BadQueue(usize),
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// What a device implements; the transport does the rest.
+pub trait VirtioDevice: Send {
+    fn device_type(&self) -> u32;
+    fn queue_max_sizes(&self) -> &[u16];
+    fn avail_features(&self) -> u64;
+    /// Called once FEATURES_OK is accepted, with the features the driver acked.
+    fn set_acked_features(&mut self, features: u64);
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Most of our config spaces are read-only to the driver; writes are ignored by default.
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// The eventfds KVM signals when the driver notifies queue i (registered as ioeventfds).
+    fn queue_events(&self) -> &[EventFd];
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError>;
+    /// Returns to the state before activation (the driver wrote 0 to Status).
+    fn reset(&mut self);
+    fn is_activated(&self) -> bool;
+}
+
+/// Reads `data.len()` bytes at `offset` of a config space, zero beyond its end.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(i))
+            .and_then(|o| config.get(o))
+            .copied()
+            .unwrap_or(0);
+    }
+}
