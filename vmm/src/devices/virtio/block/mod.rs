@@ -489,3 +489,269 @@ impl VirtioDevice for Block {
         self.active.is_some()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
+    use virtio_queue::mock::MockSplitQueue;
+
+    const HDR: u64 = 0x10_0000;
+    const DATA: u64 = 0x20_0000;
+    const STATUS: u64 = 0x30_0000;
+
+    fn mem() -> GuestMemory {
+        GuestMemory::from_ranges(&[(GuestAddress(0), 8 << 20)]).unwrap()
+    }
+
+    fn image(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("mv-blk-{}-{name}", std::process::id()));
+        std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
+        p
+    }
+
+    fn desc(addr: u64, len: u32, flags: u32) -> RawDescriptor {
+        RawDescriptor::from(SplitDescriptor::new(addr, len, flags as u16, 0))
+    }
+
+    /// Submits one request through a mock split queue and returns (status, used len).
+    fn submit(
+        block: &mut Block,
+        m: &GuestMemory,
+        kind: u32,
+        sector: u64,
+        data: Option<(u32, bool)>,
+    ) -> (u8, u32) {
+        m.write_obj(kind, GuestAddress(HDR)).unwrap();
+        m.write_obj(sector, GuestAddress(HDR + 8)).unwrap();
+        m.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        let mut descs = vec![desc(HDR, 16, VRING_DESC_F_NEXT)];
+        if let Some((len, write)) = data {
+            descs.push(desc(
+                DATA,
+                len,
+                VRING_DESC_F_NEXT | if write { VRING_DESC_F_WRITE } else { 0 },
+            ));
+        }
+        descs.push(desc(STATUS, 1, VRING_DESC_F_WRITE));
+        let vq = MockSplitQueue::new(m, 16);
+        vq.build_desc_chain(&descs).unwrap();
+        let q: Queue = vq.create_queue().unwrap();
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let interrupt = VirtioInterrupt::new(irq.try_clone().unwrap());
+        block
+            .activate(m.clone(), vec![q], interrupt.clone())
+            .unwrap();
+        block.process_queue();
+        assert_eq!(irq.read().unwrap(), 1, "the guest is interrupted once");
+        assert_eq!(
+            interrupt.status.load(std::sync::atomic::Ordering::SeqCst) & INT_USED_RING,
+            INT_USED_RING
+        );
+        let used_idx: u16 = m.read_obj(vq.used_addr().unchecked_add(2)).unwrap();
+        assert_eq!(used_idx, 1);
+        let used_len: u32 = m.read_obj(vq.used_addr().unchecked_add(8)).unwrap();
+        (m.read_obj(GuestAddress(STATUS)).unwrap(), used_len)
+    }
+
+    fn block(path: &std::path::Path, ro: bool, cache: CacheMode) -> Block {
+        Block::new(
+            "vda".into(),
+            Disk::open(path, ro, cache).unwrap(),
+            Some("serial-1"),
+        )
+        .unwrap()
+    }
+
+    use vm_memory::Address;
+
+    #[test]
+    fn read_write_flush_getid_through_the_queue() {
+        let m = mem();
+        let p = image("rw", &vec![0u8; 64 * 1024]);
+        let mut b = block(&p, false, CacheMode::Writeback);
+        m.write_slice(&[0xab; 1024], GuestAddress(DATA)).unwrap();
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_OUT, 3, Some((1024, false))),
+            (VIRTIO_BLK_S_OK, 1)
+        );
+        let file = std::fs::read(&p).unwrap();
+        assert!(file[3 * 512..5 * 512].iter().all(|&x| x == 0xab));
+        assert!(file[..3 * 512].iter().all(|&x| x == 0));
+        m.write_slice(&[0u8; 1024], GuestAddress(DATA)).unwrap();
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 3, Some((512, true))),
+            (VIRTIO_BLK_S_OK, 513)
+        );
+        let mut got = [0u8; 512];
+        m.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+        assert!(got.iter().all(|&x| x == 0xab));
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_FLUSH, 0, None).0,
+            VIRTIO_BLK_S_OK
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_GET_ID, 0, Some((20, true))),
+            (VIRTIO_BLK_S_OK, 21)
+        );
+        let mut id = [0u8; 20];
+        m.read_slice(&mut id, GuestAddress(DATA)).unwrap();
+        assert_eq!(&id[..9], b"serial-1\0");
+        assert_eq!(b.counters.flushes, 1);
+        assert_eq!((b.counters.read_bytes, b.counters.write_bytes), (512, 1024));
+        // Unknown request types are unsupported, not errors of the VMM.
+        assert_eq!(submit(&mut b, &m, 99, 0, None).0, VIRTIO_BLK_S_UNSUPP);
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn out_of_range_and_read_only_are_io_errors() {
+        let m = mem();
+        let p = image("ro", &vec![7u8; 8 * 512]);
+        let mut b = block(&p, true, CacheMode::Writeback);
+        assert_eq!(b.avail_features() & VIRTIO_BLK_F_RO, VIRTIO_BLK_F_RO);
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_OUT, 0, Some((512, false))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 7, Some((1024, true))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, u64::MAX, Some((512, true))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 7, Some((512, true))).0,
+            VIRTIO_BLK_S_OK
+        );
+        assert!(
+            std::fs::read(&p).unwrap().iter().all(|&x| x == 7),
+            "a read-only image is never written"
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn short_read_of_truncated_image_is_an_io_error() {
+        let m = mem();
+        let p = image("trunc", &vec![1u8; 16 * 512]);
+        let mut b = block(&p, false, CacheMode::Writeback);
+        // Another process shrinks the image under the running VM.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(4 * 512)
+            .unwrap();
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 8, Some((512, true))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 3, Some((1024, true))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_IN, 0, Some((512, true))).0,
+            VIRTIO_BLK_S_OK
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn discard_and_write_zeroes_leave_zeroes() {
+        let m = mem();
+        let p = image("zero", &vec![9u8; 64 * 512]);
+        let mut b = block(&p, false, CacheMode::Writeback);
+        for (kind, sector) in [
+            (VIRTIO_BLK_T_DISCARD, 8u64),
+            (VIRTIO_BLK_T_WRITE_ZEROES, 32),
+        ] {
+            m.write_obj(sector, GuestAddress(DATA)).unwrap();
+            m.write_obj(8u32, GuestAddress(DATA + 8)).unwrap();
+            m.write_obj(0u32, GuestAddress(DATA + 12)).unwrap();
+            assert_eq!(
+                submit(&mut b, &m, kind, 0, Some((16, false))).0,
+                VIRTIO_BLK_S_OK
+            );
+        }
+        let file = std::fs::read(&p).unwrap();
+        assert_eq!(file.len(), 64 * 512, "size is kept");
+        for (i, chunk) in file.chunks(512).enumerate() {
+            let zero = (8..16).contains(&i) || (32..40).contains(&i);
+            assert!(
+                chunk.iter().all(|&x| x == if zero { 0 } else { 9 }),
+                "sector {i}"
+            );
+        }
+        // A segment past the end fails.
+        m.write_obj(60u64, GuestAddress(DATA)).unwrap();
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_DISCARD, 0, Some((16, false))).0,
+            VIRTIO_BLK_S_IOERR
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn second_writer_is_locked_out() {
+        let p = image("lock", &[0u8; 512]);
+        let _first = Disk::open(&p, false, CacheMode::Writeback).unwrap();
+        assert!(matches!(
+            Disk::open(&p, false, CacheMode::Writeback),
+            Err(DiskError::Locked { .. })
+        ));
+        assert!(matches!(
+            Disk::open(&p, true, CacheMode::Writeback),
+            Err(DiskError::Locked { .. })
+        ));
+        std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn garbage_rings_never_panic() {
+        // Random descriptor tables and an available index far beyond the queue size.
+        let m = mem();
+        let p = image("garbage", &[0u8; 4096]);
+        let mut b = block(&p, false, CacheMode::Writeback);
+        let vq = MockSplitQueue::new(&m, 16);
+        let mut seed = 0x1234_5678u64;
+        for i in 0..16u16 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let d = SplitDescriptor::new(
+                seed % (16 << 20),
+                (seed >> 20) as u32 % 70000,
+                (seed >> 40) as u16 & 7,
+                (seed >> 50) as u16 % 20,
+            );
+            vq.desc_table().store(i, RawDescriptor::from(d)).unwrap();
+            m.write_obj(
+                (seed >> 8) as u16 % 20,
+                vq.avail_addr().unchecked_add(4 + 2 * i as u64),
+            )
+            .unwrap();
+        }
+        m.write_obj(16u16, vq.avail_addr().unchecked_add(2))
+            .unwrap();
+        let q: Queue = vq.create_queue().unwrap();
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let interrupt = VirtioInterrupt::new(irq);
+        b.activate(m.clone(), vec![q], interrupt.clone()).unwrap();
+        b.process_queue();
+        assert!(b.counters.errors > 0);
+        // An available index 1000 ahead of what was consumed breaks the ring protocol.
+        m.write_obj(1016u16, vq.avail_addr().unchecked_add(2))
+            .unwrap();
+        b.process_queue();
+        assert!(interrupt
+            .needs_reset
+            .load(std::sync::atomic::Ordering::SeqCst));
+        std::fs::remove_file(p).unwrap();
+    }
+}
