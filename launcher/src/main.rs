@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use vmm::config::{CacheMode, DiskConfig};
+use vmm::config::{CacheMode, DiskConfig, MacAddr, NetConfig, TapSource};
 use vmm::{SerialInput, SerialOutput, Vm, VmConfig};
 
 /// Exit status for a configuration the user must fix; nothing was started.
@@ -55,6 +55,10 @@ struct RunArgs {
     /// guest sees them in order as vda, vdb, ...
     #[arg(long = "disk", value_name = "SPEC")]
     disks: Vec<String>,
+    /// A virtio-net NIC on an existing TAP: tap=NAME[,mac=MAC] (or fd=N for an open TAP file
+    /// descriptor). Repeatable; the guest sees them in order as eth0, eth1, ...
+    #[arg(long = "net", value_name = "SPEC")]
+    nets: Vec<String>,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
@@ -92,8 +96,19 @@ fn run(args: RunArgs) -> ExitCode {
             }
         }
     }
+    let mut nets = Vec::new();
+    for spec in &args.nets {
+        match parse_net(spec) {
+            Ok(n) => nets.push(n),
+            Err(e) => {
+                eprintln!("virt-launcher: {e}");
+                return ExitCode::from(EXIT_BAD_CONFIG);
+            }
+        }
+    }
     let mut config = VmConfig::new(args.kernel);
     config.disks = disks;
+    config.nets = nets;
     config.initrd = args.initrd;
     config.cmdline = args.cmdline;
     config.vcpus = vcpus;
@@ -152,9 +167,58 @@ fn parse_disk(spec: &str) -> Result<DiskConfig, String> {
     Ok(d)
 }
 
+/// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]`.
+fn parse_net(spec: &str) -> Result<NetConfig, String> {
+    let mut tap = None;
+    let mut mac = None;
+    for opt in spec.split(',') {
+        match opt.split_once('=') {
+            Some(("tap", name)) if !name.is_empty() => {
+                tap = Some(TapSource::Name(name.to_string()))
+            }
+            Some(("fd", n)) => {
+                let fd = n.parse::<i32>().ok().filter(|f| *f >= 0).ok_or_else(|| {
+                    format!("--net {spec}: fd={n} is not a file descriptor number")
+                })?;
+                tap = Some(TapSource::Fd(fd));
+            }
+            Some(("mac", m)) => {
+                mac = Some(
+                    m.parse::<MacAddr>()
+                        .map_err(|e| format!("--net {spec}: {e}"))?,
+                )
+            }
+            _ => {
+                return Err(format!(
+                    "--net {spec}: unknown option {opt:?}; accepted: tap=NAME or fd=N, mac=MAC"
+                ))
+            }
+        }
+    }
+    let tap = tap.ok_or_else(|| format!("--net {spec}: tap=NAME (or fd=N) is required"))?;
+    Ok(NetConfig { tap, mac })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn net_specs() {
+        let n = parse_net("tap=tap0,mac=52:54:00:00:00:01").unwrap();
+        assert_eq!(n.tap, TapSource::Name("tap0".into()));
+        assert_eq!(n.mac.unwrap().to_string(), "52:54:00:00:00:01");
+        assert_eq!(parse_net("fd=5").unwrap().tap, TapSource::Fd(5));
+        assert!(parse_net("mac=52:54:00:00:00:01")
+            .unwrap_err()
+            .contains("tap=NAME (or fd=N) is required"));
+        assert!(parse_net("tap=t,mac=01:00:00:00:00:01")
+            .unwrap_err()
+            .contains("multicast"));
+        assert!(parse_net("tap=t,speed=10")
+            .unwrap_err()
+            .contains("unknown option"));
+    }
 
     #[test]
     fn disk_specs() {

@@ -181,3 +181,170 @@ mod tests {
         assert_eq!(ProbeResult::parse("no result"), None);
     }
 }
+
+/// A network namespace the test creates and removes, for real TAP/bridge/veth tests.
+pub struct NetNs {
+    pub name: String,
+}
+
+impl NetNs {
+    pub fn new(tag: &str) -> NetNs {
+        let name = format!("mv-{}-{tag}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).status();
+        run_ok("ip", &["netns", "add", &name]);
+        let ns = NetNs { name };
+        ns.exec(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Runs a command inside the namespace; panics if it fails.
+    pub fn exec(&self, cmd: &[&str]) {
+        let mut args = vec!["netns", "exec", &self.name];
+        args.extend_from_slice(cmd);
+        run_ok("ip", &args);
+    }
+
+    /// Moves the calling thread into the namespace (only this thread: setns(CLONE_NEWNET)).
+    pub fn enter(&self) {
+        let f = std::fs::File::open(format!("/var/run/netns/{}", self.name)).expect("netns file");
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on a namespace fd we hold open.
+        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+fn run_ok(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// An AF_PACKET socket on one interface: sees every frame the interface receives and sends
+/// frames out of it, like a host on the other end of the wire.
+pub struct PacketSocket {
+    fd: std::os::fd::OwnedFd,
+    ifindex: i32,
+}
+
+impl PacketSocket {
+    pub fn bind(ifname: &str) -> PacketSocket {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let proto = (libc::ETH_P_ALL as u16).to_be() as i32;
+        // SAFETY: plain socket(2).
+        let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto) };
+        assert!(
+            raw >= 0,
+            "AF_PACKET socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: we own the new fd.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        let name = std::ffi::CString::new(ifname).unwrap();
+        // SAFETY: NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) } as i32;
+        assert!(ifindex > 0, "no interface {ifname}");
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = proto as u16;
+        sll.sll_ifindex = ifindex;
+        // SAFETY: bind with a sockaddr_ll of the right size.
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &sll as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        assert_eq!(r, 0, "bind: {}", std::io::Error::last_os_error());
+        let tv = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 200_000,
+        };
+        // SAFETY: SO_RCVTIMEO with a timeval.
+        unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as u32,
+            )
+        };
+        PacketSocket { fd, ifindex }
+    }
+
+    pub fn send(&self, frame: &[u8]) {
+        use std::os::fd::AsRawFd;
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_ifindex = self.ifindex;
+        sll.sll_halen = 6;
+        sll.sll_addr[..6].copy_from_slice(&frame[..6]);
+        // SAFETY: sending from a buffer we own.
+        let r = unsafe {
+            libc::sendto(
+                self.fd.as_raw_fd(),
+                frame.as_ptr() as *const libc::c_void,
+                frame.len(),
+                0,
+                &sll as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        assert_eq!(
+            r,
+            frame.len() as isize,
+            "sendto: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// The next frame received on the interface (not the ones we sent) within `timeout`.
+    pub fn recv_matching(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&[u8]) -> bool,
+    ) -> Option<Vec<u8>> {
+        use std::os::fd::AsRawFd;
+        let deadline = Instant::now() + timeout;
+        let mut buf = vec![0u8; 65536];
+        while Instant::now() < deadline {
+            let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+            // SAFETY: receiving into buffers we own.
+            let n = unsafe {
+                libc::recvfrom(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    buf.len(),
+                    0,
+                    &mut sll as *mut _ as *mut libc::sockaddr,
+                    &mut len,
+                )
+            };
+            if n <= 0 || sll.sll_pkttype == libc::PACKET_OUTGOING {
+                continue;
+            }
+            let f = &buf[..n as usize];
+            if pred(f) {
+                return Some(f.to_vec());
+            }
+        }
+        None
+    }
+}

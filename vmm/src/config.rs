@@ -29,6 +29,35 @@ pub struct VmConfig {
     pub boot_timer: bool,
     /// virtio-blk disks, in guest order (vda, vdb, ...).
     pub disks: Vec<DiskConfig>,
+    /// virtio-net NICs, in guest order (eth0, eth1, ...).
+    pub nets: Vec<NetConfig>,
+}
+
+pub use crate::devices::virtio::net::MacAddr;
+
+/// Where a NIC's TAP comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TapSource {
+    /// An existing TAP interface in the VMM's network namespace, attached by name.
+    Name(String),
+    /// An open TAP file descriptor; the VM takes ownership of it.
+    Fd(i32),
+}
+
+impl std::fmt::Display for TapSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TapSource::Name(n) => write!(f, "tap={n}"),
+            TapSource::Fd(fd) => write!(f, "tap-fd={fd}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    pub tap: TapSource,
+    /// None: a locally administered address is generated.
+    pub mac: Option<MacAddr>,
 }
 
 pub use crate::devices::virtio::block::CacheMode;
@@ -83,6 +112,7 @@ impl VmConfig {
             serial: SerialConfig::default(),
             boot_timer: false,
             disks: Vec::new(),
+            nets: Vec::new(),
         }
     }
 }
@@ -146,6 +176,8 @@ pub enum ConfigError {
     Cmdline(String),
     #[error("--disk {path}: {reason}")]
     Disk { path: String, reason: String },
+    #[error("--net {tap}: {reason}")]
+    Net { tap: String, reason: String },
     #[error("{given} virtio devices requested; at most {max} are supported")]
     TooManyDevices { given: usize, max: usize },
     #[error(

@@ -15,17 +15,19 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::boot::{self, BootSpec};
 use crate::bus::Bus;
-use crate::config::{disk_name, ConfigError, SerialInput, VmConfig};
+use crate::config::{disk_name, ConfigError, MacAddr, SerialInput, TapSource, VmConfig};
 use crate::devices::i8042::I8042;
 use crate::devices::power::PowerPort;
 use crate::devices::serial::{open_output, SerialDevice, SerialInputHandler};
 use crate::devices::virtio::block::{Block, Disk, DiskError};
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::net::{Net, Tap, TapError};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::devices::EventFdTrigger;
 use crate::kvm::{KvmAcceleration, KvmContext, KvmError};
 use crate::layout::*;
 use crate::vcpu::{self, RunState, Vcpu, VcpuContext, VcpuControl};
+use std::os::fd::FromRawFd;
 
 /// Guest RAM. The dirty bitmap tracks writes the VMM itself makes (device DMA), which KVM's
 /// dirty log cannot see; migration ORs both.
@@ -186,6 +188,30 @@ pub struct Vm {
     event_stop: EventFd,
     first_run: Arc<OnceLock<SystemTime>>,
     blocks: Vec<Arc<Mutex<Block>>>,
+    nets: Vec<Arc<Mutex<Net>>>,
+}
+
+fn tap_reason(e: TapError) -> String {
+    match e {
+        TapError::NotFound { name } => format!(
+            "no TAP device named {name} (create it first, e.g. `ip tuntap add {name} mode tap`)"
+        ),
+        TapError::Busy { .. } => "busy (another process has it open)".into(),
+        TapError::Other { reason, .. } => reason,
+    }
+}
+
+/// A locally administered unicast MAC (52:54:00 like QEMU/KubeVirt) unique per process and NIC.
+fn generated_mac(index: usize) -> MacAddr {
+    let mut r = [0u8; 3];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut r))
+        .is_err()
+    {
+        let x = std::process::id() as usize ^ index.wrapping_mul(0x9e37_79b9);
+        r = [(x >> 16) as u8, (x >> 8) as u8, x as u8];
+    }
+    MacAddr([0x52, 0x54, 0x00, r[0], r[1], r[2]])
 }
 
 /// Where the i-th virtio-mmio device lives.
@@ -304,6 +330,30 @@ impl Vm {
             })?;
             disks.push(disk);
         }
+        let mut taps = Vec::with_capacity(config.nets.len());
+        for n in &config.nets {
+            let tap = match &n.tap {
+                TapSource::Name(name) => Tap::open(name),
+                // SAFETY: the config hands the descriptor's ownership to the VM.
+                TapSource::Fd(fd) => {
+                    Tap::from_fd(unsafe { std::os::fd::OwnedFd::from_raw_fd(*fd) })
+                }
+            }
+            .map_err(|e| ConfigError::Net {
+                tap: n.tap.to_string(),
+                reason: tap_reason(e),
+            })?;
+            taps.push(tap);
+        }
+        if !taps.is_empty() {
+            if std::path::Path::new("/dev/vhost-net").exists() {
+                tracing::info!("virtio-net: /dev/vhost-net present, but this build runs the in-process virtio-net device");
+            } else {
+                tracing::info!(
+                    "virtio-net: no /dev/vhost-net; using the in-process virtio-net device"
+                );
+            }
+        }
 
         let vm_fd = kvm.kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         vm_fd
@@ -419,6 +469,25 @@ impl Vm {
             cmdline.push_str(&slot.cmdline_entry());
             blocks.push(block);
         }
+        let mut nets = Vec::new();
+        for (i, (tap, ncfg)) in taps.into_iter().zip(&config.nets).enumerate() {
+            let mac = ncfg.mac.unwrap_or_else(|| generated_mac(i));
+            let net = Arc::new(Mutex::new(
+                Net::new(format!("eth{i}"), tap, mac).map_err(dev_err("virtio-net"))?,
+            ));
+            let slot = VirtioSlot::at(blocks.len() + nets.len());
+            attach_virtio(
+                &vm_fd,
+                &memory,
+                &mut mmio,
+                &mut em,
+                slot,
+                net.clone(),
+                net.clone(),
+            )?;
+            cmdline.push_str(&slot.cmdline_entry());
+            nets.push(net);
+        }
         if cmdline.len() >= CMDLINE_MAX_SIZE {
             return Err(ConfigError::CmdlineTooLong {
                 len: cmdline.len(),
@@ -494,7 +563,13 @@ impl Vm {
             event_stop,
             first_run,
             blocks,
+            nets,
         })
+    }
+
+    /// The VM's virtio-net devices, in guest order.
+    pub fn nets(&self) -> &[Arc<Mutex<Net>>] {
+        &self.nets
     }
 
     /// The VM's virtio-blk devices, in guest order.

@@ -12,6 +12,7 @@
 
 mod blk;
 mod hw;
+mod net;
 mod smp;
 mod virtio;
 
@@ -153,6 +154,12 @@ impl Line {
     }
 }
 
+impl Default for Line {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Write for Line {
     fn write_str(&mut self, s: &str) -> core::fmt::Result {
         let n = s.len().min(self.buf.len() - self.len);
@@ -214,6 +221,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "reset" => hw::i8042_reset(),
         "console" => console_test(),
         "blk" => blk::run(boot.cmdline),
+        "net" => net::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }

@@ -48,6 +48,12 @@ impl Rings {
     }
 }
 
+impl Default for Rings {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 pub struct Queue {
     rings: &'static mut Rings,
     index: u32,
@@ -69,9 +75,6 @@ impl Device {
     }
     pub fn config_u8(&self, off: u64) -> u8 {
         unsafe { read_volatile((self.base + 0x100 + off) as *const u8) }
-    }
-    pub fn config_u32(&self, off: u64) -> u32 {
-        self.read(0x100 + off)
     }
     pub fn config_u64(&self, off: u64) -> u64 {
         self.read(0x100 + off) as u64 | (self.read(0x100 + off + 4) as u64) << 32

@@ -4,6 +4,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

@@ -1,0 +1,178 @@
+//! `probe.test=net`: send frames of several sizes, then echo every `PING` frame received back
+//! to its sender as `PONG`, until a `DONE` frame arrives.
+
+use core::fmt::Write;
+
+use crate::virtio::{Device, Queue, Rings, DESC_F_WRITE, QUEUE_SIZE};
+use crate::{result, Line};
+
+const F_MAC: u64 = 1 << 5;
+const F_MRG_RXBUF: u64 = 1 << 15;
+const HDR: usize = 12;
+pub const ETHERTYPE: u16 = 0x88b5; // IEEE local experimental
+const RX_BUFS: usize = 8;
+const BUF: usize = 2048;
+pub const SIZES: [usize; 3] = [60, 300, 1514];
+/// Bounded wait for the host (each spin is a few instructions, no VM exit).
+const WAIT_SPINS: u32 = 200_000_000;
+
+static mut RX_RINGS: Rings = Rings::new();
+static mut TX_RINGS: Rings = Rings::new();
+
+#[repr(C, align(4096))]
+struct Bufs([[u8; BUF]; RX_BUFS]);
+static mut RX: Bufs = Bufs([[0; BUF]; RX_BUFS]);
+static mut TX: [u8; BUF] = [0; BUF];
+
+struct Nic {
+    dev: Device,
+    rx: Queue,
+    tx: Queue,
+    /// Which RX buffer each descriptor head refers to.
+    head_buf: [u8; QUEUE_SIZE as usize],
+}
+
+fn rx_buf(i: usize) -> *mut u8 {
+    unsafe { core::ptr::addr_of_mut!(RX.0[i]) as *mut u8 }
+}
+
+fn tx_buf() -> *mut u8 {
+    core::ptr::addr_of_mut!(TX) as *mut u8
+}
+
+impl Nic {
+    fn post_rx(&mut self, i: usize) {
+        let head = self
+            .rx
+            .push(&[(rx_buf(i) as u64, BUF as u32, DESC_F_WRITE)]);
+        self.head_buf[head as usize] = i as u8;
+    }
+
+    /// Sends `frame` (Ethernet, without the virtio header).
+    fn send(&mut self, frame: &[u8]) -> Result<(), &'static str> {
+        let b = tx_buf();
+        unsafe {
+            core::ptr::write_bytes(b, 0, HDR);
+            core::ptr::copy_nonoverlapping(frame.as_ptr(), b.add(HDR), frame.len());
+        }
+        self.tx.push(&[(b as u64, (HDR + frame.len()) as u32, 0)]);
+        self.dev.notify(&self.tx);
+        self.tx
+            .wait_used(WAIT_SPINS)
+            .ok_or("transmit not completed")?;
+        Ok(())
+    }
+}
+
+fn build_frame(buf: &mut [u8], dst: [u8; 6], src: [u8; 6], payload: &[u8], len: usize) -> usize {
+    buf[0..6].copy_from_slice(&dst);
+    buf[6..12].copy_from_slice(&src);
+    buf[12..14].copy_from_slice(&ETHERTYPE.to_be_bytes());
+    let body = &mut buf[14..len];
+    for (i, b) in body.iter_mut().enumerate() {
+        *b = (i as u8).wrapping_mul(7);
+    }
+    let n = payload.len().min(body.len());
+    body[..n].copy_from_slice(&payload[..n]);
+    len
+}
+
+pub fn run(cmdline: &str) -> ! {
+    let mut bases = [0u64; 8];
+    let n = crate::virtio::devices(cmdline, &mut bases);
+    let Some(&base) = bases[..n]
+        .iter()
+        .find(|&&b| (Device { base: b }).device_id() == 1)
+    else {
+        result(false, format_args!("no virtio-net device"))
+    };
+    match run_on(Device { base }) {
+        Ok(line) => result(true, format_args!("{}", line.as_str())),
+        Err(e) => result(false, format_args!("{e}")),
+    }
+}
+
+fn run_on(dev: Device) -> Result<Line, &'static str> {
+    let features = dev.init(F_MAC | F_MRG_RXBUF)?;
+    if features & F_MAC == 0 {
+        return Err("device offers no MAC");
+    }
+    let rx = dev.setup_queue(0, unsafe { &mut *core::ptr::addr_of_mut!(RX_RINGS) })?;
+    let tx = dev.setup_queue(1, unsafe { &mut *core::ptr::addr_of_mut!(TX_RINGS) })?;
+    dev.driver_ok();
+    let mut mac = [0u8; 6];
+    for (i, m) in mac.iter_mut().enumerate() {
+        *m = dev.config_u8(i as u64);
+    }
+    let link = dev.config_u8(6) & 1;
+    let mut nic = Nic {
+        dev,
+        rx,
+        tx,
+        head_buf: [0; QUEUE_SIZE as usize],
+    };
+    for i in 0..RX_BUFS {
+        nic.post_rx(i);
+    }
+    nic.dev.notify(&nic.rx);
+
+    let mut frame = [0u8; 1514];
+    for (i, &size) in SIZES.iter().enumerate() {
+        let mut tag = Line::new();
+        let _ = write!(tag, "MVPROBE frame {i} size {size}");
+        let len = build_frame(&mut frame, [0xff; 6], mac, tag.as_str().as_bytes(), size);
+        nic.send(&frame[..len])?;
+    }
+
+    let mut echoed = 0u32;
+    loop {
+        let (head, len) = nic
+            .rx
+            .wait_used(WAIT_SPINS)
+            .ok_or("no DONE frame from the host")?;
+        let i = nic.head_buf[head as usize % QUEUE_SIZE as usize] as usize;
+        let b = unsafe { core::slice::from_raw_parts(rx_buf(i), BUF) };
+        let len = (len as usize).min(BUF);
+        let num_buffers = u16::from_le_bytes([b[10], b[11]]);
+        if num_buffers != 1 {
+            return Err("num_buffers is not 1 for a frame that fits one buffer");
+        }
+        let eth = &b[HDR..len];
+        let mut done = false;
+        if eth.len() >= 18 && u16::from_be_bytes([eth[12], eth[13]]) == ETHERTYPE {
+            let payload = &eth[14..];
+            if payload.starts_with(b"PING") {
+                let flen = eth.len();
+                frame[..flen].copy_from_slice(eth);
+                let src: [u8; 6] = eth[6..12].try_into().unwrap();
+                frame[0..6].copy_from_slice(&src);
+                frame[6..12].copy_from_slice(&mac);
+                frame[14..18].copy_from_slice(b"PONG");
+                nic.post_rx(i);
+                nic.dev.notify(&nic.rx);
+                nic.send(&frame[..flen])?;
+                echoed += 1;
+                continue;
+            }
+            done = payload.starts_with(b"DONE");
+        }
+        nic.post_rx(i);
+        nic.dev.notify(&nic.rx);
+        if done {
+            break;
+        }
+    }
+    let mut out = Line::new();
+    let _ = write!(
+        out,
+        "mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x} link={link} sent={} echoed={echoed}",
+        mac[0],
+        mac[1],
+        mac[2],
+        mac[3],
+        mac[4],
+        mac[5],
+        SIZES.len()
+    );
+    Ok(out)
+}

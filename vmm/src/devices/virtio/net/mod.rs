@@ -1,0 +1,469 @@
+//! virtio-net on a TAP device: MAC and link status in config space, checksum and TSO offloads
+//! passed through with the virtio-net header, mergeable receive buffers.
+//!
+//! Receive only ever fills buffers the guest made available: when none are left the frame
+//! waits in the TAP's kernel queue (not in a VMM buffer that could drop it) and the device
+//! re-arms the queue notification; a refill notification resumes reception. No polling.
+
+mod event_handler;
+pub mod tap;
+
+use std::sync::Arc;
+
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::Bytes;
+use vmm_sys_util::eventfd::EventFd;
+
+pub use tap::{Tap, TapError, VNET_HDR_LEN};
+
+use super::{
+    read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_NET,
+    VIRTIO_F_VERSION_1,
+};
+use crate::vm::GuestMemory;
+
+pub const VIRTIO_NET_F_CSUM: u64 = 1 << 0;
+pub const VIRTIO_NET_F_GUEST_CSUM: u64 = 1 << 1;
+pub const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+pub const VIRTIO_NET_F_GUEST_TSO4: u64 = 1 << 7;
+pub const VIRTIO_NET_F_GUEST_TSO6: u64 = 1 << 8;
+pub const VIRTIO_NET_F_HOST_TSO4: u64 = 1 << 11;
+pub const VIRTIO_NET_F_HOST_TSO6: u64 = 1 << 12;
+pub const VIRTIO_NET_F_MRG_RXBUF: u64 = 1 << 15;
+pub const VIRTIO_NET_F_STATUS: u64 = 1 << 16;
+pub const VIRTIO_NET_S_LINK_UP: u16 = 1;
+
+pub const QUEUE_SIZE: u16 = 256;
+const RX: usize = 0;
+const TX: usize = 1;
+/// Largest frame with its header: a 64 KiB GSO frame plus Ethernet and VLAN headers.
+pub const MAX_FRAME: usize = VNET_HDR_LEN + 65_535 + 14 + 4;
+
+/// A MAC address; only unicast addresses are accepted for a NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MacAddr(pub [u8; 6]);
+
+impl std::str::FromStr for MacAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.split(':').collect();
+        if parts.len() != 6 {
+            return Err(format!(
+                "mac={s}: expected six hex bytes like 52:54:00:12:34:56"
+            ));
+        }
+        let mut m = [0u8; 6];
+        for (i, p) in parts.iter().enumerate() {
+            if p.len() != 2 {
+                return Err(format!(
+                    "mac={s}: expected six hex bytes like 52:54:00:12:34:56"
+                ));
+            }
+            m[i] = u8::from_str_radix(p, 16)
+                .map_err(|_| format!("mac={s}: {p:?} is not a hex byte"))?;
+        }
+        if m[0] & 1 != 0 {
+            return Err(format!(
+                "mac={s}: a multicast address; a NIC needs a unicast address (first byte even)"
+            ));
+        }
+        if m == [0; 6] {
+            return Err(format!(
+                "mac={s}: the all-zero address is not a valid NIC address"
+            ));
+        }
+        Ok(MacAddr(m))
+    }
+}
+
+impl std::fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let m = self.0;
+        write!(
+            f,
+            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+            m[0], m[1], m[2], m[3], m[4], m[5]
+        )
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounters {
+    pub rx_frames: u64,
+    pub rx_bytes: u64,
+    pub tx_frames: u64,
+    pub tx_bytes: u64,
+    /// Frames the guest's buffers could not hold or that arrived in malformed chains.
+    pub rx_errors: u64,
+    pub tx_errors: u64,
+}
+
+pub struct Net {
+    pub id: String,
+    tap: Tap,
+    mac: MacAddr,
+    config: Vec<u8>,
+    avail_features: u64,
+    acked_features: u64,
+    queue_evts: [EventFd; 2],
+    activate_evt: EventFd,
+    active: Option<Active>,
+    /// One frame read from the TAP that has not found guest buffers yet.
+    rx_frame: Vec<u8>,
+    rx_len: Option<usize>,
+    tx_frame: Vec<u8>,
+    pub counters: NetCounters,
+}
+
+struct Active {
+    mem: GuestMemory,
+    rx: Queue,
+    tx: Queue,
+    interrupt: Arc<VirtioInterrupt>,
+}
+
+impl Net {
+    pub fn new(id: String, tap: Tap, mac: MacAddr) -> std::io::Result<Net> {
+        let mut config = vec![0u8; 10];
+        config[0..6].copy_from_slice(&mac.0);
+        config[6..8].copy_from_slice(&VIRTIO_NET_S_LINK_UP.to_le_bytes());
+        config[8..10].copy_from_slice(&1u16.to_le_bytes()); // max_virtqueue_pairs
+        let avail_features = VIRTIO_F_VERSION_1
+            | VIRTIO_NET_F_CSUM
+            | VIRTIO_NET_F_GUEST_CSUM
+            | VIRTIO_NET_F_MAC
+            | VIRTIO_NET_F_GUEST_TSO4
+            | VIRTIO_NET_F_GUEST_TSO6
+            | VIRTIO_NET_F_HOST_TSO4
+            | VIRTIO_NET_F_HOST_TSO6
+            | VIRTIO_NET_F_MRG_RXBUF
+            | VIRTIO_NET_F_STATUS;
+        Ok(Net {
+            id,
+            tap,
+            mac,
+            config,
+            avail_features,
+            acked_features: 0,
+            queue_evts: [
+                EventFd::new(libc::EFD_NONBLOCK)?,
+                EventFd::new(libc::EFD_NONBLOCK)?,
+            ],
+            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
+            active: None,
+            rx_frame: vec![0u8; MAX_FRAME],
+            rx_len: None,
+            tx_frame: Vec::with_capacity(MAX_FRAME),
+            counters: NetCounters::default(),
+        })
+    }
+
+    pub fn mac(&self) -> MacAddr {
+        self.mac
+    }
+
+    pub fn tap(&self) -> &Tap {
+        &self.tap
+    }
+
+    /// Moves frames from the TAP into available receive buffers until either runs out.
+    pub fn process_rx(&mut self) {
+        let mut delivered = false;
+        loop {
+            if self.active.is_none() {
+                return;
+            }
+            if self.rx_len.is_none() {
+                match self.tap.read(&mut self.rx_frame) {
+                    Ok(n) if n > VNET_HDR_LEN => self.rx_len = Some(n),
+                    Ok(_) => continue, // runt: nothing to deliver
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        tracing::warn!(nic = %self.id, "tap read: {e}");
+                        break;
+                    }
+                }
+            }
+            match self.deliver_rx() {
+                RxOutcome::Delivered => {
+                    delivered = true;
+                    self.rx_len = None;
+                }
+                RxOutcome::Dropped => self.rx_len = None,
+                RxOutcome::NoBuffers => {
+                    let active = self.active.as_mut().unwrap();
+                    // Re-arm the notification; if buffers arrived meanwhile, go on now.
+                    match active.rx.enable_notification(&active.mem) {
+                        Ok(true) => continue,
+                        _ => break,
+                    }
+                }
+                RxOutcome::Broken => return,
+            }
+        }
+        if delivered {
+            let active = self.active.as_mut().unwrap();
+            if active.rx.needs_notification(&active.mem).unwrap_or(true) {
+                active.interrupt.signal(INT_USED_RING);
+            }
+        }
+    }
+
+    fn deliver_rx(&mut self) -> RxOutcome {
+        let len = self.rx_len.unwrap();
+        let mergeable = self.acked_features & VIRTIO_NET_F_MRG_RXBUF != 0;
+        let active = self.active.as_mut().unwrap();
+        let frame = &self.rx_frame[..len];
+        let mut used: Vec<(u16, u32)> = Vec::new();
+        let mut first_hdr = None;
+        let mut written = 0usize;
+        while written < len {
+            let chain = match active.rx.iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    tracing::warn!(nic = %self.id, "virtio-net: broken rx ring ({e}); device needs reset");
+                    active.interrupt.device_needs_reset();
+                    return RxOutcome::Broken;
+                }
+            };
+            let Some(chain) = chain else {
+                // Not enough buffers for the whole frame: put back what we took and wait.
+                for _ in 0..used.len() {
+                    active.rx.go_to_previous_position();
+                }
+                return RxOutcome::NoBuffers;
+            };
+            let head = chain.head_index();
+            let mut n_chain = 0u32;
+            let mut bad = false;
+            for d in chain {
+                if !d.is_write_only() {
+                    bad = true;
+                    break;
+                }
+                let n = (d.len() as usize).min(len - written);
+                if n == 0 {
+                    break;
+                }
+                if active
+                    .mem
+                    .write_slice(&frame[written..written + n], d.addr())
+                    .is_err()
+                {
+                    bad = true;
+                    break;
+                }
+                if first_hdr.is_none() {
+                    first_hdr = Some(d.addr());
+                }
+                written += n;
+                n_chain += n as u32;
+            }
+            if bad || (n_chain as usize) < VNET_HDR_LEN.min(len) && used.is_empty() {
+                // A malformed chain fails this frame only.
+                let _ = active.rx.add_used(&active.mem, head, 0);
+                for (h, _) in used.drain(..) {
+                    let _ = active.rx.add_used(&active.mem, h, 0);
+                }
+                self.counters.rx_errors += 1;
+                return RxOutcome::Dropped;
+            }
+            used.push((head, n_chain));
+            if !mergeable && written < len {
+                // Without mergeable buffers a frame must fit one chain.
+                for (h, _) in used.drain(..) {
+                    let _ = active.rx.add_used(&active.mem, h, 0);
+                }
+                self.counters.rx_errors += 1;
+                return RxOutcome::Dropped;
+            }
+        }
+        // num_buffers sits at offset 10 of the header in the first buffer.
+        if let Some(hdr) = first_hdr {
+            let _ = active
+                .mem
+                .write_obj(used.len() as u16, vm_memory::GuestAddress(hdr.0 + 10));
+        }
+        for (h, n) in used {
+            if active.rx.add_used(&active.mem, h, n).is_err() {
+                active.interrupt.device_needs_reset();
+                return RxOutcome::Broken;
+            }
+        }
+        self.counters.rx_frames += 1;
+        self.counters.rx_bytes += (len - VNET_HDR_LEN) as u64;
+        RxOutcome::Delivered
+    }
+
+    /// Sends every available transmit chain to the TAP, then interrupts once.
+    pub fn process_tx(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mut completed = false;
+        loop {
+            let chain = match active.tx.iter(&active.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    tracing::warn!(nic = %self.id, "virtio-net: broken tx ring ({e}); device needs reset");
+                    active.interrupt.device_needs_reset();
+                    return;
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            self.tx_frame.clear();
+            let mut ok = true;
+            for d in chain {
+                let n = d.len() as usize;
+                if d.is_write_only() || self.tx_frame.len() + n > MAX_FRAME {
+                    ok = false;
+                    break;
+                }
+                let start = self.tx_frame.len();
+                self.tx_frame.resize(start + n, 0);
+                if active
+                    .mem
+                    .read_slice(&mut self.tx_frame[start..], d.addr())
+                    .is_err()
+                {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok && self.tx_frame.len() > VNET_HDR_LEN {
+                match self.tap.write(&self.tx_frame) {
+                    Ok(_) => {
+                        self.counters.tx_frames += 1;
+                        self.counters.tx_bytes += (self.tx_frame.len() - VNET_HDR_LEN) as u64;
+                    }
+                    Err(e) => {
+                        tracing::debug!(nic = %self.id, "tap write: {e}");
+                        self.counters.tx_errors += 1;
+                    }
+                }
+            } else {
+                self.counters.tx_errors += 1;
+            }
+            if active.tx.add_used(&active.mem, head, 0).is_err() {
+                active.interrupt.device_needs_reset();
+                return;
+            }
+            completed = true;
+        }
+        if completed && active.tx.needs_notification(&active.mem).unwrap_or(true) {
+            active.interrupt.signal(INT_USED_RING);
+        }
+    }
+
+    fn tap_offload_flags(&self) -> u32 {
+        let f = self.acked_features;
+        let mut flags = 0;
+        if f & VIRTIO_NET_F_GUEST_CSUM != 0 {
+            flags |= tap::TUN_F_CSUM;
+            if f & VIRTIO_NET_F_GUEST_TSO4 != 0 {
+                flags |= tap::TUN_F_TSO4;
+            }
+            if f & VIRTIO_NET_F_GUEST_TSO6 != 0 {
+                flags |= tap::TUN_F_TSO6;
+            }
+        }
+        flags
+    }
+}
+
+enum RxOutcome {
+    Delivered,
+    Dropped,
+    NoBuffers,
+    Broken,
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        TYPE_NET
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE, QUEUE_SIZE]
+    }
+    fn avail_features(&self) -> u64 {
+        self.avail_features
+    }
+    fn set_acked_features(&mut self, features: u64) {
+        self.acked_features = features;
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        let mut it = queues.into_iter();
+        let (Some(rx), Some(tx)) = (it.next(), it.next()) else {
+            return Err(ActivateError::BadQueue(RX));
+        };
+        if !rx.ready() {
+            return Err(ActivateError::BadQueue(RX));
+        }
+        if !tx.ready() {
+            return Err(ActivateError::BadQueue(TX));
+        }
+        self.tap
+            .set_offload(self.tap_offload_flags())
+            .map_err(|e| {
+                ActivateError::Backend(format!("tap {}: TUNSETOFFLOAD: {e}", self.tap.name))
+            })?;
+        self.active = Some(Active {
+            mem,
+            rx,
+            tx,
+            interrupt,
+        });
+        let _ = self.activate_evt.write(1);
+        Ok(())
+    }
+    fn reset(&mut self) {
+        self.active = None;
+        self.acked_features = 0;
+        self.rx_len = None;
+    }
+    fn is_activated(&self) -> bool {
+        self.active.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mac_parsing() {
+        assert_eq!(
+            "52:54:00:12:34:56".parse::<MacAddr>().unwrap().0,
+            [0x52, 0x54, 0, 0x12, 0x34, 0x56]
+        );
+        assert!("01:00:5e:00:00:01"
+            .parse::<MacAddr>()
+            .unwrap_err()
+            .contains("multicast"));
+        assert!("00:00:00:00:00:00"
+            .parse::<MacAddr>()
+            .unwrap_err()
+            .contains("all-zero"));
+        assert!("52:54:00:12:34".parse::<MacAddr>().is_err());
+        assert!("52:54:00:12:34:zz"
+            .parse::<MacAddr>()
+            .unwrap_err()
+            .contains("not a hex byte"));
+        assert_eq!(
+            MacAddr([0x52, 0x54, 0, 1, 2, 3]).to_string(),
+            "52:54:00:01:02:03"
+        );
+    }
+}
