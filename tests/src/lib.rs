@@ -162,26 +162,6 @@ pub fn run_to_end(vm: Vm, console: &Console, timeout: Duration) -> ProbeRun {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_result_lines() {
-        let r = ProbeResult::parse("hello\nPROBE RESULT smp OK cpus=2 mask=0x3\n").unwrap();
-        assert_eq!((r.test.as_str(), r.ok), ("smp", true));
-        assert_eq!(r.field("cpus"), Some("2"));
-        assert_eq!(r.field("nope"), None);
-        assert!(
-            !ProbeResult::parse("PROBE RESULT boot FAIL e820: empty")
-                .unwrap()
-                .ok
-        );
-        assert_eq!(ProbeResult::parse("PROBE RESULT boot MAYBE"), None);
-        assert_eq!(ProbeResult::parse("no result"), None);
-    }
-}
-
 /// A network namespace the test creates and removes, for real TAP/bridge/veth tests.
 pub struct NetNs {
     pub name: String,
@@ -346,5 +326,25 @@ impl PacketSocket {
             }
         }
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_result_lines() {
+        let r = ProbeResult::parse("hello\nPROBE RESULT smp OK cpus=2 mask=0x3\n").unwrap();
+        assert_eq!((r.test.as_str(), r.ok), ("smp", true));
+        assert_eq!(r.field("cpus"), Some("2"));
+        assert_eq!(r.field("nope"), None);
+        assert!(
+            !ProbeResult::parse("PROBE RESULT boot FAIL e820: empty")
+                .unwrap()
+                .ok
+        );
+        assert_eq!(ProbeResult::parse("PROBE RESULT boot MAYBE"), None);
+        assert_eq!(ProbeResult::parse("no result"), None);
     }
 }
