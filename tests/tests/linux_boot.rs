@@ -81,3 +81,103 @@ fn linux_boots_to_init_with_our_e820_map() {
         "initramfs not seen:\n{log}"
     );
 }
+
+/// Real-driver acceptance: Linux mounts its ext4 root from our virtio-blk disk and completes
+/// DHCP over our virtio-net against dnsmasq in a network namespace, before running init.
+#[test]
+fn linux_mounts_root_from_virtio_blk_and_gets_dhcp_over_virtio_net() {
+    require_kvm();
+    let (profile, extra) = linux_profile();
+    let images = build_guest_image(&["linux", profile]);
+    let (vmlinux, rootfs) = (images[0].clone(), &images[2]);
+    let dir = std::env::temp_dir().join(format!("mv-linux-net-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let root = dir.join("rootfs.ext4");
+    std::fs::copy(rootfs, &root).unwrap();
+
+    let ns = NetNs::new("linux");
+    ns.exec(&["ip", "tuntap", "add", "mvtap0", "mode", "tap", "vnet_hdr"]);
+    ns.exec(&["ip", "addr", "add", "10.0.2.1/24", "dev", "mvtap0"]);
+    ns.exec(&["ip", "link", "set", "mvtap0", "up"]);
+    let dhcp_log = dir.join("dnsmasq.log");
+    let mut dnsmasq = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ns.name,
+            "dnsmasq",
+            "--no-daemon",
+            "--interface=mvtap0",
+            "--bind-interfaces",
+        ])
+        .args([
+            "--except-interface=lo",
+            "--port=0",
+            "--no-resolv",
+            "--no-hosts",
+            "--leasefile-ro",
+            "--log-dhcp",
+        ])
+        .args(["--dhcp-range=10.0.2.15,10.0.2.15,255.255.255.0,1h"])
+        .arg(format!("--log-facility={}", dhcp_log.display()))
+        .spawn()
+        .expect("starting dnsmasq (apt-get install dnsmasq-base)");
+
+    let ns_name = ns.name.clone();
+    let root2 = root.clone();
+    let (reached, log) = std::thread::spawn(move || {
+        let ns = NetNs { name: ns_name };
+        ns.enter();
+        std::mem::forget(ns);
+        let console = Console::default();
+        let mut cfg = VmConfig::new(&vmlinux);
+        cfg.memory_mib = 256;
+        cfg.cmdline = format!("console=ttyS0 reboot=k panic=-1 root=/dev/vda rw ip=dhcp {extra}");
+        cfg.serial.output = console.output();
+        cfg.disks = vec![vmm::config::DiskConfig::new(&root2)];
+        cfg.nets = vec![vmm::config::NetConfig {
+            tap: vmm::config::TapSource::Name("mvtap0".into()),
+            mac: Some(vmm::config::MacAddr([0x52, 0x54, 0x00, 0x12, 0x34, 0x56])),
+        }];
+        let vm = Vm::build(&cfg).expect("building the VM");
+        let reached = console.wait_for(" as init process", Duration::from_secs(12 * 60));
+        vm.stop();
+        let _ = vm.wait();
+        (reached, console.text())
+    })
+    .join()
+    .unwrap();
+    let _ = dnsmasq.kill();
+    let _ = dnsmasq.wait();
+    let log_path = std::env::temp_dir().join("microvirt-linux-virtio.log");
+    std::fs::write(&log_path, &log).unwrap();
+    assert!(
+        reached,
+        "init not reached in 12 minutes; console in {}:\n{log}",
+        log_path.display()
+    );
+    let init_at = log.find(" as init process").unwrap();
+    for needle in [
+        "virtio_blk virtio0: [vda]",
+        "EXT4-fs (vda): mounted filesystem",
+        "VFS: Mounted root (ext4 filesystem)",
+        "IP-Config: Complete:",
+        "hwaddr=52:54:00:12:34:56",
+        "ipaddr=10.0.2.15",
+    ] {
+        let at = log.find(needle).unwrap_or_else(|| {
+            panic!(
+                "{needle:?} missing; console in {}:\n{log}",
+                log_path.display()
+            )
+        });
+        assert!(at < init_at, "{needle:?} only after init");
+    }
+    let dhcp = std::fs::read_to_string(&dhcp_log).unwrap_or_default();
+    assert!(
+        dhcp.contains("DHCPACK(mvtap0) 10.0.2.15 52:54:00:12:34:56"),
+        "dnsmasq log:\n{dhcp}"
+    );
+    drop(ns);
+    std::fs::remove_dir_all(dir).unwrap();
+}

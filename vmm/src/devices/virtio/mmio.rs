@@ -290,3 +290,255 @@ impl BusDevice for MmioTransport {
         self.write_reg(offset, u32::from_le_bytes(data.try_into().unwrap()));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::{ActivateError, INT_USED_RING};
+    use std::sync::atomic::AtomicUsize;
+    use vm_memory::GuestAddress;
+    use vmm_sys_util::eventfd::EventFd;
+
+    /// A device that records what the transport tells it.
+    struct Recorder {
+        evts: [EventFd; 2],
+        acked: u64,
+        activations: Arc<AtomicUsize>,
+        resets: usize,
+        active: bool,
+        config: [u8; 8],
+    }
+
+    impl VirtioDevice for Recorder {
+        fn device_type(&self) -> u32 {
+            2
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16, 8]
+        }
+        fn avail_features(&self) -> u64 {
+            VIRTIO_F_VERSION_1 | 0b101
+        }
+        fn set_acked_features(&mut self, f: u64) {
+            self.acked = f;
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            super::super::read_config_bytes(&self.config, offset, data);
+        }
+        fn queue_events(&self) -> &[EventFd] {
+            &self.evts
+        }
+        fn activate(
+            &mut self,
+            _: GuestMemory,
+            queues: Vec<Queue>,
+            _: Arc<VirtioInterrupt>,
+        ) -> Result<(), ActivateError> {
+            assert_eq!(queues.len(), 2);
+            self.activations.fetch_add(1, Ordering::SeqCst);
+            self.active = true;
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.resets += 1;
+            self.active = false;
+        }
+        fn is_activated(&self) -> bool {
+            self.active
+        }
+    }
+
+    fn setup() -> (
+        MmioTransport,
+        Arc<Mutex<Recorder>>,
+        Arc<AtomicUsize>,
+        EventFd,
+    ) {
+        let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let activations = Arc::new(AtomicUsize::new(0));
+        let dev = Arc::new(Mutex::new(Recorder {
+            evts: [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()],
+            acked: 0,
+            activations: activations.clone(),
+            resets: 0,
+            active: false,
+            config: [1, 2, 3, 4, 5, 6, 7, 8],
+        }));
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let t = MmioTransport::new(
+            dev.clone(),
+            mem,
+            VirtioInterrupt::new(irq.try_clone().unwrap()),
+        );
+        (t, dev, activations, irq)
+    }
+
+    fn r(t: &mut MmioTransport, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        t.read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn w(t: &mut MmioTransport, off: u64, v: u32) {
+        t.write(off, &v.to_le_bytes());
+    }
+
+    fn setup_queue(t: &mut MmioTransport, q: u32, size: u32, base: u64) {
+        w(t, 0x30, q);
+        w(t, 0x38, size);
+        w(t, 0x80, base as u32);
+        w(t, 0x90, (base + 0x1000) as u32);
+        w(t, 0xa0, (base + 0x2000) as u32);
+        w(t, 0x44, 1);
+    }
+
+    /// The driver initialisation sequence of VIRTIO 1.2 §3.1.1.
+    fn negotiate(t: &mut MmioTransport, features: u64) -> bool {
+        w(t, 0x70, 0);
+        w(t, 0x70, status::ACKNOWLEDGE);
+        w(t, 0x70, status::ACKNOWLEDGE | status::DRIVER);
+        w(t, 0x24, 0);
+        w(t, 0x20, features as u32);
+        w(t, 0x24, 1);
+        w(t, 0x20, (features >> 32) as u32);
+        w(
+            t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
+        r(t, 0x70) & status::FEATURES_OK != 0
+    }
+
+    #[test]
+    fn identification_registers() {
+        let (mut t, ..) = setup();
+        assert_eq!(r(&mut t, 0x000), MMIO_MAGIC);
+        assert_eq!(r(&mut t, 0x004), 2);
+        assert_eq!(r(&mut t, 0x008), 2);
+        assert_eq!(r(&mut t, 0x00c), VENDOR_ID);
+        w(&mut t, 0x14, 0);
+        assert_eq!(r(&mut t, 0x10), 0b101);
+        w(&mut t, 0x14, 1);
+        assert_eq!(r(&mut t, 0x10), 1);
+        w(&mut t, 0x30, 1);
+        assert_eq!(r(&mut t, 0x34), 8);
+        w(&mut t, 0x30, 7);
+        assert_eq!(
+            r(&mut t, 0x34),
+            0,
+            "a queue that does not exist has max size 0"
+        );
+        let mut b = [0u8; 2];
+        t.read(0x102, &mut b);
+        assert_eq!(b, [3, 4]);
+        t.read(0x1fe, &mut b);
+        assert_eq!(b, [0, 0], "beyond the config space reads as zero");
+    }
+
+    #[test]
+    fn full_handshake_activates_once() {
+        let (mut t, dev, activations, _) = setup();
+        assert!(negotiate(&mut t, VIRTIO_F_VERSION_1 | 0b1));
+        assert_eq!(dev.lock().unwrap().acked, VIRTIO_F_VERSION_1 | 0b1);
+        setup_queue(&mut t, 0, 16, 0x10000);
+        setup_queue(&mut t, 1, 8, 0x20000);
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK,
+        );
+        assert_eq!(activations.load(Ordering::SeqCst), 1);
+        assert_eq!(r(&mut t, 0x70) & status::DEVICE_NEEDS_RESET, 0);
+        // Queue registers are frozen after DRIVER_OK.
+        w(&mut t, 0x30, 0);
+        w(&mut t, 0x44, 0);
+        assert_eq!(r(&mut t, 0x44), 1);
+        // Reset returns everything to the start and tells the device.
+        let resets = dev.lock().unwrap().resets;
+        w(&mut t, 0x70, 0);
+        assert_eq!(r(&mut t, 0x70), 0);
+        assert_eq!(r(&mut t, 0x44), 0);
+        assert_eq!(dev.lock().unwrap().resets, resets + 1);
+        assert!(!dev.lock().unwrap().active);
+    }
+
+    #[test]
+    fn features_without_version_1_or_not_offered_fail() {
+        let (mut t, ..) = setup();
+        assert!(!negotiate(&mut t, 0b1), "legacy drivers are refused");
+        assert!(
+            !negotiate(&mut t, VIRTIO_F_VERSION_1 | 0b10),
+            "feature 1 was never offered"
+        );
+        assert!(negotiate(&mut t, VIRTIO_F_VERSION_1));
+    }
+
+    #[test]
+    fn out_of_order_status_writes_are_ignored() {
+        let (mut t, _, activations, _) = setup();
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK,
+        );
+        assert_eq!(r(&mut t, 0x70), 0);
+        w(&mut t, 0x70, status::ACKNOWLEDGE);
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK,
+        );
+        assert_eq!(r(&mut t, 0x70), status::ACKNOWLEDGE);
+        assert_eq!(activations.load(Ordering::SeqCst), 0);
+        // FAILED sticks until reset.
+        w(&mut t, 0x70, status::ACKNOWLEDGE | status::FAILED);
+        assert_ne!(r(&mut t, 0x70) & status::FAILED, 0);
+    }
+
+    #[test]
+    fn queue_rings_outside_memory_need_reset_not_activation() {
+        let (mut t, _, activations, irq) = setup();
+        assert!(negotiate(&mut t, VIRTIO_F_VERSION_1));
+        setup_queue(&mut t, 0, 16, 0xffff_0000); // beyond the 1 MiB of guest memory
+        w(
+            &mut t,
+            0x70,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK,
+        );
+        assert_eq!(activations.load(Ordering::SeqCst), 0);
+        assert_ne!(r(&mut t, 0x70) & status::DEVICE_NEEDS_RESET, 0);
+        assert_eq!(irq.read().unwrap(), 1, "config change interrupt");
+        assert_ne!(
+            r(&mut t, 0x60) & crate::devices::virtio::INT_CONFIG_CHANGE,
+            0
+        );
+    }
+
+    #[test]
+    fn interrupt_ack_clears_bits() {
+        let (mut t, ..) = setup();
+        t.interrupt.signal(INT_USED_RING);
+        assert_eq!(r(&mut t, 0x60), INT_USED_RING);
+        w(&mut t, 0x64, INT_USED_RING);
+        assert_eq!(r(&mut t, 0x60), 0);
+    }
+
+    #[test]
+    fn notify_register_reaches_the_queue_event() {
+        let (mut t, dev, ..) = setup();
+        w(&mut t, 0x50, 1);
+        assert_eq!(dev.lock().unwrap().evts[1].read().unwrap(), 1);
+        w(&mut t, 0x50, 99); // no such queue: ignored
+    }
+
+    #[test]
+    fn odd_sized_register_accesses_are_harmless() {
+        let (mut t, ..) = setup();
+        let mut b = [0u8; 2];
+        t.read(0x70, &mut b);
+        assert_eq!(b, [0, 0]);
+        t.write(0x70, &[1]);
+        t.write(0x71, &[1, 2, 3, 4]);
+        assert_eq!(r(&mut t, 0x70), 0);
+    }
+}

@@ -8,6 +8,7 @@
 mod event_handler;
 pub mod tap;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -190,11 +191,14 @@ impl Net {
                     self.rx_len = None;
                 }
                 RxOutcome::Dropped => self.rx_len = None,
-                RxOutcome::NoBuffers => {
+                RxOutcome::NoBuffers(seen) => {
                     let active = self.active.as_mut().unwrap();
-                    // Re-arm the notification; if buffers arrived meanwhile, go on now.
-                    match active.rx.enable_notification(&active.mem) {
-                        Ok(true) => continue,
+                    // Re-arm the notification, then look again: buffers the driver added
+                    // after our attempt may not come with a kick. Buffers we already saw and
+                    // put back (too few for this frame) do not count as new.
+                    let _ = active.rx.enable_notification(&active.mem);
+                    match active.rx.avail_idx(&active.mem, Ordering::Acquire) {
+                        Ok(now) if now.0 != seen => continue,
                         _ => break,
                     }
                 }
@@ -213,6 +217,13 @@ impl Net {
         let len = self.rx_len.unwrap();
         let mergeable = self.acked_features & VIRTIO_NET_F_MRG_RXBUF != 0;
         let active = self.active.as_mut().unwrap();
+        let seen = match active.rx.avail_idx(&active.mem, Ordering::Acquire) {
+            Ok(i) => i.0,
+            Err(_) => {
+                active.interrupt.device_needs_reset();
+                return RxOutcome::Broken;
+            }
+        };
         let frame = &self.rx_frame[..len];
         let mut used: Vec<(u16, u32)> = Vec::new();
         let mut first_hdr = None;
@@ -231,7 +242,7 @@ impl Net {
                 for _ in 0..used.len() {
                     active.rx.go_to_previous_position();
                 }
-                return RxOutcome::NoBuffers;
+                return RxOutcome::NoBuffers(seen);
             };
             let head = chain.head_index();
             let mut n_chain = 0u32;
@@ -375,7 +386,8 @@ impl Net {
 enum RxOutcome {
     Delivered,
     Dropped,
-    NoBuffers,
+    /// Not enough buffers; carries the available index seen when trying.
+    NoBuffers(u16),
     Broken,
 }
 
