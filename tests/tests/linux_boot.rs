@@ -120,6 +120,8 @@ fn linux_mounts_root_from_virtio_blk_and_gets_dhcp_over_virtio_net() {
         ])
         .args(["--dhcp-range=10.0.2.15,10.0.2.15,255.255.255.0,1h"])
         .arg(format!("--log-facility={}", dhcp_log.display()))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .expect("starting dnsmasq (apt-get install dnsmasq-base)");
 

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::Bytes;
+use vm_memory::{Bytes, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
@@ -112,7 +112,6 @@ pub struct Net {
     /// One frame read from the TAP that has not found guest buffers yet.
     rx_frame: Vec<u8>,
     rx_len: Option<usize>,
-    tx_frame: Vec<u8>,
     pub counters: NetCounters,
 }
 
@@ -154,7 +153,6 @@ impl Net {
             active: None,
             rx_frame: vec![0u8; MAX_FRAME],
             rx_len: None,
-            tx_frame: Vec::with_capacity(MAX_FRAME),
             counters: NetCounters::default(),
         })
     }
@@ -312,6 +310,8 @@ impl Net {
             return;
         };
         let mut completed = false;
+        // Emptied after every writev, so no guest pointer outlives its slice guard.
+        let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(8);
         loop {
             let chain = match active.tx.iter(&active.mem) {
                 Ok(mut it) => it.next(),
@@ -323,36 +323,43 @@ impl Net {
             };
             let Some(chain) = chain else { break };
             let head = chain.head_index();
-            self.tx_frame.clear();
+            // Gather the chain as iovecs straight into guest memory: one writev, no copy.
+            let mut slices = Vec::with_capacity(4);
+            let mut total = 0usize;
             let mut ok = true;
             for d in chain {
                 let n = d.len() as usize;
-                if d.is_write_only() || self.tx_frame.len() + n > MAX_FRAME {
+                total += n;
+                if d.is_write_only() || total > MAX_FRAME {
                     ok = false;
                     break;
                 }
-                let start = self.tx_frame.len();
-                self.tx_frame.resize(start + n, 0);
-                if active
-                    .mem
-                    .read_slice(&mut self.tx_frame[start..], d.addr())
-                    .is_err()
-                {
-                    ok = false;
-                    break;
+                match active.mem.get_slice(d.addr(), n) {
+                    Ok(s) => slices.push(s),
+                    Err(_) => {
+                        ok = false;
+                        break;
+                    }
                 }
             }
-            if ok && self.tx_frame.len() > VNET_HDR_LEN {
-                match self.tap.write(&self.tx_frame) {
+            if ok && total > VNET_HDR_LEN {
+                let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard()).collect();
+                iovecs.clear();
+                iovecs.extend(guards.iter().zip(&slices).map(|(g, s)| libc::iovec {
+                    iov_base: g.as_ptr() as *mut libc::c_void,
+                    iov_len: s.len(),
+                }));
+                match self.tap.writev(&iovecs) {
                     Ok(_) => {
                         self.counters.tx_frames += 1;
-                        self.counters.tx_bytes += (self.tx_frame.len() - VNET_HDR_LEN) as u64;
+                        self.counters.tx_bytes += (total - VNET_HDR_LEN) as u64;
                     }
                     Err(e) => {
                         tracing::debug!(nic = %self.id, "tap write: {e}");
                         self.counters.tx_errors += 1;
                     }
                 }
+                iovecs.clear();
             } else {
                 self.counters.tx_errors += 1;
             }

@@ -189,6 +189,24 @@ impl Tap {
     }
 }
 
+impl Tap {
+    /// Writes one frame gathered from `iovecs`.
+    pub fn writev(&self, iovecs: &[libc::iovec]) -> io::Result<usize> {
+        // SAFETY: the caller's iovecs point at memory that stays mapped for the call.
+        let n = unsafe {
+            libc::writev(
+                self.file.as_raw_fd(),
+                iovecs.as_ptr(),
+                iovecs.len() as libc::c_int,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+}
+
 impl AsRawFd for Tap {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.file.as_raw_fd()
