@@ -1,1 +1,14 @@
-//! kubevirt.io/v1 API types and the launcher control protocol (filled by the launcher issue).
+//! The KubeVirt API as microvirt serves it: `kubevirt.io/v1` VirtualMachine,
+//! VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VirtualMachineInstanceMigration and
+//! `migrations.kubevirt.io/v1alpha1` MigrationPolicy, with KubeVirt's field names and meanings;
+//! validation and defaulting (shared by the admission webhook and the launcher); quantities;
+//! and the launcher's control protocol.
+//!
+//! Fields microvirt does not model are kept: the structs that users write carry a flattened
+//! `extra` map, so a read-modify-write never drops what another tool put there.
+
+pub mod quantity;
+pub mod types;
+pub mod validation;
+
+pub use types::*;

@@ -3,6 +3,7 @@
 //! `virt-launcher run --kernel PATH ...` boots a VM with the console on the terminal and exits
 //! with a status that says how the guest ended (see `vmm::VmEnd::exit_code` and the README).
 
+use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -30,9 +31,12 @@ enum Command {
 
 #[derive(Args)]
 struct RunArgs {
+    /// Boot this VirtualMachine or VirtualMachineInstance manifest (kubevirt.io/v1).
+    #[arg(short = 'f', long = "filename", value_name = "MANIFEST", conflicts_with_all = ["kernel", "initrd", "disks", "nets"])]
+    manifest: Option<PathBuf>,
     /// Guest kernel: an ELF vmlinux (PVH entry if it has the note) or a bzImage.
-    #[arg(long)]
-    kernel: PathBuf,
+    #[arg(long, required_unless_present = "manifest")]
+    kernel: Option<PathBuf>,
     /// Initial ramdisk loaded high in guest RAM.
     #[arg(long)]
     initrd: Option<PathBuf>,
@@ -59,6 +63,29 @@ struct RunArgs {
     /// descriptor). Repeatable; the guest sees them in order as eth0, eth1, ...
     #[arg(long = "net", value_name = "SPEC")]
     nets: Vec<String>,
+    /// With -f: where containerDisk and kernelBoot images are (`<dir>/<image>`, `/` and `:`
+    /// replaced by `_`).
+    #[arg(long, env = "MICROVIRT_IMAGES", default_value = "images")]
+    image_dir: PathBuf,
+    /// With -f: where PVCs and DataVolumes are (`<dir>/<claim>/disk.img` or a block device).
+    #[arg(long, env = "MICROVIRT_VOLUMES", default_value = "volumes")]
+    volume_dir: PathBuf,
+    /// With -f: scratch space for emptyDisks, cloud-init seeds and containerDisk copies.
+    #[arg(long, env = "MICROVIRT_STATE", default_value = "/tmp/microvirt")]
+    state_dir: PathBuf,
+    /// With -f: the guest kernel when the manifest has no firmware.kernelBoot.
+    #[arg(
+        long,
+        env = "MICROVIRT_KERNEL",
+        default_value = "/usr/share/microvirt/vmlinux"
+    )]
+    default_kernel: PathBuf,
+    /// With -f: appended to the kernel command line (e.g. flags a software-emulated host needs).
+    #[arg(long, default_value = "")]
+    extra_cmdline: String,
+    /// With -f: `none` attaches no NICs (the manifest's interfaces are dropped, with a note).
+    #[arg(long, value_enum, default_value = "none")]
+    network: NetworkMode,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
@@ -77,7 +104,163 @@ fn main() -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum NetworkMode {
+    None,
+}
+
+fn bad_config(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("virt-launcher: {msg}");
+    ExitCode::from(EXIT_BAD_CONFIG)
+}
+
+/// `run -f`: manifest → defaults and validation → translation → files → boot.
+fn run_manifest(path: &std::path::Path, args: &RunArgs) -> ExitCode {
+    let manifest = match launcher::manifest::read(&path.display().to_string()) {
+        Ok(m) => m,
+        Err(e) => return bad_config(e),
+    };
+    let env = launcher::translate::Environment {
+        image_dir: args.image_dir.clone(),
+        volume_dir: args.volume_dir.clone(),
+        state_dir: args.state_dir.clone(),
+        default_kernel: args.default_kernel.clone(),
+        default_initrd: None,
+        extra_cmdline: args.extra_cmdline.clone(),
+    };
+    let name = manifest.name();
+    let plan = match launcher::translate::translate(&name, manifest.vmi_spec(), &env) {
+        Ok(p) => p,
+        Err(e) => return bad_config(format!("{}: {e}", path.display())),
+    };
+    if !plan.nics.is_empty() && args.network == NetworkMode::None {
+        let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+        eprintln!("virt-launcher: --network none: interfaces {names:?} are not attached");
+    }
+    let ephemeral = match plan.prepare() {
+        Ok(e) => e,
+        Err(e) => return bad_config(e),
+    };
+    let mut config = plan.config;
+    config.boot_timer = args.boot_timer;
+    let code = boot_with_console(config, args.console_log.clone(), !args.no_console_input);
+    for f in ephemeral {
+        let _ = std::fs::remove_file(f);
+    }
+    code
+}
+
+/// Ctrl-]: detach from the console and stop the VM.
+const DETACH_KEY: u8 = 0x1d;
+
+/// Boots `config` with the console on this terminal (or `console_log`) and waits for the end.
+fn boot_with_console(
+    mut config: VmConfig,
+    console_log: Option<PathBuf>,
+    console_input: bool,
+) -> ExitCode {
+    config.serial.output = match console_log {
+        Some(p) => SerialOutput::File(p),
+        None => SerialOutput::Stdout,
+    };
+    // Input goes through a pipe so the launcher sees the detach key first.
+    let mut forward = None;
+    config.serial.input = SerialInput::None;
+    if console_input {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 fills two descriptors we then own.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
+            config.serial.input = SerialInput::Fd(fds[0]);
+            forward = Some(fds[1]);
+        }
+    }
+    let vm = match Vm::build(&config) {
+        Ok(vm) => vm,
+        Err(e) => {
+            if let Some(w) = forward {
+                // SAFETY: our write end; the read end went to (and was dropped with) the config.
+                unsafe { libc::close(w) };
+            }
+            eprintln!("virt-launcher: {e}");
+            return ExitCode::from(if e.is_config_error() {
+                EXIT_BAD_CONFIG
+            } else {
+                EXIT_HOST_ERROR
+            });
+        }
+    };
+    let _raw = forward.map(|w| {
+        eprintln!("virt-launcher: console attached; press Ctrl-] to stop the VM");
+        let end = vm.end_signal();
+        let raw = RawTerminal::enter();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            // SAFETY: we own the pipe's write end.
+            let mut pipe = unsafe { std::fs::File::from_raw_fd(w) };
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match std::io::stdin().read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if let Some(i) = buf[..n].iter().position(|&b| b == DETACH_KEY) {
+                    let _ = pipe.write_all(&buf[..i]);
+                    end.signal(vmm::VmEnd::Stopped);
+                    return;
+                }
+                if pipe.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        });
+        raw
+    });
+    let end = vm.wait();
+    drop(_raw);
+    eprintln!("virt-launcher: {end}");
+    ExitCode::from(end.exit_code() as u8)
+}
+
+/// Puts an interactive terminal in raw mode (keys go to the guest, not the line discipline)
+/// and restores it on drop.
+struct RawTerminal(Option<libc::termios>);
+
+impl RawTerminal {
+    fn enter() -> RawTerminal {
+        // SAFETY: termios calls on stdin with structs we own.
+        unsafe {
+            if libc::isatty(0) != 1 {
+                return RawTerminal(None);
+            }
+            let mut t: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(0, &mut t) != 0 {
+                return RawTerminal(None);
+            }
+            let saved = t;
+            libc::cfmakeraw(&mut t);
+            t.c_oflag |= libc::OPOST | libc::ONLCR; // keep output readable
+            libc::tcsetattr(0, libc::TCSANOW, &t);
+            RawTerminal(Some(saved))
+        }
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        if let Some(t) = self.0 {
+            // SAFETY: restoring the attributes we read.
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
+        }
+    }
+}
+
 fn run(args: RunArgs) -> ExitCode {
+    if let Some(path) = args.manifest.clone() {
+        return run_manifest(&path, &args);
+    }
+    let Some(kernel) = args.kernel.clone() else {
+        return bad_config("run: give -f MANIFEST or --kernel PATH");
+    };
     let Ok(vcpus) = u8::try_from(args.vcpus) else {
         let e = vmm::ConfigError::Vcpus {
             given: args.vcpus,
@@ -106,38 +289,15 @@ fn run(args: RunArgs) -> ExitCode {
             }
         }
     }
-    let mut config = VmConfig::new(args.kernel);
+    let mut config = VmConfig::new(kernel);
     config.disks = disks;
     config.nets = nets;
-    config.initrd = args.initrd;
-    config.cmdline = args.cmdline;
+    config.initrd = args.initrd.clone();
+    config.cmdline = args.cmdline.clone();
     config.vcpus = vcpus;
     config.memory_mib = args.memory;
     config.boot_timer = args.boot_timer;
-    config.serial.output = match args.console_log {
-        Some(p) => SerialOutput::File(p),
-        None => SerialOutput::Stdout,
-    };
-    config.serial.input = if args.no_console_input {
-        SerialInput::None
-    } else {
-        SerialInput::Stdin
-    };
-
-    let vm = match Vm::build(&config) {
-        Ok(vm) => vm,
-        Err(e) => {
-            eprintln!("virt-launcher: {e}");
-            return ExitCode::from(if e.is_config_error() {
-                EXIT_BAD_CONFIG
-            } else {
-                EXIT_HOST_ERROR
-            });
-        }
-    };
-    let end = vm.wait();
-    eprintln!("virt-launcher: {end}");
-    ExitCode::from(end.exit_code() as u8)
+    boot_with_console(config, args.console_log.clone(), !args.no_console_input)
 }
 
 /// Parses `PATH[,readonly][,serial=S][,cache=none|writeback]`.

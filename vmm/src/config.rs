@@ -151,6 +151,8 @@ pub enum SerialInput {
     Stdin,
     /// Connect to a unix stream socket and feed what it sends to the guest.
     UnixSocket(PathBuf),
+    /// Read from this file descriptor (a pipe or socket); the VM takes ownership of it.
+    Fd(i32),
 }
 
 #[derive(Clone, Debug, Default)]

@@ -450,6 +450,10 @@ impl Vm {
                 std::os::unix::net::UnixStream::connect(p)
                     .map_err(dev_err("serial input socket"))?,
             )),
+            // SAFETY: the config hands the descriptor's ownership to the VM.
+            SerialInput::Fd(fd) => Some(Box::new(std::fs::File::from(unsafe {
+                std::os::fd::OwnedFd::from_raw_fd(*fd)
+            }))),
         };
         if let Some(input) = input {
             em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(

@@ -1,0 +1,657 @@
+//! Validation and defaulting of KubeVirt objects, as the admission webhook and the launcher
+//! apply them. A rejected object gets one error listing every offending field path, why, and
+//! what is accepted.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use crate::quantity::parse_bytes;
+use crate::types::*;
+
+/// Guest memory bounds the VMM accepts (vmm::config::{MIN,MAX}_MEMORY_MIB).
+pub const MIN_MEMORY: u64 = 8 << 20;
+pub const MAX_MEMORY: u64 = 1 << 40;
+/// vmm::config::MAX_VCPUS
+pub const MAX_VCPUS: u64 = 254;
+/// One legacy IRQ per virtio device (vmm::config::MAX_VIRTIO_DEVICES).
+pub const MAX_DEVICES: usize = 19;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    pub path: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationError {
+    pub kind: String,
+    pub name: String,
+    pub errors: Vec<FieldError>,
+}
+
+impl fmt::Display for ValidationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {} is invalid:", self.kind, self.name)?;
+        for e in &self.errors {
+            write!(f, "\n  - {}: {}", e.path, e.reason)?;
+        }
+        Ok(())
+    }
+}
+
+struct Errors(Vec<FieldError>);
+
+impl Errors {
+    fn add(&mut self, path: impl Into<String>, reason: impl Into<String>) {
+        self.0.push(FieldError {
+            path: path.into(),
+            reason: reason.into(),
+        });
+    }
+    fn unsupported(&mut self, path: impl Into<String>, what: &str, accepted: &str) {
+        self.add(
+            path,
+            format!("{what} is not supported by microvirt; {accepted}"),
+        );
+    }
+}
+
+fn finish(kind: &str, name: &str, errors: Errors) -> Result<(), ValidationError> {
+    if errors.0.is_empty() {
+        Ok(())
+    } else {
+        Err(ValidationError {
+            kind: kind.into(),
+            name: name.into(),
+            errors: errors.0,
+        })
+    }
+}
+
+fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+    match (&meta.namespace, &meta.name) {
+        (Some(ns), Some(n)) => format!("{ns}/{n}"),
+        (None, Some(n)) => n.clone(),
+        _ => "(unnamed)".into(),
+    }
+}
+
+pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
+    let mut e = Errors(Vec::new());
+    if vm.spec.running.is_some() && vm.spec.run_strategy.is_some() {
+        e.add(
+            "spec.running",
+            "conflicts with spec.runStrategy; set only runStrategy (running is deprecated)",
+        );
+    }
+    match &vm.spec.template.spec {
+        Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
+        None => e.add("spec.template.spec", "is required"),
+    }
+    finish("VirtualMachine", &object_name(&vm.metadata), e)
+}
+
+pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError> {
+    let mut e = Errors(Vec::new());
+    validate_spec(&vmi.spec, "spec", &mut e);
+    finish("VirtualMachineInstance", &object_name(&vmi.metadata), e)
+}
+
+pub fn validate_vmirs(rs: &VirtualMachineInstanceReplicaSet) -> Result<(), ValidationError> {
+    let mut e = Errors(Vec::new());
+    if rs.spec.replicas.is_some_and(|r| r < 0) {
+        e.add("spec.replicas", "must be 0 or more");
+    }
+    let labels = rs
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    for (k, v) in rs.spec.selector.match_labels.iter().flatten() {
+        if labels.get(k) != Some(v) {
+            e.add(format!("spec.selector.matchLabels.{k}"), "does not match spec.template.metadata.labels; the selector must select the template");
+        }
+    }
+    match &rs.spec.template.spec {
+        Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
+        None => e.add("spec.template.spec", "is required"),
+    }
+    finish(
+        "VirtualMachineInstanceReplicaSet",
+        &object_name(&rs.metadata),
+        e,
+    )
+}
+
+pub fn validate_migration(m: &VirtualMachineInstanceMigration) -> Result<(), ValidationError> {
+    let mut e = Errors(Vec::new());
+    if m.spec.vmi_name.is_empty() {
+        e.add("spec.vmiName", "is required");
+    }
+    finish(
+        "VirtualMachineInstanceMigration",
+        &object_name(&m.metadata),
+        e,
+    )
+}
+
+/// Guest memory in bytes: domain.memory.guest, else resources.requests.memory.
+pub fn guest_memory(spec: &VirtualMachineInstanceSpec) -> Option<Result<u64, String>> {
+    let q = spec
+        .domain
+        .memory
+        .as_ref()
+        .and_then(|m| m.guest.as_ref())
+        .or_else(|| {
+            spec.domain
+                .resources
+                .as_ref()
+                .and_then(|r| r.requests.get("memory"))
+        })?;
+    Some(parse_bytes(&q.0))
+}
+
+/// vCPUs: sockets × cores × threads (each defaulting to 1).
+pub fn vcpus(spec: &VirtualMachineInstanceSpec) -> u64 {
+    let c = spec.domain.cpu.clone().unwrap_or_default();
+    c.sockets.unwrap_or(1) as u64 * c.cores.unwrap_or(1) as u64 * c.threads.unwrap_or(1) as u64
+}
+
+const DEVICE_FEATURES_UNSUPPORTED: &[&str] = &[
+    "gpus",
+    "hostDevices",
+    "watchdog",
+    "tpm",
+    "sound",
+    "filesystems",
+    "inputs",
+    "clientPassthrough",
+    "downwardMetrics",
+    "video",
+];
+
+fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let d = &spec.domain;
+    // Memory.
+    match guest_memory(spec) {
+        None => e.add(
+            format!("{p}.domain.memory.guest"),
+            "a memory size is required (domain.memory.guest or domain.resources.requests.memory)",
+        ),
+        Some(Err(why)) => e.add(format!("{p}.domain.memory.guest"), why),
+        Some(Ok(b)) if !(MIN_MEMORY..=MAX_MEMORY).contains(&b) => e.add(
+            format!("{p}.domain.memory.guest"),
+            format!("{b} bytes is out of range; accepted: 8Mi to 1Ti"),
+        ),
+        Some(Ok(b)) if b % (1 << 20) != 0 => e.add(
+            format!("{p}.domain.memory.guest"),
+            "must be a whole number of MiB",
+        ),
+        _ => {}
+    }
+    if d.memory.as_ref().is_some_and(|m| m.hugepages.is_some()) {
+        e.unsupported(
+            format!("{p}.domain.memory.hugepages"),
+            "hugepages",
+            "remove it",
+        );
+    }
+    // CPU.
+    if let Some(c) = &d.cpu {
+        for (f, v) in [
+            ("sockets", c.sockets),
+            ("cores", c.cores),
+            ("threads", c.threads),
+        ] {
+            if v == Some(0) {
+                e.add(format!("{p}.domain.cpu.{f}"), "must be at least 1");
+            }
+        }
+        if let Some(m) = &c.model {
+            if m != "host-passthrough" && m != "host-model" {
+                e.unsupported(
+                    format!("{p}.domain.cpu.model"),
+                    &format!("model {m:?}"),
+                    "accepted: host-passthrough, host-model (the guest sees the host CPU)",
+                );
+            }
+        }
+        for (i, f) in c.features.iter().enumerate() {
+            e.unsupported(
+                format!("{p}.domain.cpu.features[{i}]"),
+                &format!("CPU feature {:?}", f.name),
+                "remove it",
+            );
+        }
+        if c.dedicated_cpu_placement == Some(true) {
+            e.unsupported(
+                format!("{p}.domain.cpu.dedicatedCpuPlacement"),
+                "dedicated CPU placement",
+                "remove it",
+            );
+        }
+    }
+    let n = vcpus(spec);
+    if n > MAX_VCPUS {
+        e.add(
+            format!("{p}.domain.cpu"),
+            format!("sockets × cores × threads = {n}; at most {MAX_VCPUS} vCPUs are accepted"),
+        );
+    }
+    // Firmware.
+    if let Some(fw) = &d.firmware {
+        if fw.bootloader.as_ref().is_some_and(|b| b.efi.is_some()) {
+            e.unsupported(
+                format!("{p}.domain.firmware.bootloader.efi"),
+                "EFI firmware",
+                "microvirt boots the kernel directly; use bios or firmware.kernelBoot",
+            );
+        }
+        if let Some(c) = fw.kernel_boot.as_ref().and_then(|k| k.container.as_ref()) {
+            if c.image.is_empty() {
+                e.add(
+                    format!("{p}.domain.firmware.kernelBoot.container.image"),
+                    "is required",
+                );
+            }
+            if c.kernel_path.is_none() && c.initrd_path.is_none() {
+                e.add(
+                    format!("{p}.domain.firmware.kernelBoot.container"),
+                    "kernelPath or initrdPath is required",
+                );
+            }
+        }
+    }
+    if let Some(m) = d.machine.as_ref().and_then(|m| m.type_.as_ref()) {
+        if m != "microvm" && m != "q35" {
+            e.unsupported(
+                format!("{p}.domain.machine.type"),
+                &format!("machine type {m:?}"),
+                "accepted: microvm (q35 is accepted and means microvm)",
+            );
+        }
+    }
+    // Devices.
+    let dev = &d.devices;
+    for k in dev.extra.keys() {
+        if DEVICE_FEATURES_UNSUPPORTED.contains(&k.as_str()) {
+            e.unsupported(format!("{p}.domain.devices.{k}"), k, "remove it");
+        }
+    }
+    if dev.autoattach_graphics_device == Some(true) {
+        e.unsupported(
+            format!("{p}.domain.devices.autoattachGraphicsDevice"),
+            "a graphics device (VNC)",
+            "set it to false; the serial console is available",
+        );
+    }
+    let volumes: BTreeSet<&str> = spec.volumes.iter().map(|v| v.name.as_str()).collect();
+    let mut seen = BTreeSet::new();
+    for (i, disk) in dev.disks.iter().enumerate() {
+        let dp = format!("{p}.domain.devices.disks[{i}]");
+        if !seen.insert(disk.name.as_str()) {
+            e.add(
+                format!("{dp}.name"),
+                format!("duplicate disk name {:?}", disk.name),
+            );
+        }
+        if !volumes.contains(disk.name.as_str()) {
+            e.add(
+                format!("{dp}.name"),
+                format!(
+                    "no volume named {:?}; every disk needs a volume of the same name",
+                    disk.name
+                ),
+            );
+        }
+        let targets = [
+            disk.disk.is_some(),
+            disk.cdrom.is_some(),
+            disk.lun.is_some(),
+        ]
+        .iter()
+        .filter(|t| **t)
+        .count();
+        if targets > 1 {
+            e.add(dp.clone(), "set at most one of disk, cdrom, lun");
+        }
+        if disk.lun.is_some() {
+            e.unsupported(format!("{dp}.lun"), "a LUN (SCSI passthrough)", "use disk");
+        }
+        let bus = disk
+            .disk
+            .as_ref()
+            .and_then(|t| t.bus.clone())
+            .or_else(|| disk.cdrom.as_ref().and_then(|t| t.bus.clone()));
+        if let Some(b) = bus {
+            if b != "virtio" {
+                let which = if disk.cdrom.is_some() {
+                    "cdrom"
+                } else {
+                    "disk"
+                };
+                e.unsupported(
+                    format!("{dp}.{which}.bus"),
+                    &format!("bus {b:?}"),
+                    "accepted: virtio",
+                );
+            }
+        }
+        if let Some(c) = &disk.cache {
+            if c != "none" && c != "writeback" {
+                e.unsupported(
+                    format!("{dp}.cache"),
+                    &format!("cache mode {c:?}"),
+                    "accepted: none, writeback",
+                );
+            }
+        }
+        if disk
+            .serial
+            .as_ref()
+            .is_some_and(|s| s.len() > 20 || !s.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            e.add(
+                format!("{dp}.serial"),
+                "at most 20 printable ASCII characters are accepted",
+            );
+        }
+    }
+    if dev.disks.len() + dev.interfaces.len() > MAX_DEVICES {
+        e.add(
+            format!("{p}.domain.devices"),
+            format!(
+                "{} disks and interfaces; at most {MAX_DEVICES} in all are accepted",
+                dev.disks.len() + dev.interfaces.len()
+            ),
+        );
+    }
+    // Volumes.
+    let mut seen = BTreeSet::new();
+    for (i, v) in spec.volumes.iter().enumerate() {
+        let vp = format!("{p}.volumes[{i}]");
+        if !seen.insert(v.name.as_str()) {
+            e.add(
+                format!("{vp}.name"),
+                format!("duplicate volume name {:?}", v.name),
+            );
+        }
+        let sources = [
+            v.container_disk.is_some(),
+            v.persistent_volume_claim.is_some(),
+            v.data_volume.is_some(),
+            v.empty_disk.is_some(),
+            v.host_disk.is_some(),
+            v.cloud_init_no_cloud.is_some(),
+            v.config_map.is_some(),
+            v.secret.is_some(),
+            v.ephemeral.is_some(),
+        ]
+        .iter()
+        .filter(|s| **s)
+        .count()
+            + v.extra.len();
+        if sources != 1 {
+            e.add(vp.clone(), format!("exactly one volume source is required, found {sources}; accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud"));
+        }
+        for k in v.extra.keys() {
+            e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud");
+        }
+        for (set, name) in [
+            (v.config_map.is_some(), "configMap"),
+            (v.secret.is_some(), "secret"),
+            (v.ephemeral.is_some(), "ephemeral"),
+        ] {
+            if set {
+                e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud");
+            }
+        }
+        if let Some(ed) = &v.empty_disk {
+            if let Err(why) = parse_bytes(&ed.capacity.0) {
+                e.add(format!("{vp}.emptyDisk.capacity"), why);
+            }
+        }
+        if let Some(h) = &v.host_disk {
+            match h.type_.as_str() {
+                "Disk" => {}
+                "DiskOrCreate" => match &h.capacity {
+                    None => e.add(
+                        format!("{vp}.hostDisk.capacity"),
+                        "is required for type DiskOrCreate",
+                    ),
+                    Some(c) => {
+                        if let Err(why) = parse_bytes(&c.0) {
+                            e.add(format!("{vp}.hostDisk.capacity"), why);
+                        }
+                    }
+                },
+                t => e.add(
+                    format!("{vp}.hostDisk.type"),
+                    format!("{t:?} is not a hostDisk type; accepted: Disk, DiskOrCreate"),
+                ),
+            }
+            if !h.path.starts_with('/') {
+                e.add(format!("{vp}.hostDisk.path"), "must be an absolute path");
+            }
+        }
+        if let Some(c) = &v.container_disk {
+            if c.image.is_empty() {
+                e.add(format!("{vp}.containerDisk.image"), "is required");
+            }
+        }
+        if let Some(ci) = &v.cloud_init_no_cloud {
+            if ci.user_data_secret_ref.is_some() || ci.network_data_secret_ref.is_some() {
+                e.unsupported(
+                    format!("{vp}.cloudInitNoCloud"),
+                    "secret references",
+                    "inline userData/networkData (or their base64 forms)",
+                );
+            }
+        }
+    }
+    // Interfaces and networks.
+    let networks: BTreeSet<&str> = spec.networks.iter().map(|n| n.name.as_str()).collect();
+    let mut seen = BTreeSet::new();
+    for (i, iface) in dev.interfaces.iter().enumerate() {
+        let ip = format!("{p}.domain.devices.interfaces[{i}]");
+        if !seen.insert(iface.name.as_str()) {
+            e.add(
+                format!("{ip}.name"),
+                format!("duplicate interface name {:?}", iface.name),
+            );
+        }
+        if !networks.contains(iface.name.as_str()) {
+            e.add(
+                format!("{ip}.name"),
+                format!(
+                    "no network named {:?}; every interface needs a network of the same name",
+                    iface.name
+                ),
+            );
+        }
+        if iface.sriov.is_some() {
+            e.unsupported(
+                format!("{ip}.sriov"),
+                "SR-IOV",
+                "accepted bindings: masquerade, bridge",
+            );
+        }
+        if iface.slirp.is_some() {
+            e.unsupported(
+                format!("{ip}.slirp"),
+                "slirp",
+                "accepted bindings: masquerade, bridge",
+            );
+        }
+        let bindings = [
+            iface.masquerade.is_some(),
+            iface.bridge.is_some(),
+            iface.sriov.is_some(),
+            iface.slirp.is_some(),
+        ]
+        .iter()
+        .filter(|b| **b)
+        .count();
+        if bindings > 1 {
+            e.add(
+                ip.clone(),
+                "set exactly one binding method (masquerade or bridge)",
+            );
+        }
+        if let Some(m) = &iface.model {
+            if m != "virtio" {
+                e.unsupported(
+                    format!("{ip}.model"),
+                    &format!("NIC model {m:?}"),
+                    "accepted: virtio",
+                );
+            }
+        }
+        if let Some(mac) = &iface.mac_address {
+            if let Err(why) = check_mac(mac) {
+                e.add(format!("{ip}.macAddress"), why);
+            }
+        }
+    }
+    let mut seen = BTreeSet::new();
+    let mut pods = 0;
+    for (i, n) in spec.networks.iter().enumerate() {
+        let np = format!("{p}.networks[{i}]");
+        if !seen.insert(n.name.as_str()) {
+            e.add(
+                format!("{np}.name"),
+                format!("duplicate network name {:?}", n.name),
+            );
+        }
+        match (n.pod.is_some(), n.multus.is_some()) {
+            (true, false) => pods += 1,
+            (false, true) => {}
+            _ => e.add(np.clone(), "set exactly one of pod, multus"),
+        }
+        if !dev.interfaces.iter().any(|i| i.name == n.name) {
+            e.add(
+                format!("{np}.name"),
+                format!("no interface named {:?} uses this network", n.name),
+            );
+        }
+    }
+    if pods > 1 {
+        e.add(
+            format!("{p}.networks"),
+            "at most one pod network is accepted",
+        );
+    }
+    if spec.termination_grace_period_seconds.is_some_and(|t| t < 0) {
+        e.add(
+            format!("{p}.terminationGracePeriodSeconds"),
+            "must be 0 or more",
+        );
+    }
+    if let Some(s) = &spec.eviction_strategy {
+        if !["LiveMigrate", "LiveMigrateIfPossible", "None", "External"].contains(&s.as_str()) {
+            e.add(
+                format!("{p}.evictionStrategy"),
+                format!("{s:?}; accepted: LiveMigrate, LiveMigrateIfPossible, None, External"),
+            );
+        }
+    }
+}
+
+/// A unicast MAC in `aa:bb:cc:dd:ee:ff` form.
+pub fn check_mac(mac: &str) -> Result<[u8; 6], String> {
+    let parts: Vec<&str> = mac.split(':').collect();
+    let bad = || format!("{mac:?} is not a MAC address like 02:00:00:00:00:01");
+    if parts.len() != 6 {
+        return Err(bad());
+    }
+    let mut m = [0u8; 6];
+    for (i, p) in parts.iter().enumerate() {
+        if p.len() != 2 {
+            return Err(bad());
+        }
+        m[i] = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    if m[0] & 1 != 0 {
+        return Err(format!(
+            "{mac:?} is a multicast address; a NIC needs a unicast address"
+        ));
+    }
+    Ok(m)
+}
+
+/// KubeVirt's defaults for a VMI spec.
+pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
+    let d = &mut spec.domain;
+    let cpu = d.cpu.get_or_insert_with(Default::default);
+    cpu.sockets.get_or_insert(1);
+    cpu.cores.get_or_insert(1);
+    cpu.threads.get_or_insert(1);
+    if d.memory.as_ref().and_then(|m| m.guest.as_ref()).is_none() {
+        if let Some(req) = d
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.get("memory"))
+            .cloned()
+        {
+            d.memory.get_or_insert_with(Default::default).guest = Some(req);
+        }
+    }
+    for disk in &mut d.devices.disks {
+        if disk.disk.is_none() && disk.cdrom.is_none() && disk.lun.is_none() {
+            disk.disk = Some(DiskTarget {
+                bus: Some("virtio".into()),
+                readonly: None,
+            });
+        }
+        if let Some(t) = disk.disk.as_mut() {
+            t.bus.get_or_insert_with(|| "virtio".into());
+        }
+        if let Some(t) = disk.cdrom.as_mut() {
+            t.bus.get_or_insert_with(|| "virtio".into());
+            t.readonly.get_or_insert(true);
+        }
+    }
+    // Like KubeVirt: no networks and no interfaces means one masquerade interface on the pod
+    // network, unless autoattachPodInterface is false.
+    if spec.networks.is_empty()
+        && d.devices.interfaces.is_empty()
+        && d.devices.autoattach_pod_interface != Some(false)
+    {
+        spec.networks.push(Network {
+            name: "default".into(),
+            pod: Some(PodNetwork::default()),
+            ..Default::default()
+        });
+        d.devices.interfaces.push(Interface {
+            name: "default".into(),
+            masquerade: Some(serde_json::json!({})),
+            ..Default::default()
+        });
+    }
+    for i in &mut d.devices.interfaces {
+        if i.masquerade.is_none() && i.bridge.is_none() && i.sriov.is_none() && i.slirp.is_none() {
+            i.bridge = Some(serde_json::json!({}));
+        }
+        i.model.get_or_insert_with(|| "virtio".into());
+    }
+    d.devices.autoattach_serial_console.get_or_insert(true);
+    d.devices.autoattach_graphics_device.get_or_insert(false);
+    spec.termination_grace_period_seconds.get_or_insert(30);
+}
+
+/// The VM's effective run strategy: runStrategy, else `running` mapped as KubeVirt maps it.
+pub fn run_strategy(vm: &VirtualMachine) -> RunStrategy {
+    match (vm.spec.run_strategy, vm.spec.running) {
+        (Some(s), _) => s,
+        (None, Some(true)) => RunStrategy::Always,
+        _ => RunStrategy::Halted,
+    }
+}
+
+pub fn default_vm(vm: &mut VirtualMachine) {
+    if let Some(spec) = vm.spec.template.spec.as_mut() {
+        default_vmi_spec(spec);
+    }
+}

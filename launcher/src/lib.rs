@@ -1,0 +1,6 @@
+//! virt-launcher's library: reading KubeVirt manifests, translating a VMI into the VMM's
+//! config, and building what the guest needs on one machine (disk files, cloud-init seeds).
+
+pub mod cloudinit;
+pub mod manifest;
+pub mod translate;

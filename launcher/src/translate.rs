@@ -1,0 +1,481 @@
+//! VMI spec → VMM config. Pure: it resolves every path and decides every device; `Plan::prepare`
+//! then creates the files the guest needs (emptyDisks, cloud-init seeds, containerDisk copies).
+//!
+//! Where things come from on one machine (standalone mode; in a Pod the same directories are
+//! volume mounts):
+//! - containerDisk / kernelBoot images: `<image_dir>/<image>` with `/` and `:` in the image
+//!   reference replaced by `_`; either a disk file, or a directory holding `disk.img` (or a
+//!   single `*.img`/`*.raw`) and, for kernelBoot, the kernelPath/initrdPath inside it.
+//!   containerDisks are ephemeral as in KubeVirt: the guest writes to a copy that is deleted
+//!   when the VM stops.
+//! - persistentVolumeClaim / dataVolume: `<volume_dir>/<claim>/disk.img` (filesystem mode) or
+//!   `<volume_dir>/<claim>` when that is a block device.
+//! - emptyDisk: a sparse file in `<state_dir>`, deleted when the VM stops.
+//! - hostDisk: the path itself; DiskOrCreate creates a sparse file of `capacity`.
+//! - cloudInitNoCloud: a FAT seed labelled `cidata` in `<state_dir>`, attached read-only.
+//! - kernel: firmware.kernelBoot.container, else the launcher's default guest kernel
+//!   (`--default-kernel`, `$MICROVIRT_KERNEL`, or `/usr/share/microvirt/vmlinux` in the image).
+
+use std::path::{Path, PathBuf};
+
+use api::quantity::parse_bytes;
+use api::validation::{guest_memory, vcpus};
+use api::{Disk, VirtualMachineInstanceSpec, Volume};
+use vmm::config::{CacheMode, DiskConfig, MacAddr};
+use vmm::VmConfig;
+
+#[derive(Clone, Debug)]
+pub struct Environment {
+    pub image_dir: PathBuf,
+    pub volume_dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub default_kernel: PathBuf,
+    pub default_initrd: Option<PathBuf>,
+    /// Appended to every kernel command line (e.g. flags a software-emulated host needs).
+    pub extra_cmdline: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{path}: {reason}")]
+pub struct TranslateError {
+    pub path: String,
+    pub reason: String,
+}
+
+fn err(path: impl Into<String>, reason: impl Into<String>) -> TranslateError {
+    TranslateError {
+        path: path.into(),
+        reason: reason.into(),
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskSource {
+    /// Use the file or block device as it is.
+    Existing(PathBuf),
+    /// An ephemeral copy of a containerDisk image.
+    CopyOf { image: PathBuf, to: PathBuf },
+    /// A sparse file of `size` bytes, created if missing; `ephemeral` ones are deleted at stop.
+    Sparse {
+        path: PathBuf,
+        size: u64,
+        ephemeral: bool,
+    },
+    /// A NoCloud seed built from inline data.
+    CloudInit {
+        path: PathBuf,
+        user_data: Vec<u8>,
+        network_config: Option<Vec<u8>>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskPlan {
+    /// The KubeVirt disk name.
+    pub name: String,
+    pub source: DiskSource,
+    pub config: DiskConfig,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binding {
+    Masquerade,
+    Bridge,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NicPlan {
+    pub interface: String,
+    pub binding: Binding,
+    pub mac: Option<MacAddr>,
+    /// None for the pod network, else the Multus network name.
+    pub multus: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct Plan {
+    pub name: String,
+    /// Everything but disks and NICs, which `prepare` and the network wiring fill in.
+    pub config: VmConfig,
+    pub disks: Vec<DiskPlan>,
+    pub nics: Vec<NicPlan>,
+}
+
+fn image_path(env: &Environment, image: &str) -> PathBuf {
+    env.image_dir.join(image.replace(['/', ':'], "_"))
+}
+
+/// The disk file inside a containerDisk image directory.
+fn image_disk(dir: &Path) -> Result<PathBuf, String> {
+    if dir.is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    if !dir.is_dir() {
+        return Err(format!("image not found at {}", dir.display()));
+    }
+    let d = dir.join("disk.img");
+    if d.is_file() {
+        return Ok(d);
+    }
+    let found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "img" || x == "raw"))
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err(format!(
+            "{} holds no disk.img, *.img or *.raw",
+            dir.display()
+        )),
+        _ => Err(format!(
+            "{} holds several images; name one disk.img",
+            dir.display()
+        )),
+    }
+}
+
+fn b64(s: &str, path: &str) -> Result<Vec<u8>, TranslateError> {
+    // Minimal standard base64 (RFC 4648) decoder: user data is small and this avoids a
+    // dependency for one call site.
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0);
+    for c in s.bytes().filter(|c| !c.is_ascii_whitespace()) {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            b'=' => break,
+            _ => return Err(err(path, "is not valid base64")),
+        };
+        acc = (acc << 6) | v as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    Ok(out)
+}
+
+fn disk_plan(
+    name: &str,
+    i: usize,
+    disk: &Disk,
+    vol: &Volume,
+    vp: &str,
+    env: &Environment,
+) -> Result<DiskPlan, TranslateError> {
+    let mut read_only =
+        disk.disk.as_ref().and_then(|d| d.readonly).unwrap_or(false) || disk.cdrom.is_some();
+    let state = env.state_dir.join(name);
+    let source = if let Some(c) = &vol.container_disk {
+        let dir = image_path(env, &c.image);
+        let base = match &c.path {
+            Some(p) => dir.join(p.trim_start_matches('/')),
+            None => dir.clone(),
+        };
+        let image = image_disk(&base).map_err(|r| err(format!("{vp}.containerDisk.image"), r))?;
+        DiskSource::CopyOf {
+            image,
+            to: state.join(format!("{}.containerdisk.img", vol.name)),
+        }
+    } else if let Some(claim) = vol
+        .persistent_volume_claim
+        .as_ref()
+        .map(|p| p.claim_name.clone())
+        .or_else(|| vol.data_volume.as_ref().map(|d| d.name.clone()))
+    {
+        if vol
+            .persistent_volume_claim
+            .as_ref()
+            .and_then(|p| p.read_only)
+            == Some(true)
+        {
+            read_only = true;
+        }
+        let which = if vol.data_volume.is_some() {
+            "dataVolume.name"
+        } else {
+            "persistentVolumeClaim.claimName"
+        };
+        let p = env.volume_dir.join(&claim);
+        use std::os::unix::fs::FileTypeExt;
+        let meta = std::fs::metadata(&p).map_err(|_| {
+            err(
+                format!("{vp}.{which}"),
+                format!("volume {claim:?} not found at {}", p.display()),
+            )
+        })?;
+        if meta.file_type().is_block_device() {
+            DiskSource::Existing(p)
+        } else {
+            let img = p.join("disk.img");
+            if !img.is_file() {
+                return Err(err(
+                    format!("{vp}.{which}"),
+                    format!("{} has no disk.img", p.display()),
+                ));
+            }
+            DiskSource::Existing(img)
+        }
+    } else if let Some(e) = &vol.empty_disk {
+        let size =
+            parse_bytes(&e.capacity.0).map_err(|r| err(format!("{vp}.emptyDisk.capacity"), r))?;
+        DiskSource::Sparse {
+            path: state.join(format!("{}.emptydisk.img", vol.name)),
+            size,
+            ephemeral: true,
+        }
+    } else if let Some(h) = &vol.host_disk {
+        let path = PathBuf::from(&h.path);
+        if h.type_ == "Disk" {
+            if !path.exists() {
+                return Err(err(format!("{vp}.hostDisk.path"), format!("{} does not exist (type Disk needs an existing image; DiskOrCreate creates one)", h.path)));
+            }
+            DiskSource::Existing(path)
+        } else {
+            let size = h
+                .capacity
+                .as_ref()
+                .map(|c| parse_bytes(&c.0))
+                .transpose()
+                .map_err(|r| err(format!("{vp}.hostDisk.capacity"), r))?
+                .unwrap_or(0);
+            DiskSource::Sparse {
+                path,
+                size,
+                ephemeral: false,
+            }
+        }
+    } else if let Some(ci) = &vol.cloud_init_no_cloud {
+        read_only = true;
+        let user_data = match (&ci.user_data, &ci.user_data_base64) {
+            (Some(u), _) => u.clone().into_bytes(),
+            (None, Some(b)) => b64(b, &format!("{vp}.cloudInitNoCloud.userDataBase64"))?,
+            (None, None) => Vec::new(),
+        };
+        let network_config = match (&ci.network_data, &ci.network_data_base64) {
+            (Some(n), _) => Some(n.clone().into_bytes()),
+            (None, Some(b)) => Some(b64(b, &format!("{vp}.cloudInitNoCloud.networkDataBase64"))?),
+            (None, None) => None,
+        };
+        DiskSource::CloudInit {
+            path: state.join(format!("{}.cidata.img", vol.name)),
+            user_data,
+            network_config,
+        }
+    } else {
+        return Err(err(vp, "has no volume source microvirt can attach"));
+    };
+    let _ = i;
+    Ok(DiskPlan {
+        name: disk.name.clone(),
+        config: DiskConfig {
+            path: match &source {
+                DiskSource::Existing(p) => p.clone(),
+                DiskSource::CopyOf { to, .. } => to.clone(),
+                DiskSource::Sparse { path, .. } | DiskSource::CloudInit { path, .. } => {
+                    path.clone()
+                }
+            },
+            read_only,
+            serial: disk.serial.clone(),
+            cache: match disk.cache.as_deref() {
+                Some("none") => CacheMode::None,
+                _ => CacheMode::Writeback,
+            },
+        },
+        source,
+    })
+}
+
+/// Translates a defaulted, validated VMI spec.
+pub fn translate(
+    name: &str,
+    spec: &VirtualMachineInstanceSpec,
+    env: &Environment,
+) -> Result<Plan, TranslateError> {
+    let memory = guest_memory(spec)
+        .ok_or_else(|| err("spec.domain.memory.guest", "is required"))?
+        .map_err(|r| err("spec.domain.memory.guest", r))?;
+    let mut config = VmConfig::new(env.default_kernel.clone());
+    config.memory_mib = memory >> 20;
+    config.vcpus = vcpus(spec).min(254) as u8;
+    config.initrd = env.default_initrd.clone();
+
+    let kernel_boot = spec
+        .domain
+        .firmware
+        .as_ref()
+        .and_then(|f| f.kernel_boot.as_ref());
+    if let Some(c) = kernel_boot.and_then(|k| k.container.as_ref()) {
+        let dir = image_path(env, &c.image);
+        let kp = "spec.domain.firmware.kernelBoot.container";
+        if !dir.is_dir() {
+            return Err(err(
+                format!("{kp}.image"),
+                format!("image not found at {}", dir.display()),
+            ));
+        }
+        let inside = |p: &str| dir.join(p.trim_start_matches('/'));
+        match &c.kernel_path {
+            Some(k) if inside(k).is_file() => config.kernel = inside(k),
+            Some(k) => {
+                return Err(err(
+                    format!("{kp}.kernelPath"),
+                    format!("{k} not found in image {}", c.image),
+                ))
+            }
+            None => {}
+        }
+        config.initrd = match &c.initrd_path {
+            Some(i) if inside(i).is_file() => Some(inside(i)),
+            Some(i) => {
+                return Err(err(
+                    format!("{kp}.initrdPath"),
+                    format!("{i} not found in image {}", c.image),
+                ))
+            }
+            None => None,
+        };
+    }
+
+    // Disks in boot order: those with bootOrder first (ascending), then the rest as written.
+    let mut order: Vec<(usize, &Disk)> = spec.domain.devices.disks.iter().enumerate().collect();
+    order.sort_by_key(|(i, d)| (d.boot_order.unwrap_or(u32::MAX), *i));
+    let mut disks = Vec::new();
+    for (i, disk) in order {
+        let (vi, vol) = spec
+            .volumes
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.name == disk.name)
+            .ok_or_else(|| {
+                err(
+                    format!("spec.domain.devices.disks[{i}].name"),
+                    "has no volume",
+                )
+            })?;
+        disks.push(disk_plan(
+            name,
+            i,
+            disk,
+            vol,
+            &format!("spec.volumes[{vi}]"),
+            env,
+        )?);
+    }
+
+    let mut nics = Vec::new();
+    for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
+        let net = spec.networks.iter().find(|n| n.name == iface.name);
+        let mac =
+            match &iface.mac_address {
+                Some(m) => Some(m.parse::<MacAddr>().map_err(|r| {
+                    err(format!("spec.domain.devices.interfaces[{i}].macAddress"), r)
+                })?),
+                None => None,
+            };
+        nics.push(NicPlan {
+            interface: iface.name.clone(),
+            binding: if iface.bridge.is_some() {
+                Binding::Bridge
+            } else {
+                Binding::Masquerade
+            },
+            mac,
+            multus: net.and_then(|n| n.multus.as_ref().map(|m| m.network_name.clone())),
+        });
+    }
+
+    // Command line: kernelArgs as given, else a microvirt default; the serial console, the root
+    // disk when booting from one, and the host's extra flags.
+    let mut cmdline = kernel_boot
+        .and_then(|k| k.kernel_args.clone())
+        .unwrap_or_else(|| "reboot=k panic=1".into());
+    if spec.domain.devices.autoattach_serial_console != Some(false) && !cmdline.contains("console=")
+    {
+        cmdline = format!("console=ttyS0 {cmdline}");
+    }
+    if config.initrd.is_none() && !disks.is_empty() && !cmdline.contains("root=") {
+        let mode = if disks[0].config.read_only {
+            "ro"
+        } else {
+            "rw"
+        };
+        cmdline.push_str(&format!(" root=/dev/vda {mode}"));
+    }
+    if !env.extra_cmdline.is_empty() {
+        cmdline.push(' ');
+        cmdline.push_str(&env.extra_cmdline);
+    }
+    config.cmdline = cmdline;
+    config.disks = disks.iter().map(|d| d.config.clone()).collect();
+    Ok(Plan {
+        name: name.to_string(),
+        config,
+        disks,
+        nics,
+    })
+}
+
+impl Plan {
+    /// Creates the files the disks need. Returns the ephemeral ones, to delete at stop.
+    pub fn prepare(&self) -> Result<Vec<PathBuf>, TranslateError> {
+        let mut ephemeral = Vec::new();
+        for d in &self.disks {
+            let path = d.config.path.clone();
+            let fail = |e: std::io::Error| {
+                err(
+                    format!("disk {}", d.name),
+                    format!("{}: {e}", path.display()),
+                )
+            };
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(fail)?;
+            }
+            match &d.source {
+                DiskSource::Existing(_) => {}
+                DiskSource::CopyOf { image, to } => {
+                    std::fs::copy(image, to).map_err(fail)?;
+                    ephemeral.push(to.clone());
+                }
+                DiskSource::Sparse {
+                    path,
+                    size,
+                    ephemeral: eph,
+                } => {
+                    if !path.exists() {
+                        std::fs::File::create(path)
+                            .and_then(|f| f.set_len(*size))
+                            .map_err(fail)?;
+                    }
+                    if *eph {
+                        ephemeral.push(path.clone());
+                    }
+                }
+                DiskSource::CloudInit {
+                    path,
+                    user_data,
+                    network_config,
+                } => {
+                    crate::cloudinit::write_seed(
+                        path,
+                        &crate::cloudinit::Seed {
+                            instance_id: &self.name,
+                            hostname: &self.name,
+                            user_data,
+                            network_config: network_config.as_deref(),
+                        },
+                    )
+                    .map_err(fail)?;
+                    ephemeral.push(path.clone());
+                }
+            }
+        }
+        Ok(ephemeral)
+    }
+}
