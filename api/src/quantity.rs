@@ -10,23 +10,24 @@ pub fn parse_bytes(q: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, suffix) = s.split_at(split);
-    let mult: f64 =
-        match suffix {
-            "" => 1.0,
-            "Ki" => 1024.0,
-            "Mi" => 1024f64.powi(2),
-            "Gi" => 1024f64.powi(3),
-            "Ti" => 1024f64.powi(4),
-            "Pi" => 1024f64.powi(5),
-            "k" => 1e3,
-            "M" => 1e6,
-            "G" => 1e9,
-            "T" => 1e12,
-            "P" => 1e15,
-            _ => return Err(format!(
+    let mult: f64 = match suffix {
+        "" => 1.0,
+        "Ki" => 1024.0,
+        "Mi" => 1024f64.powi(2),
+        "Gi" => 1024f64.powi(3),
+        "Ti" => 1024f64.powi(4),
+        "Pi" => 1024f64.powi(5),
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        _ => {
+            return Err(format!(
                 "{q:?}: unknown suffix {suffix:?} (accepted: Ki, Mi, Gi, Ti, Pi, k, M, G, T, P)"
-            )),
-        };
+            ))
+        }
+    };
     if num.is_empty() || num.matches('.').count() > 1 {
         return Err(format!(
             "{q:?} is not a number with an optional suffix such as 512Mi or 2Gi"

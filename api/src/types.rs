@@ -542,7 +542,11 @@ pub struct Network {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodNetwork {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        rename = "vmNetworkCIDR",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub vm_network_cidr: Option<String>,
 }
 

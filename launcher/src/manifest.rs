@@ -108,10 +108,15 @@ pub fn read(path: &str) -> Result<Manifest, ManifestError> {
     parse(path, &text)
 }
 
-/// serde_yaml appends " at line L column C"; the error already says where.
+/// serde_yaml writes " at line L column C" into its messages; the error already says where.
 fn strip_location(msg: &str) -> String {
-    match msg.rfind(" at line ") {
-        Some(i) => msg[..i].to_string(),
-        None => msg.to_string(),
+    let mut out = msg.to_string();
+    while let Some(i) = out.find(" at line ") {
+        let rest = &out[i + " at line ".len()..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == ' ' || c.is_ascii_alphabetic()))
+            .unwrap_or(rest.len());
+        out = format!("{}{}", &out[..i], &rest[end..]);
     }
+    out
 }

@@ -479,3 +479,63 @@ impl Plan {
         Ok(ephemeral)
     }
 }
+
+impl Plan {
+    /// A stable, human-readable rendering (golden tests, `--dry-run`).
+    pub fn describe(&self) -> String {
+        let c = &self.config;
+        let mut s = format!(
+            "vm {}\nvcpus {}\nmemory_mib {}\nkernel {}\ninitrd {}\ncmdline {}\n",
+            self.name,
+            c.vcpus,
+            c.memory_mib,
+            c.kernel.display(),
+            c.initrd
+                .as_ref()
+                .map_or("-".into(), |p| p.display().to_string()),
+            c.cmdline
+        );
+        for (i, d) in self.disks.iter().enumerate() {
+            let src = match &d.source {
+                DiskSource::Existing(p) => format!("existing {}", p.display()),
+                DiskSource::CopyOf { image, .. } => format!("copy-of {}", image.display()),
+                DiskSource::Sparse {
+                    size, ephemeral, ..
+                } => format!("sparse {size} ephemeral={ephemeral}"),
+                DiskSource::CloudInit {
+                    user_data,
+                    network_config,
+                    ..
+                } => {
+                    format!(
+                        "cloud-init user-data={}B network-config={}",
+                        user_data.len(),
+                        network_config
+                            .as_ref()
+                            .map_or("-".into(), |n| format!("{}B", n.len()))
+                    )
+                }
+            };
+            s += &format!(
+                "disk {} {} path={} ro={} serial={} cache={:?} source={}\n",
+                vmm::config::disk_name(i),
+                d.name,
+                d.config.path.display(),
+                d.config.read_only,
+                d.config.serial.as_deref().unwrap_or("-"),
+                d.config.cache,
+                src
+            );
+        }
+        for n in &self.nics {
+            s += &format!(
+                "nic {} binding={:?} mac={} network={}\n",
+                n.interface,
+                n.binding,
+                n.mac.map_or("-".into(), |m| m.to_string()),
+                n.multus.as_deref().unwrap_or("pod")
+            );
+        }
+        s
+    }
+}

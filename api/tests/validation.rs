@@ -1,0 +1,156 @@
+//! Validation: each offending field path, why, and what is accepted — in one error.
+
+use api::validation::*;
+use api::*;
+
+fn vmi(yaml: &str) -> VirtualMachineInstance {
+    serde_yaml::from_str(yaml).unwrap()
+}
+
+#[test]
+fn every_problem_is_listed_with_its_path() {
+    let v = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: bad, namespace: ns}
+spec:
+  domain:
+    cpu: {cores: 0, model: Haswell, features: [{name: vmx}]}
+    devices:
+      autoattachGraphicsDevice: true
+      gpus: [{name: g, deviceName: nvidia}]
+      disks:
+        - {name: root, disk: {bus: sata}}
+        - {name: root, disk: {bus: virtio}}
+        - {name: orphan}
+        - {name: lun, lun: {}}
+      interfaces:
+        - {name: default, sriov: {}}
+    firmware: {bootloader: {efi: {}}}
+  networks: [{name: default, pod: {}}]
+  volumes:
+    - {name: root, containerDisk: {image: x}}
+    - {name: lun, persistentVolumeClaim: {claimName: c}, emptyDisk: {capacity: 1Gi}}
+    - {name: cm, configMap: {name: cfg}}
+"#);
+    let err = validate_vmi(&v).unwrap_err();
+    let text = err.to_string();
+    let expect = [
+        "spec.domain.memory.guest: a memory size is required",
+        "spec.domain.cpu.cores: must be at least 1",
+        "spec.domain.cpu.model: model \"Haswell\" is not supported by microvirt; accepted: host-passthrough, host-model",
+        "spec.domain.cpu.features[0]: CPU feature \"vmx\" is not supported by microvirt",
+        "spec.domain.firmware.bootloader.efi: EFI firmware is not supported by microvirt",
+        "spec.domain.devices.gpus: gpus is not supported by microvirt",
+        "spec.domain.devices.autoattachGraphicsDevice: a graphics device (VNC) is not supported",
+        "spec.domain.devices.disks[0].disk.bus: bus \"sata\" is not supported by microvirt; accepted: virtio",
+        "spec.domain.devices.disks[1].name: duplicate disk name \"root\"",
+        "spec.domain.devices.disks[2].name: no volume named \"orphan\"; every disk needs a volume of the same name",
+        "spec.domain.devices.disks[3].lun: a LUN (SCSI passthrough) is not supported",
+        "spec.volumes[1]: exactly one volume source is required, found 2",
+        "spec.volumes[2].configMap: a configMap volume is not supported",
+        "spec.domain.devices.interfaces[0].sriov: SR-IOV is not supported by microvirt; accepted bindings: masquerade, bridge",
+    ];
+    for e in expect {
+        assert!(text.contains(e), "missing {e:?} in:\n{text}");
+    }
+    assert!(
+        text.starts_with("VirtualMachineInstance ns/bad is invalid:"),
+        "{text}"
+    );
+    assert_eq!(err.errors.len(), expect.len(), "{text}");
+}
+
+#[test]
+fn conflicting_running_and_run_strategy() {
+    let vm: VirtualMachine = serde_yaml::from_str(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: vm}
+spec:
+  running: true
+  runStrategy: Always
+  template: {spec: {domain: {memory: {guest: 64Mi}, devices: {}}}}
+"#,
+    )
+    .unwrap();
+    let e = validate_vm(&vm).unwrap_err();
+    assert_eq!(e.errors.len(), 1);
+    assert_eq!(e.errors[0].path, "spec.running");
+    assert!(e.errors[0]
+        .reason
+        .contains("conflicts with spec.runStrategy"));
+}
+
+#[test]
+fn bad_quantities_and_ranges() {
+    for (q, why) in [
+        ("12Xi", "unknown suffix"),
+        ("4Mi", "out of range"),
+        ("1.5", "whole number"),
+        ("100000001", "whole number of MiB"),
+    ] {
+        let v = vmi(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: q}}\nspec: {{domain: {{memory: {{guest: \"{q}\"}}, devices: {{}}}}}}\n"
+        ));
+        let e = validate_vmi(&v).unwrap_err().to_string();
+        assert!(
+            e.contains("spec.domain.memory.guest") && e.contains(why),
+            "{q}: {e}"
+        );
+    }
+}
+
+#[test]
+fn defaults_as_kubevirt_applies_them() {
+    let mut v = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: d}
+spec:
+  domain:
+    resources: {requests: {memory: 128Mi}}
+    devices:
+      disks: [{name: root}]
+  volumes: [{name: root, containerDisk: {image: img}}]
+"#);
+    default_vmi_spec(&mut v.spec);
+    validate_vmi(&v).unwrap();
+    let s = &v.spec;
+    assert_eq!(
+        s.domain.memory.as_ref().unwrap().guest.as_ref().unwrap().0,
+        "128Mi"
+    );
+    let cpu = s.domain.cpu.as_ref().unwrap();
+    assert_eq!(
+        (cpu.sockets, cpu.cores, cpu.threads),
+        (Some(1), Some(1), Some(1))
+    );
+    assert_eq!(
+        s.domain.devices.disks[0]
+            .disk
+            .as_ref()
+            .unwrap()
+            .bus
+            .as_deref(),
+        Some("virtio")
+    );
+    assert_eq!(s.networks[0].name, "default");
+    assert!(s.networks[0].pod.is_some());
+    assert!(s.domain.devices.interfaces[0].masquerade.is_some());
+    assert_eq!(s.termination_grace_period_seconds, Some(30));
+    assert_eq!(vcpus(s), 1);
+}
+
+#[test]
+fn run_strategy_from_deprecated_running() {
+    let mut vm = VirtualMachine::new("vm", VirtualMachineSpec::default());
+    assert_eq!(run_strategy(&vm), RunStrategy::Halted);
+    vm.spec.running = Some(true);
+    assert_eq!(run_strategy(&vm), RunStrategy::Always);
+    vm.spec.running = Some(false);
+    assert_eq!(run_strategy(&vm), RunStrategy::Halted);
+    vm.spec.run_strategy = Some(RunStrategy::Manual);
+    assert_eq!(run_strategy(&vm), RunStrategy::Manual);
+}

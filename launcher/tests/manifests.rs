@@ -1,0 +1,236 @@
+//! `virt-launcher run -f`: translation golden tests, every probe example booted to its result
+//! line, and the documented errors for malformed manifests.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use launcher::translate::{translate, Environment};
+
+fn repo() -> PathBuf {
+    tests::repo_root()
+}
+
+/// An image/volume layout like a node's, in a temp dir.
+struct Fixture {
+    root: PathBuf,
+}
+
+impl Fixture {
+    fn new(tag: &str) -> Fixture {
+        let root = std::env::temp_dir().join(format!("mv-manifests-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let img = root.join("images");
+        std::fs::create_dir_all(img.join("microvirt_probe_latest")).unwrap();
+        std::fs::copy(
+            tests::probe_path(),
+            img.join("microvirt_probe_latest/probe"),
+        )
+        .unwrap();
+        std::fs::create_dir_all(img.join("quay.io_containerdisks_fedora_40")).unwrap();
+        std::fs::write(
+            img.join("quay.io_containerdisks_fedora_40/disk.img"),
+            vec![0u8; 1 << 20],
+        )
+        .unwrap();
+        std::fs::create_dir_all(img.join("registry.example.com_kernels_linux_6.1/boot")).unwrap();
+        std::fs::copy(
+            tests::probe_path(),
+            img.join("registry.example.com_kernels_linux_6.1/boot/vmlinux"),
+        )
+        .unwrap();
+        std::fs::write(
+            img.join("registry.example.com_kernels_linux_6.1/boot/initramfs.cpio.gz"),
+            b"initrd",
+        )
+        .unwrap();
+        for claim in ["data-pvc", "full-root"] {
+            std::fs::create_dir_all(root.join("volumes").join(claim)).unwrap();
+            std::fs::write(
+                root.join("volumes").join(claim).join("disk.img"),
+                vec![0u8; 1 << 20],
+            )
+            .unwrap();
+        }
+        Fixture { root }
+    }
+
+    fn env(&self) -> Environment {
+        Environment {
+            image_dir: self.root.join("images"),
+            volume_dir: self.root.join("volumes"),
+            state_dir: self.root.join("state"),
+            default_kernel: PathBuf::from("/usr/share/microvirt/vmlinux"),
+            default_initrd: None,
+            extra_cmdline: String::new(),
+        }
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn golden(name: &str, actual: &str) {
+    let path = repo().join("launcher/tests/golden").join(name);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, actual).unwrap();
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|_| panic!("missing golden file {}", path.display()));
+    assert_eq!(
+        actual,
+        expected,
+        "translation differs from {} (UPDATE_GOLDEN=1 rewrites it)",
+        path.display()
+    );
+}
+
+#[test]
+fn translation_golden_full_vm() {
+    let f = Fixture::new("golden");
+    let text = std::fs::read_to_string(repo().join("api/tests/data/vm-full.yaml")).unwrap();
+    // The full manifest also carries hostDisk at an absolute path; point it into the fixture.
+    let text = text.replace(
+        "/var/lib/vms/host.img",
+        &f.root.join("host.img").display().to_string(),
+    );
+    let m = launcher::manifest::parse("vm-full.yaml", &text).unwrap();
+    let plan = translate(&m.name(), m.vmi_spec(), &f.env()).unwrap();
+    let described = plan
+        .describe()
+        .replace(&f.root.display().to_string(), "$ROOT");
+    golden("vm-full.txt", &described);
+    // Preparing creates the files the guest needs.
+    let ephemeral = plan.prepare().unwrap();
+    assert!(
+        f.root.join("host.img").exists(),
+        "hostDisk DiskOrCreate creates its image"
+    );
+    assert_eq!(
+        std::fs::metadata(f.root.join("host.img")).unwrap().len(),
+        1 << 30
+    );
+    assert_eq!(
+        ephemeral.len(),
+        3,
+        "containerDisk copy, emptyDisk and cloud-init seed are ephemeral"
+    );
+}
+
+#[test]
+fn translation_golden_examples() {
+    let f = Fixture::new("examples");
+    for ex in ["probe-smp.yaml", "probe-blk.yaml"] {
+        let m = launcher::manifest::read(&repo().join("examples").join(ex).display().to_string())
+            .unwrap();
+        let plan = translate(&m.name(), m.vmi_spec(), &f.env()).unwrap();
+        golden(
+            &ex.replace(".yaml", ".txt"),
+            &plan
+                .describe()
+                .replace(&f.root.display().to_string(), "$ROOT"),
+        );
+    }
+}
+
+fn launcher_run(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+        .arg("run")
+        .args(args)
+        .arg("--no-console-input")
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn every_probe_example_boots_to_its_result_line() {
+    tests::require_kvm();
+    let f = Fixture::new("run");
+    let mut n = 0;
+    for entry in std::fs::read_dir(repo().join("examples")).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().to_string();
+        if !name.starts_with("probe-") {
+            continue;
+        }
+        let test = name.trim_start_matches("probe-").trim_end_matches(".yaml");
+        let out = launcher_run(&[
+            "-f",
+            p.to_str().unwrap(),
+            "--image-dir",
+            f.root.join("images").to_str().unwrap(),
+            "--state-dir",
+            f.root.join("state").to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{name}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = format!("PROBE RESULT {test} OK");
+        assert!(stdout.contains(&line), "{name}: no {line:?} in\n{stdout}");
+        n += 1;
+    }
+    assert!(n >= 4, "only {n} probe examples");
+    // Ephemeral files are gone after the VM stopped; the state dir holds nothing but dirs.
+    let leftovers: Vec<_> = walk(&f.root.join("state"))
+        .into_iter()
+        .filter(|p| p.is_file())
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let _ = std::fs::remove_file("/tmp/microvirt-probe-blk-data.img");
+}
+
+fn walk(p: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                out.extend(walk(&path));
+            }
+            out.push(path);
+        }
+    }
+    out
+}
+
+fn assert_rejected(manifest: &str, expected: &[&str]) {
+    let path = std::env::temp_dir().join(format!(
+        "mv-bad-{}-{}.yaml",
+        std::process::id(),
+        expected[0].len()
+    ));
+    std::fs::write(&path, manifest).unwrap();
+    let out = launcher_run(&["-f", path.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    for e in expected {
+        assert!(stderr.contains(e), "expected {e:?} in:\n{stderr}");
+    }
+    assert!(out.stdout.is_empty());
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn malformed_manifests_are_rejected_with_exit_code_2() {
+    assert_rejected("apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: [unclosed\n", &["YAML syntax error at line 5, column 1: did not find expected ',' or ']', while parsing a flow sequence"]);
+    assert_rejected("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", &["apiVersion \"v1\" kind \"Pod\" is not accepted; accepted: apiVersion kubevirt.io/v1 with kind VirtualMachine or VirtualMachineInstance"]);
+    assert_rejected(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: x}\nspec:\n  domain:\n    memory: {guest: 64Mi}\n    devices:\n      disks: [{name: d, disk: {bus: sata}}]\n    firmware: {bootloader: {efi: {}}}\n  volumes: [{name: d, emptyDisk: {capacity: 1Gi}}]\n",
+        &[
+            "VirtualMachineInstance x is invalid:",
+            "spec.domain.devices.disks[0].disk.bus: bus \"sata\" is not supported by microvirt; accepted: virtio",
+            "spec.domain.firmware.bootloader.efi: EFI firmware is not supported",
+        ],
+    );
+    assert_rejected(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: y}\nspec:\n  domain:\n    memory: {guest: 64Mi}\n    devices: {autoattachPodInterface: false}\n    firmware: {kernelBoot: {container: {image: nope/none, kernelPath: /k}}}\n",
+        &["spec.domain.firmware.kernelBoot.container.image: image not found at"],
+    );
+}
