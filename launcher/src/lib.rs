@@ -2,5 +2,6 @@
 //! config, and building what the guest needs on one machine (disk files, cloud-init seeds).
 
 pub mod cloudinit;
+pub mod daemon;
 pub mod manifest;
 pub mod translate;

@@ -27,6 +27,74 @@ struct Cli {
 enum Command {
     /// Boot a VM in the foreground with its serial console on this terminal.
     Run(RunArgs),
+    /// Serve the control protocol on a unix socket and run the VM a client Syncs (the mode of a
+    /// VM Pod). SIGTERM shuts the VM down gracefully.
+    Daemon(DaemonArgs),
+}
+
+#[derive(Args)]
+struct DaemonArgs {
+    /// The control socket to create.
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long, env = "MICROVIRT_IMAGES", default_value = "images")]
+    image_dir: PathBuf,
+    #[arg(long, env = "MICROVIRT_VOLUMES", default_value = "volumes")]
+    volume_dir: PathBuf,
+    #[arg(long, env = "MICROVIRT_STATE", default_value = "/tmp/microvirt")]
+    state_dir: PathBuf,
+    #[arg(
+        long,
+        env = "MICROVIRT_KERNEL",
+        default_value = "/usr/share/microvirt/vmlinux"
+    )]
+    default_kernel: PathBuf,
+    #[arg(long, default_value = "")]
+    extra_cmdline: String,
+}
+
+/// Runs the daemon until the VM has ended (plus a moment for clients to read its end), or
+/// until SIGTERM has shut it down.
+fn daemon(args: DaemonArgs) -> ExitCode {
+    // SIGTERM is taken synchronously by one thread: block it everywhere first.
+    // SAFETY: plain signal-mask calls.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    let d = launcher::daemon::Daemon::new(launcher::translate::Environment {
+        image_dir: args.image_dir,
+        volume_dir: args.volume_dir,
+        state_dir: args.state_dir,
+        default_kernel: args.default_kernel,
+        default_initrd: None,
+        extra_cmdline: args.extra_cmdline,
+    });
+    if let Err(e) = launcher::daemon::listen(d.clone(), &args.socket) {
+        eprintln!("virt-launcher: {}: {e}", args.socket.display());
+        return ExitCode::from(EXIT_HOST_ERROR);
+    }
+    let term = d.clone();
+    std::thread::spawn(move || {
+        let mut sig = 0;
+        // SAFETY: waits for the blocked SIGTERM.
+        unsafe { libc::sigwait(&set, &mut sig) };
+        tracing::info!("SIGTERM: shutting the VM down");
+        if term.shutdown(None).is_err() {
+            std::process::exit(0); // no VM running
+        }
+    });
+    loop {
+        if let Some(end) = d.ended() {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            let _ = std::fs::remove_file(&args.socket);
+            eprintln!("virt-launcher: {end}");
+            return ExitCode::from(end.exit_code() as u8);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 #[derive(Args)]
@@ -101,6 +169,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => run(args),
+        Command::Daemon(args) => daemon(args),
     }
 }
 

@@ -170,7 +170,7 @@ pub struct NetNs {
 impl NetNs {
     pub fn new(tag: &str) -> NetNs {
         let name = format!("mv-{}-{tag}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "del", &name]).status();
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
         run_ok("ip", &["netns", "add", &name]);
         let ns = NetNs { name };
         ns.exec(&["ip", "link", "set", "lo", "up"]);

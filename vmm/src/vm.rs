@@ -183,8 +183,8 @@ pub struct Vm {
     memory: GuestMemory,
     control: Arc<VcpuControl>,
     end: VmEndSignal,
-    vcpu_threads: Vec<JoinHandle<()>>,
-    event_thread: Option<JoinHandle<()>>,
+    vcpu_threads: Mutex<Vec<JoinHandle<()>>>,
+    event_thread: Mutex<Option<JoinHandle<()>>>,
     event_stop: EventFd,
     first_run: Arc<OnceLock<SystemTime>>,
     blocks: Vec<Arc<Mutex<Block>>>,
@@ -571,8 +571,8 @@ impl Vm {
             memory,
             control,
             end,
-            vcpu_threads,
-            event_thread: Some(event_thread),
+            vcpu_threads: Mutex::new(vcpu_threads),
+            event_thread: Mutex::new(Some(event_thread)),
             event_stop,
             first_run,
             blocks,
@@ -610,10 +610,12 @@ impl Vm {
     /// Stops every vCPU outside guest mode; returns once all are parked.
     pub fn pause(&self) {
         self.control.set(RunState::Paused);
-        for t in &self.vcpu_threads {
-            vcpu::kick(t);
-        }
-        self.control.wait_parked(self.live_vcpus());
+        let live = {
+            let threads = self.vcpu_threads.lock().unwrap();
+            threads.iter().for_each(vcpu::kick);
+            threads.iter().filter(|t| !t.is_finished()).count()
+        };
+        self.control.wait_parked(live);
     }
 
     pub fn resume(&self) {
@@ -624,35 +626,32 @@ impl Vm {
         self.control.state()
     }
 
-    fn live_vcpus(&self) -> usize {
-        self.vcpu_threads
-            .iter()
-            .filter(|t| !t.is_finished())
-            .count()
-    }
-
-    /// Ends the VM from the host side.
+    /// Ends the VM from the host side and waits until its threads are gone.
     pub fn stop(&self) {
         self.end.signal(VmEnd::Stopped);
+        self.shutdown();
     }
 
     /// Blocks until the VM ends, then tears down its threads and returns how it ended.
-    pub fn wait(mut self) -> VmEnd {
+    pub fn wait(self) -> VmEnd {
         let end = self.end.wait();
         self.shutdown();
         end
     }
 
-    fn shutdown(&mut self) {
+    /// Stops and joins every vCPU and the event thread. Idempotent.
+    pub fn shutdown(&self) {
         self.control.set(RunState::Stopping);
-        for t in &self.vcpu_threads {
-            vcpu::kick(t);
-        }
-        for t in self.vcpu_threads.drain(..) {
+        let threads: Vec<_> = {
+            let mut t = self.vcpu_threads.lock().unwrap();
+            t.iter().for_each(vcpu::kick);
+            t.drain(..).collect()
+        };
+        for t in threads {
             let _ = t.join();
         }
         let _ = self.event_stop.write(1);
-        if let Some(t) = self.event_thread.take() {
+        if let Some(t) = self.event_thread.lock().unwrap().take() {
             let _ = t.join();
         }
     }
@@ -660,9 +659,7 @@ impl Vm {
 
 impl Drop for Vm {
     fn drop(&mut self) {
-        if !self.vcpu_threads.is_empty() || self.event_thread.is_some() {
-            self.end.signal(VmEnd::Stopped);
-            self.shutdown();
-        }
+        self.end.signal(VmEnd::Stopped);
+        self.shutdown();
     }
 }

@@ -1,0 +1,156 @@
+//! The launcher control protocol: JSON, one message per line, on the launcher's unix socket.
+//!
+//! Every connection starts with `Hello { version }`; a launcher answers `Hello` with its own
+//! version, or `Error` and closes when it does not speak the client's version (the VM is not
+//! touched). After that a client sends requests and reads one response per request, except:
+//! - `Console` turns the connection into a raw byte stream: guest console output to the client,
+//!   client bytes to the guest's console input (several clients may attach);
+//! - `Events` turns it into a stream of `Event` lines.
+//!
+//! Migration commands come in a later protocol version.
+
+use serde::{Deserialize, Serialize};
+
+use crate::VirtualMachineInstance;
+
+pub const PROTOCOL_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(tag = "request", rename_all = "camelCase")]
+pub enum Request {
+    Hello {
+        version: u32,
+    },
+    /// Create and start the VM this VMI describes (no-op if it already runs).
+    Sync {
+        vmi: Box<VirtualMachineInstance>,
+    },
+    Pause,
+    Resume,
+    /// Ask the guest to shut down; kill it after `grace_period_seconds` (default: the VMI's
+    /// terminationGracePeriodSeconds).
+    Shutdown {
+        #[serde(
+            rename = "gracePeriodSeconds",
+            default,
+            skip_serializing_if = "Option::is_none"
+        )]
+        grace_period_seconds: Option<u64>,
+    },
+    Kill,
+    Status,
+    Console,
+    Events,
+    Ping,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(tag = "response", rename_all = "camelCase")]
+pub enum Response {
+    Hello { version: u32, launcher: String },
+    Ok,
+    Pong,
+    Error { message: String },
+    Status(Box<StatusReport>),
+    Event(Event),
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum VmState {
+    /// No Sync yet.
+    NoVm,
+    Running,
+    Paused,
+    ShutDown,
+    Crashed,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusReport {
+    pub state: VmState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub vcpus: u32,
+    pub memory_mib: u64,
+    pub uptime_seconds: f64,
+    pub software_emulated_kvm: bool,
+    /// How the VM ended, once it has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<String>,
+    #[serde(default)]
+    pub disks: Vec<DiskCounters>,
+    #[serde(default)]
+    pub nics: Vec<NicCounters>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskCounters {
+    pub name: String,
+    pub requests: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub flushes: u64,
+    pub errors: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct NicCounters {
+    pub name: String,
+    pub rx_frames: u64,
+    pub rx_bytes: u64,
+    pub tx_frames: u64,
+    pub tx_bytes: u64,
+    pub rx_errors: u64,
+    pub tx_errors: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(tag = "event", rename_all = "camelCase")]
+pub enum Event {
+    Started,
+    Paused,
+    Resumed,
+    /// The guest ended normally (power off, reset, or a host request).
+    ShutDown {
+        reason: String,
+    },
+    /// The guest ended abnormally (triple fault, KVM error).
+    Crashed {
+        reason: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_format_is_tagged_json() {
+        assert_eq!(
+            serde_json::to_string(&Request::Hello { version: 1 }).unwrap(),
+            r#"{"request":"hello","version":1}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Request::Pause).unwrap(),
+            r#"{"request":"pause"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Response::Event(Event::ShutDown { reason: "x".into() }))
+                .unwrap(),
+            r#"{"response":"event","event":"shutDown","reason":"x"}"#
+        );
+        let r: Request =
+            serde_json::from_str(r#"{"request":"shutdown","gracePeriodSeconds":5}"#).unwrap();
+        assert_eq!(
+            r,
+            Request::Shutdown {
+                grace_period_seconds: Some(5)
+            }
+        );
+        assert!(serde_json::from_str::<Request>(r#"{"request":"reboot"}"#).is_err());
+    }
+}

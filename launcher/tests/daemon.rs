@@ -1,0 +1,329 @@
+//! The control socket end to end with the probe: start, status, console, pause/resume, events,
+//! graceful shutdown, kill, SIGTERM, and a client speaking another protocol version.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use api::protocol::*;
+
+struct Launcher {
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Launcher {
+    fn start(tag: &str) -> Launcher {
+        tests::require_kvm();
+        let dir = std::env::temp_dir().join(format!("mv-daemon-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("images/microvirt_probe_latest")).unwrap();
+        std::fs::copy(
+            tests::probe_path(),
+            dir.join("images/microvirt_probe_latest/probe"),
+        )
+        .unwrap();
+        let socket = dir.join("launcher.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+            .args(["daemon", "--socket"])
+            .arg(&socket)
+            .arg("--image-dir")
+            .arg(dir.join("images"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "socket never appeared");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Launcher { child, socket, dir }
+    }
+
+    fn client(&self) -> Client {
+        let mut c = Client::connect(&self.socket, PROTOCOL_VERSION);
+        match c.recv() {
+            Response::Hello { version, .. } => assert_eq!(version, PROTOCOL_VERSION),
+            other => panic!("{other:?}"),
+        }
+        c
+    }
+
+    fn exit_code(mut self) -> Option<i32> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s.code();
+            }
+            assert!(Instant::now() < deadline, "launcher did not exit");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Client {
+    out: UnixStream,
+    inp: BufReader<UnixStream>,
+}
+
+impl Client {
+    fn connect(socket: &Path, version: u32) -> Client {
+        let s = UnixStream::connect(socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut c = Client {
+            out: s.try_clone().unwrap(),
+            inp: BufReader::new(s),
+        };
+        c.send(&Request::Hello { version });
+        c
+    }
+    fn send(&mut self, r: &Request) {
+        let mut s = serde_json::to_string(r).unwrap();
+        s.push('\n');
+        self.out.write_all(s.as_bytes()).unwrap();
+    }
+    fn recv(&mut self) -> Response {
+        let mut line = String::new();
+        self.inp.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+    }
+    fn call(&mut self, r: Request) -> Response {
+        self.send(&r);
+        self.recv()
+    }
+    fn status(&mut self) -> StatusReport {
+        match self.call(Request::Status) {
+            Response::Status(s) => *s,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+fn probe_vmi(test: &str, grace: i64) -> api::VirtualMachineInstance {
+    serde_yaml::from_str(&format!(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: probe-{test}}}
+spec:
+  terminationGracePeriodSeconds: {grace}
+  domain:
+    cpu: {{cores: 2}}
+    memory: {{guest: 64Mi}}
+    devices: {{autoattachPodInterface: false}}
+    firmware:
+      kernelBoot:
+        container: {{image: "microvirt/probe:latest", kernelPath: /probe}}
+        kernelArgs: "console=ttyS0 probe.test={test}"
+"#
+    ))
+    .unwrap()
+}
+
+/// Reads a console stream until `needle` shows up.
+fn read_until(console: &mut impl Read, seen: &mut String, needle: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut buf = [0u8; 512];
+    while !seen.contains(needle) {
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} on the console; got:\n{seen}"
+        );
+        if let Ok(n) = console.read(&mut buf) {
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+}
+
+#[test]
+fn control_socket_end_to_end() {
+    let l = Launcher::start("e2e");
+    let mut c = l.client();
+    assert_eq!(c.call(Request::Ping), Response::Pong);
+    assert_eq!(c.status().state, VmState::NoVm);
+    assert!(
+        matches!(c.call(Request::Pause), Response::Error { .. }),
+        "pause without a VM is an error"
+    );
+
+    let mut events = l.client();
+    assert_eq!(events.call(Request::Events), Response::Ok);
+    assert_eq!(
+        c.call(Request::Sync {
+            vmi: Box::new(probe_vmi("console", 30))
+        }),
+        Response::Ok
+    );
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+
+    // Two console readers see the same output.
+    let mut con = l.client();
+    assert_eq!(con.call(Request::Console), Response::Ok);
+    let mut con2 = l.client();
+    assert_eq!(con2.call(Request::Console), Response::Ok);
+    let (mut s1, mut s2) = (String::new(), String::new());
+    // Console bytes may already sit in the client's line buffer: keep reading through it.
+    con.out
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    con2.out
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let stream1 = &mut con.inp;
+    let stream2 = &mut con2.inp;
+    read_until(stream1, &mut s1, "tick 2");
+    read_until(stream2, &mut s2, "tick 2");
+    assert!(
+        s1.contains("microvirt probe guest: hello") && s2.contains("microvirt probe guest: hello")
+    );
+
+    let st = c.status();
+    assert_eq!(
+        (
+            st.state.clone(),
+            st.vcpus,
+            st.memory_mib,
+            st.name.as_deref()
+        ),
+        (VmState::Running, 2, 64, Some("probe-console"))
+    );
+    assert!(st.uptime_seconds > 0.0);
+
+    // Pause: the guest stops printing; resume: it goes on.
+    assert_eq!(c.call(Request::Pause), Response::Ok);
+    assert_eq!(events.recv(), Response::Event(Event::Paused));
+    assert_eq!(c.status().state, VmState::Paused);
+    let mut drained = String::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = stream1.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        drained.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(
+        stream1.read(&mut buf).is_err(),
+        "console output while paused"
+    );
+    assert_eq!(c.call(Request::Resume), Response::Ok);
+    assert_eq!(events.recv(), Response::Event(Event::Resumed));
+    let next = format!(
+        "tick {}",
+        s1.matches("tick ").count() + drained.matches("tick ").count() + 1
+    );
+    read_until(stream1, &mut s1, &next);
+
+    // Console input reaches the guest, which then powers off.
+    con.out.write_all(b"hi\n").unwrap();
+    read_until(stream1, &mut s1, "PROBE RESULT console OK received=hi");
+    match events.recv() {
+        Response::Event(Event::ShutDown { reason }) => assert_eq!(reason, "guest powered off"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.status().state, VmState::ShutDown);
+    assert_eq!(l.exit_code(), Some(0));
+}
+
+#[test]
+fn kill_graceful_shutdown_and_sigterm() {
+    // Kill.
+    let l = Launcher::start("kill");
+    let mut c = l.client();
+    let mut events = l.client();
+    events.call(Request::Events);
+    assert_eq!(
+        c.call(Request::Sync {
+            vmi: Box::new(probe_vmi("console", 30))
+        }),
+        Response::Ok
+    );
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    assert_eq!(c.call(Request::Kill), Response::Ok);
+    assert_eq!(
+        events.recv(),
+        Response::Event(Event::ShutDown {
+            reason: "stopped by the host".into()
+        })
+    );
+    assert_eq!(l.exit_code(), Some(0));
+
+    // Shutdown with a grace period: a guest that does not power off is stopped after it.
+    let l = Launcher::start("grace");
+    let mut c = l.client();
+    let mut events = l.client();
+    events.call(Request::Events);
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("console", 30)),
+    });
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    let t = Instant::now();
+    assert_eq!(
+        c.call(Request::Shutdown {
+            grace_period_seconds: Some(1)
+        }),
+        Response::Ok
+    );
+    assert!(matches!(
+        events.recv(),
+        Response::Event(Event::ShutDown { .. })
+    ));
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "stopped before the grace period"
+    );
+    drop(l);
+
+    // SIGTERM: graceful shutdown with the VMI's terminationGracePeriodSeconds (0 here).
+    let l = Launcher::start("term");
+    let mut c = l.client();
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("console", 0)),
+    });
+    // SAFETY: signalling our child.
+    unsafe { libc::kill(l.child.id() as i32, libc::SIGTERM) };
+    assert_eq!(l.exit_code(), Some(0));
+}
+
+#[test]
+fn other_protocol_versions_are_refused_and_the_vm_is_untouched() {
+    let l = Launcher::start("version");
+    let mut c = l.client();
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("console", 30)),
+    });
+    let mut old = Client::connect(&l.socket, PROTOCOL_VERSION + 1);
+    match old.recv() {
+        Response::Error { message } => assert!(
+            message.contains("not supported; this launcher speaks version 1"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    // Garbage on a fresh connection is refused too.
+    let mut raw = UnixStream::connect(&l.socket).unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(raw).read_line(&mut line).unwrap();
+    assert!(line.contains("expected hello"), "{line}");
+    assert_eq!(c.status().state, VmState::Running);
+    // A bad request on a good connection is an error, not a disconnect.
+    c.out.write_all(b"{\"request\":\"reboot\"}\n").unwrap();
+    assert!(matches!(c.recv(), Response::Error { .. }));
+    assert_eq!(c.call(Request::Ping), Response::Pong);
+}
