@@ -198,7 +198,7 @@ impl Drop for NetNs {
     fn drop(&mut self) {
         let _ = Command::new("ip")
             .args(["netns", "del", &self.name])
-            .status();
+            .output();
     }
 }
 
