@@ -37,20 +37,47 @@ struct DaemonArgs {
     /// The control socket to create.
     #[arg(long)]
     socket: PathBuf,
+    #[command(flatten)]
+    host: HostLayout,
+}
+
+/// Where a manifest's images, volumes and scratch files are on this host, and the default
+/// guest kernel (used by `run -f` and `daemon`).
+#[derive(Args)]
+struct HostLayout {
+    /// Where containerDisk and kernelBoot images are (`<dir>/<image>`, `/` and `:` replaced
+    /// by `_`).
     #[arg(long, env = "MICROVIRT_IMAGES", default_value = "images")]
     image_dir: PathBuf,
+    /// Where PVCs and DataVolumes are (`<dir>/<claim>/disk.img` or a block device).
     #[arg(long, env = "MICROVIRT_VOLUMES", default_value = "volumes")]
     volume_dir: PathBuf,
+    /// Scratch space for emptyDisks, cloud-init seeds and containerDisk copies.
     #[arg(long, env = "MICROVIRT_STATE", default_value = "/tmp/microvirt")]
     state_dir: PathBuf,
+    /// The guest kernel when a manifest has no firmware.kernelBoot.
     #[arg(
         long,
         env = "MICROVIRT_KERNEL",
         default_value = "/usr/share/microvirt/vmlinux"
     )]
     default_kernel: PathBuf,
+    /// Appended to the kernel command line (e.g. flags a software-emulated host needs).
     #[arg(long, default_value = "")]
     extra_cmdline: String,
+}
+
+impl HostLayout {
+    fn environment(&self) -> launcher::translate::Environment {
+        launcher::translate::Environment {
+            image_dir: self.image_dir.clone(),
+            volume_dir: self.volume_dir.clone(),
+            state_dir: self.state_dir.clone(),
+            default_kernel: self.default_kernel.clone(),
+            default_initrd: None,
+            extra_cmdline: self.extra_cmdline.clone(),
+        }
+    }
 }
 
 /// Runs the daemon until the VM has ended (plus a moment for clients to read its end), or
@@ -64,14 +91,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
-    let d = launcher::daemon::Daemon::new(launcher::translate::Environment {
-        image_dir: args.image_dir,
-        volume_dir: args.volume_dir,
-        state_dir: args.state_dir,
-        default_kernel: args.default_kernel,
-        default_initrd: None,
-        extra_cmdline: args.extra_cmdline,
-    });
+    let d = launcher::daemon::Daemon::new(args.host.environment());
     if let Err(e) = launcher::daemon::listen(d.clone(), &args.socket) {
         eprintln!("virt-launcher: {}: {e}", args.socket.display());
         return ExitCode::from(EXIT_HOST_ERROR);
@@ -131,26 +151,8 @@ struct RunArgs {
     /// descriptor). Repeatable; the guest sees them in order as eth0, eth1, ...
     #[arg(long = "net", value_name = "SPEC")]
     nets: Vec<String>,
-    /// With -f: where containerDisk and kernelBoot images are (`<dir>/<image>`, `/` and `:`
-    /// replaced by `_`).
-    #[arg(long, env = "MICROVIRT_IMAGES", default_value = "images")]
-    image_dir: PathBuf,
-    /// With -f: where PVCs and DataVolumes are (`<dir>/<claim>/disk.img` or a block device).
-    #[arg(long, env = "MICROVIRT_VOLUMES", default_value = "volumes")]
-    volume_dir: PathBuf,
-    /// With -f: scratch space for emptyDisks, cloud-init seeds and containerDisk copies.
-    #[arg(long, env = "MICROVIRT_STATE", default_value = "/tmp/microvirt")]
-    state_dir: PathBuf,
-    /// With -f: the guest kernel when the manifest has no firmware.kernelBoot.
-    #[arg(
-        long,
-        env = "MICROVIRT_KERNEL",
-        default_value = "/usr/share/microvirt/vmlinux"
-    )]
-    default_kernel: PathBuf,
-    /// With -f: appended to the kernel command line (e.g. flags a software-emulated host needs).
-    #[arg(long, default_value = "")]
-    extra_cmdline: String,
+    #[command(flatten)]
+    host: HostLayout,
     /// With -f: `none` attaches no NICs (the manifest's interfaces are dropped, with a note).
     #[arg(long, value_enum, default_value = "none")]
     network: NetworkMode,
@@ -189,14 +191,7 @@ fn run_manifest(path: &std::path::Path, args: &RunArgs) -> ExitCode {
         Ok(m) => m,
         Err(e) => return bad_config(e),
     };
-    let env = launcher::translate::Environment {
-        image_dir: args.image_dir.clone(),
-        volume_dir: args.volume_dir.clone(),
-        state_dir: args.state_dir.clone(),
-        default_kernel: args.default_kernel.clone(),
-        default_initrd: None,
-        extra_cmdline: args.extra_cmdline.clone(),
-    };
+    let env = args.host.environment();
     let name = manifest.name();
     let plan = match launcher::translate::translate(&name, manifest.vmi_spec(), &env) {
         Ok(p) => p,
