@@ -4,4 +4,5 @@
 pub mod cloudinit;
 pub mod daemon;
 pub mod manifest;
+pub mod network;
 pub mod translate;

@@ -153,8 +153,9 @@ struct RunArgs {
     nets: Vec<String>,
     #[command(flatten)]
     host: HostLayout,
-    /// With -f: `none` attaches no NICs (the manifest's interfaces are dropped, with a note).
-    #[arg(long, value_enum, default_value = "none")]
+    /// With -f: `nat` wires a pod network as a TAP on a NAT'd bridge (guest 10.0.2.2/24 via
+    /// 10.0.2.1); `none` attaches no NICs (the manifest's interfaces are listed and dropped).
+    #[arg(long, value_enum, default_value = "nat")]
     network: NetworkMode,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
@@ -177,7 +178,10 @@ fn main() -> ExitCode {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum NetworkMode {
+    /// Attach no NICs.
     None,
+    /// A pod network gets a TAP on a NAT'd bridge in this network namespace.
+    Nat,
 }
 
 fn bad_config(msg: impl std::fmt::Display) -> ExitCode {
@@ -197,9 +201,32 @@ fn run_manifest(path: &std::path::Path, args: &RunArgs) -> ExitCode {
         Ok(p) => p,
         Err(e) => return bad_config(format!("{}: {e}", path.display())),
     };
-    if !plan.nics.is_empty() && args.network == NetworkMode::None {
-        let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
-        eprintln!("virt-launcher: --network none: interfaces {names:?} are not attached");
+    let mut plan = plan;
+    let mut _network = None;
+    if !plan.nics.is_empty() {
+        match args.network {
+            NetworkMode::None => {
+                let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+                eprintln!("virt-launcher: --network none: interfaces {names:?} are not attached");
+            }
+            NetworkMode::Nat => match launcher::network::PodNetwork::setup(&name, &plan.nics) {
+                Ok((net, nics, ip)) => {
+                    eprintln!(
+                        "virt-launcher: {} on bridge {} (NAT), guest {}",
+                        plan.nics[0].interface,
+                        net.bridge(),
+                        launcher::network::GUEST
+                    );
+                    plan.config.nets = nics;
+                    if !plan.config.cmdline.contains("ip=") {
+                        plan.config.cmdline.push(' ');
+                        plan.config.cmdline.push_str(&ip);
+                    }
+                    _network = Some(net);
+                }
+                Err(e) => return bad_config(format!("{}: network: {e}", path.display())),
+            },
+        }
     }
     let ephemeral = match plan.prepare() {
         Ok(e) => e,

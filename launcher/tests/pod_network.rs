@@ -1,0 +1,182 @@
+//! `run -f` with a pod network: the launcher wires a TAP on a NAT'd bridge in its network
+//! namespace; frames cross it both ways; everything it created is gone when the VM stops.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tests::{NetNs, PacketSocket};
+
+const GUEST_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x42];
+
+/// A frame from the bridge (the guest's gateway, whose MAC it answers to) to the guest.
+fn frame(src: [u8; 6], payload: &[u8], len: usize) -> Vec<u8> {
+    let mut f = Vec::new();
+    f.extend_from_slice(&GUEST_MAC);
+    f.extend_from_slice(&src);
+    f.extend_from_slice(&[0x88, 0xb5]);
+    f.extend_from_slice(payload);
+    f.resize(len, 0x5a);
+    f
+}
+
+#[test]
+fn pod_network_is_a_tap_on_a_natted_bridge() {
+    tests::require_kvm();
+    let dir = std::env::temp_dir().join(format!("mv-podnet-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("images/microvirt_probe_latest")).unwrap();
+    std::fs::copy(
+        tests::probe_path(),
+        dir.join("images/microvirt_probe_latest/probe"),
+    )
+    .unwrap();
+    let manifest = dir.join("vm.yaml");
+    std::fs::write(
+        &manifest,
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: netvm}
+spec:
+  runStrategy: Always
+  template:
+    spec:
+      domain:
+        memory: {guest: 64Mi}
+        devices:
+          interfaces: [{name: default, masquerade: {}, macAddress: "02:00:00:00:00:42"}]
+        firmware:
+          kernelBoot:
+            container: {image: "microvirt/probe:latest", kernelPath: /probe}
+            kernelArgs: "console=ttyS0 probe.test=net"
+      networks: [{name: default, pod: {}}]
+"#,
+    )
+    .unwrap();
+    let ns = NetNs::new("podnet");
+    let child = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &ns.name,
+            env!("CARGO_BIN_EXE_virt-launcher"),
+            "run",
+            "--no-console-input",
+            "-f",
+        ])
+        .arg(&manifest)
+        .arg("--image-dir")
+        .arg(dir.join("images"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ns_name = ns.name.clone();
+    let (bridge, tables) = std::thread::spawn(move || {
+        let ns = NetNs { name: ns_name };
+        ns.enter();
+        std::mem::forget(ns);
+        // Wait for the launcher's bridge.
+        let mut bridge = None;
+        for _ in 0..200 {
+            let out = Command::new("ip")
+                .args(["-o", "link", "show", "type", "bridge"])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            if let Some(name) = text.split(": ").nth(1) {
+                bridge = Some(name.split('@').next().unwrap().to_string());
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let bridge = bridge.expect("no bridge appeared");
+        let tables = String::from_utf8_lossy(
+            &Command::new("nft")
+                .args(["list", "tables"])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .to_string();
+        let addrs = String::from_utf8_lossy(
+            &Command::new("ip")
+                .args(["-o", "addr", "show", "dev", &bridge])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .to_string();
+        assert!(addrs.contains("10.0.2.1/24"), "{addrs}");
+        let link = String::from_utf8_lossy(
+            &Command::new("ip")
+                .args(["-o", "link", "show", "dev", &bridge])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .to_string();
+        let mac_text = link
+            .split("link/ether ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .to_string();
+        let mut bridge_mac = [0u8; 6];
+        for (i, p) in mac_text.split(':').enumerate() {
+            bridge_mac[i] = u8::from_str_radix(p, 16).unwrap();
+        }
+        let wire = PacketSocket::bind(&bridge);
+        let t = Duration::from_secs(60);
+        for size in [60usize, 300, 1514] {
+            let f = wire
+                .recv_matching(t, |f| {
+                    f.len() > 14 && f[12..14] == [0x88, 0xb5] && f[6..12] == GUEST_MAC
+                })
+                .expect("guest frame on the bridge");
+            assert_eq!(f.len(), size);
+        }
+        wire.send(&frame(bridge_mac, b"PING 0", 100));
+        let pong = wire
+            .recv_matching(t, |f| f.len() > 18 && &f[14..18] == b"PONG")
+            .expect("PONG");
+        assert_eq!(pong.len(), 100);
+        wire.send(&frame(bridge_mac, b"DONE", 60));
+        (bridge, tables)
+    })
+    .join()
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("PROBE RESULT net OK mac=02:00:00:00:00:42 link=1 sent=3 echoed=1"),
+        "{stdout}"
+    );
+    assert!(
+        tables.contains("table ip microvirt_"),
+        "NAT table missing: {tables}"
+    );
+    // Torn down: no bridge, no NAT table.
+    let links = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "ip", "-o", "link"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&links.stdout).contains(&bridge));
+    let t = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "nft", "list", "tables"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&t.stdout).contains("microvirt_"));
+    let _ = std::fs::remove_dir_all(dir);
+}
