@@ -219,11 +219,11 @@ impl Daemon {
         }
     }
 
-    /// Graceful shutdown: the guest has `grace` seconds to end on its own, then it is killed.
-    /// (Delivering Ctrl-Alt-Del needs an i8042 keyboard, which the VMM does not emulate yet; until
-    /// then a guest that does not power off by itself is stopped after the grace period.)
+    /// Graceful shutdown: the guest gets Ctrl-Alt-Del and `grace` seconds to end, then it is
+    /// killed.
     pub fn shutdown(&self, grace: Option<u64>) -> Result<(), String> {
         let vm = self.vm()?;
+        vm.ctrl_alt_del();
         let grace = grace.unwrap_or_else(|| self.inner.lock().unwrap().grace_seconds);
         std::thread::spawn(move || {
             if vm

@@ -263,7 +263,44 @@ fn kill_graceful_shutdown_and_sigterm() {
     );
     assert_eq!(l.exit_code(), Some(0));
 
-    // Shutdown with a grace period: a guest that does not power off is stopped after it.
+    // Shutdown: the guest gets Ctrl-Alt-Del and powers off by itself, well within the grace period.
+    let l = Launcher::start("graceful");
+    let mut c = l.client();
+    let mut events = l.client();
+    events.call(Request::Events);
+    let mut con = l.client();
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("keyboard", 60)),
+    });
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    assert_eq!(con.call(Request::Console), Response::Ok);
+    let mut seen = String::new();
+    read_until(&mut con.inp, &mut seen, "keyboard ready");
+    let t = Instant::now();
+    assert_eq!(
+        c.call(Request::Shutdown {
+            grace_period_seconds: None
+        }),
+        Response::Ok
+    );
+    assert_eq!(
+        events.recv(),
+        Response::Event(Event::ShutDown {
+            reason: "guest powered off".into()
+        })
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "the guest did not see Ctrl-Alt-Del"
+    );
+    read_until(
+        &mut con.inp,
+        &mut seen,
+        "PROBE RESULT keyboard OK ctrl-alt-del",
+    );
+    drop(l);
+
+    // Shutdown with a grace period: a guest that ignores Ctrl-Alt-Del is stopped after it.
     let l = Launcher::start("grace");
     let mut c = l.client();
     let mut events = l.client();

@@ -175,3 +175,15 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     assert_eq!(r.field("received"), Some("hello"));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn ctrl_alt_del_reaches_the_guest_keyboard() {
+    require_kvm();
+    let console = Console::default();
+    let vm = Vm::build(&probe_config("keyboard", 1, 64, &console)).unwrap();
+    assert!(console.wait_for("keyboard ready", T), "{}", console.text());
+    vm.ctrl_alt_del();
+    let run = run_to_end(vm, &console, T);
+    let r = expect_ok(&run, "keyboard");
+    assert!(r.details.starts_with("ctrl-alt-del"), "{}", r.details);
+}

@@ -56,6 +56,7 @@ pub const GIB: u64 = 1 << 30;
 pub const SERIAL_COM1_PORT: u16 = 0x3f8;
 pub const SERIAL_COM1_IRQ: u32 = 4;
 pub const I8042_PORT: u16 = 0x60;
+pub const KEYBOARD_IRQ: u32 = 1;
 /// The shutdown port: writing `POWER_OFF_VALUE` powers the VM off. It mirrors the ACPI
 /// PM1a control register encoding (SLP_TYP=5 i.e. S5, SLP_EN) so a guest can use the same value
 /// once ACPI tables describe it; without ACPI the probe guest writes it directly.

@@ -189,6 +189,7 @@ pub struct Vm {
     first_run: Arc<OnceLock<SystemTime>>,
     blocks: Vec<Arc<Mutex<Block>>>,
     nets: Vec<Arc<Mutex<Net>>>,
+    i8042: Arc<Mutex<I8042>>,
 }
 
 fn tap_reason(e: TapError) -> String {
@@ -420,10 +421,15 @@ impl Vm {
             .map_err(|e| VmError::Device(e.to_string()))?;
 
         let reset = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
-        let i8042 = Arc::new(Mutex::new(I8042::new(EventFdTrigger(
-            reset.try_clone().map_err(dev_err("eventfd"))?,
-        ))));
-        pio.insert(I8042_PORT as u64, 5, i8042)
+        let kbd_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        vm_fd
+            .register_irqfd(&kbd_irq, KEYBOARD_IRQ)
+            .map_err(kvm_err("KVM_IRQFD i8042"))?;
+        let i8042 = Arc::new(Mutex::new(I8042::new(
+            EventFdTrigger(reset.try_clone().map_err(dev_err("eventfd"))?),
+            EventFdTrigger(kbd_irq),
+        )));
+        pio.insert(I8042_PORT as u64, 5, i8042.clone())
             .map_err(|e| VmError::Device(e.to_string()))?;
         pio.insert(
             POWER_PORT as u64,
@@ -577,6 +583,7 @@ impl Vm {
             first_run,
             blocks,
             nets,
+            i8042,
         })
     }
 
@@ -624,6 +631,15 @@ impl Vm {
 
     pub fn state(&self) -> RunState {
         self.control.state()
+    }
+
+    /// Presses Ctrl-Alt-Del on the guest's keyboard: how a guest without ACPI is asked to shut
+    /// down (Linux reboots on it, which `reboot=k` turns into a reset the VMM reports).
+    pub fn ctrl_alt_del(&self) {
+        self.i8042
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .ctrl_alt_del();
     }
 
     /// Ends the VM from the host side and waits until its threads are gone.

@@ -220,6 +220,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         }
         "reset" => hw::i8042_reset(),
         "console" => console_test(),
+        "keyboard" => keyboard_test(),
         "blk" => blk::run(boot.cmdline),
         "net" => net::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
@@ -281,6 +282,40 @@ fn memory_test(boot: &BootInfo) -> ! {
         true,
         format_args!("writes={writes} above_4g={above_4g} top={top:#x}"),
     )
+}
+
+/// Initialises the i8042 and keyboard the way Linux does, then waits for Ctrl-Alt-Del (the
+/// host's graceful-shutdown request) and powers off when it arrives.
+fn keyboard_test() -> ! {
+    use hw::{inb, outb};
+    let wait_out = || {
+        for _ in 0..100_000 {
+            if unsafe { inb(0x64) } & 1 != 0 {
+                return Some(unsafe { inb(0x60) });
+            }
+        }
+        None
+    };
+    unsafe { outb(0x64, 0xaa) };
+    if wait_out() != Some(0x55) {
+        result(false, format_args!("controller self-test failed"));
+    }
+    unsafe { outb(0x60, 0xff) };
+    if (wait_out(), wait_out()) != (Some(0xfa), Some(0xaa)) {
+        result(false, format_args!("keyboard reset failed"));
+    }
+    let _ = writeln!(Serial, "probe: keyboard ready");
+    let mut seq = [0u8; 4];
+    let mut keys = 0u32;
+    loop {
+        let Some(b) = wait_out() else { continue };
+        keys += 1;
+        seq = [seq[1], seq[2], seq[3], b];
+        // Ctrl, Alt, Del (extended) make codes in the translated set 1.
+        if seq == [0x1d, 0x38, 0xe0, 0x53] {
+            result(true, format_args!("ctrl-alt-del after {keys} scancodes"));
+        }
+    }
 }
 
 /// Prints `tick N` lines while waiting for console input, echoes what arrives, and finishes
