@@ -13,6 +13,19 @@ use serde_json::Value;
 /// Fields of a user-written object that microvirt does not model, kept verbatim.
 pub type Extra = BTreeMap<String, Value>;
 
+/// Schema of a free-form object (e.g. `masquerade: {}`): structural, with unknown fields kept,
+/// as CRD schemas require.
+fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
+}
+
+fn preserved_objects(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // VirtualMachine
 
@@ -41,6 +54,7 @@ pub struct VirtualMachineSpec {
     pub run_strategy: Option<RunStrategy>,
     pub template: VirtualMachineInstanceTemplateSpec,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_objects")]
     pub data_volume_templates: Option<Vec<Value>>,
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -190,8 +204,10 @@ pub struct DomainSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub machine: Option<Machine>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub features: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub clock: Option<Value>,
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -234,6 +250,7 @@ pub struct Memory {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<Quantity>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub hugepages: Option<Value>,
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -260,6 +277,7 @@ pub struct Devices {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub interfaces: Vec<Interface>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub rng: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoattach_serial_console: Option<bool>,
@@ -330,18 +348,23 @@ pub struct LunTarget {
 pub struct Interface {
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub masquerade: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub bridge: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub sriov: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub slirp: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac_address: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_objects")]
     pub ports: Option<Vec<Value>>,
     #[serde(flatten, default)]
     #[schemars(skip)]
@@ -392,8 +415,10 @@ pub struct KernelBootContainer {
 #[serde(rename_all = "camelCase")]
 pub struct Bootloader {
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub bios: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub efi: Option<Value>,
 }
 
@@ -493,8 +518,10 @@ pub struct CloudInitNoCloudSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_data_base64: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub user_data_secret_ref: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
     pub network_data_secret_ref: Option<Value>,
 }
 

@@ -1,2 +1,4 @@
-//! virt-controller: reconciles VirtualMachines, VMIs, ReplicaSets and migrations into launcher
-//! Pods (filled by the controller issue).
+//! virt-controller: reconciles VirtualMachines, VMIs, ReplicaSets and Migrations into launcher
+//! Pods. This first part generates the CustomResourceDefinitions from the `api` types.
+
+pub mod crds;
