@@ -74,6 +74,17 @@ spec:
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    // Kill the launcher if anything below fails, so no VM outlives the test.
+    struct KillOnDrop(Option<std::process::Child>);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            if let Some(c) = self.0.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+    let mut child = KillOnDrop(Some(child));
     let ns_name = ns.name.clone();
     let (bridge, tables) = std::thread::spawn(move || {
         let ns = NetNs { name: ns_name };
@@ -151,7 +162,7 @@ spec:
     })
     .join()
     .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = child.0.take().unwrap().wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),
