@@ -98,6 +98,12 @@ impl Daemon {
         validate_vmi(&vmi).map_err(|e| e.to_string())?;
         let name = vmi.metadata.name.clone().unwrap_or_else(|| "vm".into());
         let plan = translate(&name, &vmi.spec, &self.env).map_err(|e| e.to_string())?;
+        if !plan.nics.is_empty() {
+            // In a VM Pod the TAPs come from virt-handler; until it hands them over the VM runs
+            // without NICs rather than not at all.
+            let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+            tracing::warn!(interfaces = ?names, "no TAP devices handed over; interfaces not attached");
+        }
         let ephemeral = plan.prepare().map_err(|e| e.to_string())?;
         let mut config = plan.config;
         config.serial.output = SerialOutput::Writer(self.console.clone());
