@@ -162,7 +162,6 @@ fn b64(s: &str, path: &str) -> Result<Vec<u8>, TranslateError> {
 
 fn disk_plan(
     name: &str,
-    i: usize,
     disk: &Disk,
     vol: &Volume,
     vp: &str,
@@ -270,7 +269,6 @@ fn disk_plan(
     } else {
         return Err(err(vp, "has no volume source microvirt can attach"));
     };
-    let _ = i;
     Ok(DiskPlan {
         name: disk.name.clone(),
         config: DiskConfig {
@@ -361,7 +359,6 @@ pub fn translate(
             })?;
         disks.push(disk_plan(
             name,
-            i,
             disk,
             vol,
             &format!("spec.volumes[{vi}]"),
