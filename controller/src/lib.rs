@@ -2,3 +2,4 @@
 //! Pods. This first part generates the CustomResourceDefinitions from the `api` types.
 
 pub mod crds;
+pub mod pod;
