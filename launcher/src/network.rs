@@ -5,13 +5,14 @@
 //! that arrives with virt-handler).
 //!
 //! Links and addresses are made with iproute2 and NAT with nftables, the tools every node has;
-//! the TAP itself is opened here and handed to the VM as a file descriptor, so it disappears
-//! with the VM. `Drop` removes the bridge and the NAT table.
+//! the TAP itself is created with `Tap::create` and handed to the VM as a file descriptor, so it
+//! disappears with the VM. `Drop` removes the bridge and the NAT table.
 
-use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::IntoRawFd;
 use std::process::Command;
 
 use vmm::config::{NetConfig, TapSource};
+use vmm::devices::virtio::net::Tap;
 
 use crate::translate::NicPlan;
 
@@ -46,40 +47,6 @@ fn tag(name: &str) -> String {
     format!("{:08x}", (h ^ std::process::id() as u64) as u32)
 }
 
-const IFF_TAP: libc::c_short = 0x0002;
-const IFF_NO_PI: libc::c_short = 0x1000;
-const IFF_VNET_HDR: libc::c_short = 0x4000;
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-
-/// Creates a TAP interface owned by the returned descriptor.
-fn create_tap(name: &str) -> Result<OwnedFd, String> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")
-        .map_err(|e| format!("/dev/net/tun: {e}"))?;
-    #[repr(C)]
-    struct IfReq {
-        name: [u8; libc::IFNAMSIZ],
-        flags: libc::c_short,
-        _pad: [u8; 22],
-    }
-    let mut req = IfReq {
-        name: [0; libc::IFNAMSIZ],
-        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
-        _pad: [0; 22],
-    };
-    req.name[..name.len()].copy_from_slice(name.as_bytes());
-    // SAFETY: TUNSETIFF reads an ifreq we own.
-    if unsafe { libc::ioctl(f.as_raw_fd(), TUNSETIFF, &mut req) } < 0 {
-        return Err(format!(
-            "creating TAP {name}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(f.into())
-}
-
 impl PodNetwork {
     /// Wires the masquerade/bridge NICs of a pod network. Returns the network (torn down on
     /// drop), the NIC configs for the VM, and the kernel parameter that configures the guest.
@@ -110,7 +77,7 @@ impl PodNetwork {
         let mut configs = Vec::new();
         for (i, nic) in nics.iter().enumerate() {
             let tap = format!("mvtap{t}{i}");
-            let fd = create_tap(&tap)?;
+            let fd = Tap::create(&tap).map_err(|e| e.to_string())?;
             run("ip", &["link", "set", &tap, "master", &net.bridge])?;
             run("ip", &["link", "set", &tap, "up"])?;
             configs.push(NetConfig {

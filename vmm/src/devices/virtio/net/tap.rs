@@ -56,6 +56,33 @@ fn ifreq(name: &str, flags: libc::c_short) -> IfReq {
 }
 
 impl Tap {
+    /// Creates a new TAP interface (with a virtio-net header) that lives as long as the returned
+    /// descriptor: for front ends that wire the network themselves and hand the VM the fd.
+    pub fn create(name: &str) -> Result<OwnedFd, TapError> {
+        let other = |reason: String| TapError::Other {
+            name: name.to_string(),
+            reason,
+        };
+        if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+            return Err(other(format!(
+                "interface names are 1 to {} characters",
+                libc::IFNAMSIZ - 1
+            )));
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open("/dev/net/tun")
+            .map_err(|e| other(format!("/dev/net/tun: {e}")))?;
+        let mut req = ifreq(name, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR);
+        // SAFETY: TUNSETIFF reads an ifreq we own.
+        if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req) } < 0 {
+            return Err(other(format!("TUNSETIFF: {}", io::Error::last_os_error())));
+        }
+        Ok(file.into())
+    }
+
     /// Attaches to an existing TAP interface. Refuses to create one: a name that does not exist
     /// is a configuration mistake, and an interface created here would not be wired anywhere.
     pub fn open(name: &str) -> Result<Tap, TapError> {
