@@ -143,7 +143,6 @@ spec:
             bridge_mac[i] = u8::from_str_radix(p, 16).unwrap();
         }
         let wire = PacketSocket::bind(&bridge);
-        let t = Duration::from_secs(60);
         // The guest may have sent its three frames before this socket was bound: what is seen
         // must be the tail of the sequence, in order.
         let mut seen = vec![];
