@@ -3,3 +3,4 @@
 
 pub mod crds;
 pub mod pod;
+pub mod vm;

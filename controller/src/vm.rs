@@ -1,0 +1,329 @@
+//! The VirtualMachine controller's decisions, as pure functions of the VM, its VMI and the time:
+//! what to do about the VMI for the run strategy (with KubeVirt's crash-loop backoff), and the
+//! `status.printableStatus` users see in `kubectl get vm`. The reconcile loop applies them.
+
+use api::validation::run_strategy;
+use api::{RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase};
+
+/// KubeVirt's start backoff: 10 s doubling per consecutive failure, at most 5 minutes.
+pub fn backoff_seconds(consecutive_failures: u32) -> u64 {
+    if consecutive_failures == 0 {
+        return 0;
+    }
+    (10u64 << (consecutive_failures - 1).min(5)).min(300)
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmAction {
+    Nothing,
+    /// Create the VMI from the template (its name is the VM's).
+    CreateVmi,
+    /// Delete the VMI (stop, or clear a finished one before restarting).
+    DeleteVmi,
+    /// A restart after a failure waits until this Unix time.
+    WaitUntil(i64),
+}
+
+/// The state of the VMI as the VM controller cares about it.
+fn finished(vmi: &VirtualMachineInstance) -> Option<VmiPhase> {
+    match vmi.status.as_ref().and_then(|s| s.phase) {
+        Some(p @ (VmiPhase::Succeeded | VmiPhase::Failed)) => Some(p),
+        _ => None,
+    }
+}
+
+/// Start/stop requests from `virtctl start|stop|restart` (status.stateChangeRequests).
+fn requested(vm: &VirtualMachine, action: &str) -> bool {
+    vm.status
+        .as_ref()
+        .is_some_and(|s| s.state_change_requests.iter().any(|r| r.action == action))
+}
+
+/// What to do next. `retry_after` is the Unix time before which a failed VM may not restart
+/// (status.startFailure.retryAfterTimestamp, parsed by the caller), `now` the current time.
+pub fn decide(
+    vm: &VirtualMachine,
+    vmi: Option<&VirtualMachineInstance>,
+    retry_after: Option<i64>,
+    now: i64,
+) -> VmAction {
+    if vm.metadata.deletion_timestamp.is_some() {
+        return if vmi.is_some() {
+            VmAction::DeleteVmi
+        } else {
+            VmAction::Nothing
+        };
+    }
+    let deleting = vmi.is_some_and(|v| v.metadata.deletion_timestamp.is_some());
+    if deleting {
+        return VmAction::Nothing; // wait for the old VMI to go
+    }
+    let strategy = run_strategy(vm);
+    let start = |after_failure: bool| match retry_after {
+        Some(t) if after_failure && t > now => VmAction::WaitUntil(t),
+        _ => VmAction::CreateVmi,
+    };
+    if requested(vm, "Stop") {
+        return if vmi.is_some() {
+            VmAction::DeleteVmi
+        } else {
+            VmAction::Nothing
+        };
+    }
+    match (strategy, vmi, vmi.and_then(finished)) {
+        (RunStrategy::Halted, Some(_), _) => VmAction::DeleteVmi,
+        (RunStrategy::Halted, None, _) => VmAction::Nothing,
+        // A finished VMI is cleared first; the next round recreates it where the strategy says so.
+        (RunStrategy::Always, Some(_), Some(_)) => VmAction::DeleteVmi,
+        (RunStrategy::RerunOnFailure, Some(_), Some(VmiPhase::Failed)) => VmAction::DeleteVmi,
+        (_, Some(_), _) => VmAction::Nothing,
+        (RunStrategy::Always, None, _) => start(retry_after.is_some()),
+        (RunStrategy::RerunOnFailure, None, _) => {
+            let succeeded = vm
+                .status
+                .as_ref()
+                .and_then(|s| s.printable_status.as_deref())
+                == Some("Succeeded");
+            if succeeded && !requested(vm, "Start") {
+                VmAction::Nothing
+            } else {
+                start(retry_after.is_some())
+            }
+        }
+        (RunStrategy::Manual | RunStrategy::Once, None, _) => {
+            let created_before = vm.status.as_ref().and_then(|s| s.created).unwrap_or(false);
+            if requested(vm, "Start") || (strategy == RunStrategy::Once && !created_before) {
+                VmAction::CreateVmi
+            } else {
+                VmAction::Nothing
+            }
+        }
+    }
+}
+
+/// `status.printableStatus`, with KubeVirt's values.
+pub fn printable_status(
+    vm: &VirtualMachine,
+    vmi: Option<&VirtualMachineInstance>,
+    retry_after: Option<i64>,
+    now: i64,
+) -> &'static str {
+    if vm.metadata.deletion_timestamp.is_some() {
+        return "Terminating";
+    }
+    let Some(vmi) = vmi else {
+        if retry_after.is_some_and(|t| t > now) {
+            return "CrashLoopBackOff";
+        }
+        return match run_strategy(vm) {
+            RunStrategy::Halted
+            | RunStrategy::Manual
+            | RunStrategy::Once
+            | RunStrategy::RerunOnFailure => "Stopped",
+            RunStrategy::Always => "Starting",
+        };
+    };
+    if vmi.metadata.deletion_timestamp.is_some() {
+        return "Stopping";
+    }
+    let status = vmi.status.clone().unwrap_or_default();
+    let unschedulable = status.conditions.iter().any(|c| {
+        c.type_ == "PodScheduled"
+            && c.status == "False"
+            && c.reason.as_deref() == Some("Unschedulable")
+    });
+    if unschedulable {
+        return "ErrorUnschedulable";
+    }
+    let migrating = status
+        .migration_state
+        .as_ref()
+        .is_some_and(|m| m.completed != Some(true) && m.failed != Some(true));
+    match status.phase {
+        None | Some(VmiPhase::Pending | VmiPhase::Scheduling | VmiPhase::Scheduled) => "Starting",
+        Some(VmiPhase::Running) if migrating => "Migrating",
+        Some(VmiPhase::Running) => "Running",
+        Some(VmiPhase::Succeeded) => "Succeeded",
+        Some(VmiPhase::Failed) => "Failed",
+        Some(VmiPhase::Unknown) => "Unknown",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::{
+        StateChangeRequest, VirtualMachineInstanceStatus, VirtualMachineSpec, VirtualMachineStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn vm(s: RunStrategy) -> VirtualMachine {
+        VirtualMachine::new(
+            "vm",
+            VirtualMachineSpec {
+                run_strategy: Some(s),
+                ..Default::default()
+            },
+        )
+    }
+
+    fn vmi(phase: VmiPhase) -> VirtualMachineInstance {
+        let mut v = VirtualMachineInstance::new("vm", Default::default());
+        v.status = Some(VirtualMachineInstanceStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        v
+    }
+
+    fn deleted<T: kube::Resource>(mut o: T) -> T {
+        o.meta_mut().deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        o
+    }
+
+    #[test]
+    fn backoff_doubles_to_five_minutes() {
+        let b: Vec<u64> = (0..8).map(backoff_seconds).collect();
+        assert_eq!(b, [0, 10, 20, 40, 80, 160, 300, 300]);
+    }
+
+    #[test]
+    fn run_strategies() {
+        use RunStrategy::*;
+        use VmAction::*;
+        let running = vmi(VmiPhase::Running);
+        let failed = vmi(VmiPhase::Failed);
+        let succeeded = vmi(VmiPhase::Succeeded);
+        let cases: &[(RunStrategy, Option<&VirtualMachineInstance>, VmAction)] = &[
+            (Always, None, CreateVmi),
+            (Always, Some(&running), Nothing),
+            (Always, Some(&failed), DeleteVmi),
+            (Always, Some(&succeeded), DeleteVmi),
+            (RerunOnFailure, None, CreateVmi),
+            (RerunOnFailure, Some(&failed), DeleteVmi),
+            (RerunOnFailure, Some(&succeeded), Nothing),
+            (Halted, Some(&running), DeleteVmi),
+            (Halted, None, Nothing),
+            (Manual, None, Nothing),
+            (Manual, Some(&running), Nothing),
+            (Once, None, CreateVmi),
+            (Once, Some(&succeeded), Nothing),
+        ];
+        for (s, v, want) in cases {
+            assert_eq!(
+                &decide(&vm(*s), *v, None, 0),
+                want,
+                "{s:?} with {:?}",
+                v.and_then(|v| v.status.as_ref()).and_then(|s| s.phase)
+            );
+        }
+    }
+
+    #[test]
+    fn running_maps_like_kubevirt() {
+        let mut v = VirtualMachine::new(
+            "vm",
+            VirtualMachineSpec {
+                running: Some(true),
+                ..Default::default()
+            },
+        );
+        assert_eq!(decide(&v, None, None, 0), VmAction::CreateVmi);
+        v.spec.running = Some(false);
+        assert_eq!(
+            decide(&v, Some(&vmi(VmiPhase::Running)), None, 0),
+            VmAction::DeleteVmi
+        );
+    }
+
+    #[test]
+    fn once_does_not_rerun_and_manual_follows_requests() {
+        let mut v = vm(RunStrategy::Once);
+        v.status = Some(VirtualMachineStatus {
+            created: Some(true),
+            ..Default::default()
+        });
+        assert_eq!(decide(&v, None, None, 0), VmAction::Nothing);
+        let mut m = vm(RunStrategy::Manual);
+        m.status = Some(VirtualMachineStatus {
+            state_change_requests: vec![StateChangeRequest {
+                action: "Start".into(),
+                uid: None,
+                data: None,
+            }],
+            ..Default::default()
+        });
+        assert_eq!(decide(&m, None, None, 0), VmAction::CreateVmi);
+        m.status.as_mut().unwrap().state_change_requests[0].action = "Stop".into();
+        assert_eq!(
+            decide(&m, Some(&vmi(VmiPhase::Running)), None, 0),
+            VmAction::DeleteVmi
+        );
+    }
+
+    #[test]
+    fn crash_loop_waits_out_the_backoff() {
+        let v = vm(RunStrategy::Always);
+        assert_eq!(decide(&v, None, Some(100), 50), VmAction::WaitUntil(100));
+        assert_eq!(
+            printable_status(&v, None, Some(100), 50),
+            "CrashLoopBackOff"
+        );
+        assert_eq!(decide(&v, None, Some(100), 150), VmAction::CreateVmi);
+    }
+
+    #[test]
+    fn deletion_and_printable_status() {
+        let v = vm(RunStrategy::Always);
+        assert_eq!(
+            decide(&deleted(v.clone()), Some(&vmi(VmiPhase::Running)), None, 0),
+            VmAction::DeleteVmi
+        );
+        assert_eq!(
+            printable_status(&deleted(v.clone()), None, None, 0),
+            "Terminating"
+        );
+        assert_eq!(
+            printable_status(&v, Some(&deleted(vmi(VmiPhase::Running))), None, 0),
+            "Stopping"
+        );
+        assert_eq!(
+            decide(&v, Some(&deleted(vmi(VmiPhase::Running))), None, 0),
+            VmAction::Nothing
+        );
+        assert_eq!(
+            printable_status(&v, Some(&vmi(VmiPhase::Scheduling)), None, 0),
+            "Starting"
+        );
+        assert_eq!(
+            printable_status(&v, Some(&vmi(VmiPhase::Running)), None, 0),
+            "Running"
+        );
+        assert_eq!(
+            printable_status(&vm(RunStrategy::Halted), None, None, 0),
+            "Stopped"
+        );
+        let mut mig = vmi(VmiPhase::Running);
+        mig.status.as_mut().unwrap().migration_state = Some(api::MigrationState {
+            completed: Some(false),
+            ..Default::default()
+        });
+        assert_eq!(printable_status(&v, Some(&mig), None, 0), "Migrating");
+        let mut unsched = vmi(VmiPhase::Scheduling);
+        unsched
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .push(api::Condition {
+                type_: "PodScheduled".into(),
+                status: "False".into(),
+                reason: Some("Unschedulable".into()),
+                ..Default::default()
+            });
+        assert_eq!(
+            printable_status(&v, Some(&unsched), None, 0),
+            "ErrorUnschedulable"
+        );
+    }
+}
