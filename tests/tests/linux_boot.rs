@@ -71,9 +71,19 @@ fn boot_to(make: &dyn Fn(&Console) -> VmConfig, needle: &str) -> (bool, String, 
             std::thread::sleep(Duration::from_millis(200));
         };
         let ended = vm.end_signal().get();
+        let stuck_at = if reached || ended.is_some() {
+            vec![]
+        } else {
+            vm.vcpu_rips()
+        };
         vm.stop();
         let _ = vm.wait();
-        let log = console.text();
+        let mut log = console.text();
+        if !stuck_at.is_empty() {
+            log.push_str(&format!(
+                "\n[test] guest made no progress; vCPU RIPs {stuck_at:x?}\n"
+            ));
+        }
         if reached || ended.is_some() || start.elapsed() > LIMIT {
             return (reached, log, stalled);
         }

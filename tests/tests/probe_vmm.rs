@@ -151,6 +151,12 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     let vm = Vm::build(&cfg).unwrap();
     let (mut input, _) = listener.accept().unwrap();
     assert!(console.wait_for("tick 2", T), "{}", console.text());
+    let rips = vm.vcpu_rips();
+    assert_eq!(rips.len(), 2, "{rips:x?}");
+    assert!(
+        rips[0].1 >= 0x20_0000,
+        "the BSP runs the probe (loaded at 2 MiB): {rips:x?}"
+    );
     vm.pause();
     assert_eq!(vm.state(), vmm::vcpu::RunState::Paused);
     let len = console.len();

@@ -56,6 +56,8 @@ pub enum RunState {
 pub struct VcpuControl {
     state: Mutex<(RunState, usize /* vCPUs parked */)>,
     changed: Condvar,
+    /// Where each vCPU was when it last parked (vCPU id → RIP), for diagnosing stuck guests.
+    parked_at: Mutex<std::collections::BTreeMap<u8, u64>>,
 }
 
 impl VcpuControl {
@@ -63,6 +65,7 @@ impl VcpuControl {
         Arc::new(VcpuControl {
             state: Mutex::new((RunState::Running, 0)),
             changed: Condvar::new(),
+            parked_at: Mutex::default(),
         })
     }
 
@@ -82,6 +85,16 @@ impl VcpuControl {
         while g.0 == RunState::Paused && g.1 < n {
             g = self.changed.wait(g).unwrap();
         }
+    }
+
+    /// RIP of every vCPU at its last park.
+    pub fn parked_at(&self) -> Vec<(u8, u64)> {
+        self.parked_at
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect()
     }
 
     /// Called by a vCPU thread: parks while paused. Returns false when the vCPU must stop.
@@ -188,6 +201,11 @@ pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>
 fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
     let id = vcpu.id;
     loop {
+        if ctx.control.state() == RunState::Paused {
+            if let Ok(r) = vcpu.fd.get_regs() {
+                ctx.control.parked_at.lock().unwrap().insert(id, r.rip);
+            }
+        }
         if !ctx.control.park_if_paused() {
             return None;
         }

@@ -629,6 +629,15 @@ impl Vm {
         self.control.set(RunState::Running);
     }
 
+    /// Where each vCPU is executing (vCPU id, RIP): pauses the VM for a moment. For diagnosing
+    /// a guest that stopped making progress.
+    pub fn vcpu_rips(&self) -> Vec<(u8, u64)> {
+        self.pause();
+        let rips = self.control.parked_at();
+        self.resume();
+        rips
+    }
+
     pub fn state(&self) -> RunState {
         self.control.state()
     }
