@@ -18,14 +18,7 @@ struct Launcher {
 impl Launcher {
     fn start(tag: &str) -> Launcher {
         tests::require_kvm();
-        let dir = std::env::temp_dir().join(format!("mv-daemon-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("images/microvirt_probe_latest")).unwrap();
-        std::fs::copy(
-            tests::probe_path(),
-            dir.join("images/microvirt_probe_latest/probe"),
-        )
-        .unwrap();
+        let dir = tests::probe_workdir(&format!("mv-daemon-{tag}"));
         let socket = dir.join("launcher.sock");
         let child = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
             .args(["daemon", "--socket"])

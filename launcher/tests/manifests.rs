@@ -17,15 +17,8 @@ struct Fixture {
 
 impl Fixture {
     fn new(tag: &str) -> Fixture {
-        let root = std::env::temp_dir().join(format!("mv-manifests-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&root);
+        let root = tests::probe_workdir(&format!("mv-manifests-{tag}"));
         let img = root.join("images");
-        std::fs::create_dir_all(img.join("microvirt_probe_latest")).unwrap();
-        std::fs::copy(
-            tests::probe_path(),
-            img.join("microvirt_probe_latest/probe"),
-        )
-        .unwrap();
         std::fs::create_dir_all(img.join("quay.io_containerdisks_fedora_40")).unwrap();
         std::fs::write(
             img.join("quay.io_containerdisks_fedora_40/disk.img"),

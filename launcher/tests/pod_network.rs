@@ -22,14 +22,7 @@ fn frame(src: [u8; 6], payload: &[u8], len: usize) -> Vec<u8> {
 #[test]
 fn pod_network_is_a_tap_on_a_natted_bridge() {
     tests::require_kvm();
-    let dir = std::env::temp_dir().join(format!("mv-podnet-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("images/microvirt_probe_latest")).unwrap();
-    std::fs::copy(
-        tests::probe_path(),
-        dir.join("images/microvirt_probe_latest/probe"),
-    )
-    .unwrap();
+    let dir = tests::probe_workdir("mv-podnet");
     let manifest = dir.join("vm.yaml");
     std::fs::write(
         &manifest,

@@ -53,6 +53,17 @@ pub fn probe_path() -> PathBuf {
         .clone()
 }
 
+/// A fresh scratch directory `<tmp>/<tag>-<pid>` whose `images/` holds the probe guest the way
+/// `virt-launcher --image-dir` expects the `microvirt/probe:latest` kernelBoot image.
+pub fn probe_workdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let img = dir.join("images/microvirt_probe_latest");
+    std::fs::create_dir_all(&img).unwrap();
+    std::fs::copy(probe_path(), img.join("probe")).unwrap();
+    dir
+}
+
 /// A console sink shared with the test.
 #[derive(Clone, Default)]
 pub struct Console(Arc<Mutex<Vec<u8>>>);
