@@ -607,6 +607,9 @@ pub struct VirtualMachineInstanceStatus {
     pub launcher_container_image_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_pods: Option<BTreeMap<String, String>>,
+    /// Set when the launcher Pod's eviction was turned into a live migration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evacuation_node_name: Option<String>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,

@@ -1,6 +1,15 @@
 //! virt-controller: reconciles VirtualMachines, VMIs, ReplicaSets and Migrations into launcher
-//! Pods. This first part generates the CustomResourceDefinitions from the `api` types.
+//! Pods, with kube-runtime `Controller`s (one pure-ish `reconcile` + `error_policy` per kind),
+//! leader election through a Lease, an admission webhook and Prometheus metrics.
 
+pub mod context;
 pub mod crds;
+pub mod leader;
+pub mod metrics;
+pub mod migration;
 pub mod pod;
+pub mod replicaset;
+pub mod run;
 pub mod vm;
+pub mod vmi;
+pub mod webhook;

@@ -1,6 +1,16 @@
-//! virt-controller. `virt-controller crds` prints the CustomResourceDefinitions.
+//! virt-controller. `virt-controller crds` prints the CustomResourceDefinitions;
+//! `virt-controller run` reconciles (leader-elected), serves the admission webhook and metrics.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use controller::context::ControllerConfig;
+use controller::leader::LeaseConfig;
+use controller::metrics::Metrics;
 
 #[derive(Parser)]
 #[command(
@@ -13,14 +23,180 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Elect a leader through this Lease (in $POD_NAMESPACE); without it every replica acts.
+    #[arg(long)]
+    leader_election_lease: Option<String>,
+    /// This replica's identity in the Lease.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "microvirt")]
+    namespace: String,
+    /// Lease duration in seconds (renew deadline is 2/3 of it, retry period 2/15).
+    #[arg(long, default_value_t = 15)]
+    lease_duration: u64,
+    #[arg(long, default_value = "quay.io/microvirt/virt-launcher:v0.1.0")]
+    launcher_image: String,
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    #[arg(long, default_value = "0.0.0.0:8443")]
+    webhook_addr: SocketAddr,
+    /// Do not serve the admission webhook.
+    #[arg(long)]
+    no_webhook: bool,
+    /// The webhook Service: its DNS names go into the self-signed certificate, whose CA is
+    /// patched into the `microvirt` webhook configurations.
+    #[arg(long)]
+    webhook_service: Option<String>,
+    /// Serve the webhook with this certificate and key (PEM) instead of a self-signed one.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long)]
+    tls_key: Option<PathBuf>,
+    #[arg(long, default_value_t = 5)]
+    parallel_migrations_per_cluster: usize,
+    #[arg(long, default_value_t = 2)]
+    parallel_outbound_migrations_per_node: usize,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Print the CustomResourceDefinitions (kubectl apply -f - installs them).
     Crds,
+    /// Run the controllers (uses in-cluster config or $KUBECONFIG).
+    Run(Box<RunArgs>),
 }
 
-fn main() {
+fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Crds => print!("{}", controller::crds::yaml()),
+        Command::Crds => {
+            print!("{}", controller::crds::yaml());
+            Ok(())
+        }
+        Command::Run(args) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            tokio::runtime::Runtime::new()?.block_on(run(*args))
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or $KUBECONFIG)")?;
+    let metrics = Arc::new(Metrics::new());
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("--metrics-addr {}", args.metrics_addr))?;
+    tokio::spawn(controller::metrics::serve(listener, metrics.clone()));
+
+    if !args.no_webhook {
+        let (tls, ca) = match (&args.tls_cert, &args.tls_key) {
+            (Some(c), Some(k)) => (
+                controller::webhook::load_pem(c, k).map_err(anyhow::Error::msg)?,
+                None,
+            ),
+            _ => {
+                let svc = args
+                    .webhook_service
+                    .clone()
+                    .unwrap_or_else(|| "virt-controller-webhook".into());
+                let ns = &args.namespace;
+                let names = vec![
+                    svc.clone(),
+                    format!("{svc}.{ns}"),
+                    format!("{svc}.{ns}.svc"),
+                    format!("{svc}.{ns}.svc.cluster.local"),
+                ];
+                let (cfg, pem) =
+                    controller::webhook::self_signed(names).map_err(anyhow::Error::msg)?;
+                (cfg, Some(pem))
+            }
+        };
+        let listener = tokio::net::TcpListener::bind(args.webhook_addr)
+            .await
+            .with_context(|| format!("--webhook-addr {}", args.webhook_addr))?;
+        let app = controller::webhook::router(controller::webhook::WebhookState {
+            client: Some(client.clone()),
+        });
+        tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
+        if let (Some(pem), Some(_)) = (ca, &args.webhook_service) {
+            tokio::spawn(publish_ca_bundle(client.clone(), pem));
+        }
+    }
+
+    let lease = args.leader_election_lease.as_ref().map(|name| {
+        let identity = args.identity.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_else(|_| "virt-controller".into())
+        });
+        let mut l = LeaseConfig::new(&args.namespace, name, &identity);
+        l.lease_duration = Duration::from_secs(args.lease_duration.max(3));
+        l.renew_deadline = l.lease_duration * 2 / 3;
+        l.retry_period = (l.lease_duration * 2 / 15).max(Duration::from_millis(200));
+        l
+    });
+    let mut config = ControllerConfig::default();
+    config.pod.launcher_image = args.launcher_image.clone();
+    config.parallel_migrations_per_cluster = args.parallel_migrations_per_cluster;
+    config.parallel_outbound_migrations_per_node = args.parallel_outbound_migrations_per_node;
+    controller::run::run(client, config, lease, metrics, shutdown_signal())
+        .await
+        .map_err(anyhow::Error::msg)
+}
+
+/// Puts the webhook's CA into both `microvirt` webhook configurations, retrying until it works.
+async fn publish_ca_bundle(client: kube::Client, pem: String) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    use k8s_openapi::ByteString;
+    use kube::api::{Api, Patch, PatchParams};
+    let bundle = serde_json::to_value(ByteString(pem.into_bytes())).unwrap_or_default();
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let patch = |n: usize| -> Patch<serde_json::Value> {
+            let ops: Vec<serde_json::Value> = (0..n)
+                .map(|i| serde_json::json!({"op": "add", "path": format!("/webhooks/{i}/clientConfig/caBundle"), "value": bundle}))
+                .collect();
+            Patch::Json(serde_json::from_value(serde_json::Value::Array(ops)).unwrap())
+        };
+        let v: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+        let m: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+        let result = async {
+            let vn = v.get("microvirt").await?.webhooks.map_or(0, |w| w.len());
+            v.patch("microvirt", &PatchParams::default(), &patch(vn))
+                .await?;
+            let mn = m.get("microvirt").await?.webhooks.map_or(0, |w| w.len());
+            m.patch("microvirt", &PatchParams::default(), &patch(mn))
+                .await?;
+            Ok::<_, kube::Error>(())
+        }
+        .await;
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?delay, "publishing the webhook CA bundle failed")
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(60));
     }
 }

@@ -23,6 +23,7 @@ pub const OVERHEAD_PER_VCPU: u64 = 1 << 20;
 pub const LABEL_APP: &str = "kubevirt.io";
 pub const LABEL_CREATED_BY: &str = "kubevirt.io/created-by";
 pub const LABEL_VM_NAME: &str = "vm.kubevirt.io/name";
+pub const LABEL_MIGRATION_JOB: &str = "kubevirt.io/migrationJobUID";
 pub const ANNOTATION_DOMAIN: &str = "kubevirt.io/domain";
 pub const RESOURCE_KVM: &str = "devices.kubevirt.io/kvm";
 pub const RESOURCE_TUN: &str = "devices.kubevirt.io/tun";

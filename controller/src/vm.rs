@@ -2,8 +2,18 @@
 //! what to do about the VMI for the run strategy (with KubeVirt's crash-loop backoff), and the
 //! `status.printableStatus` users see in `kubectl get vm`. The reconcile loop applies them.
 
+use std::sync::Arc;
+
 use api::validation::run_strategy;
 use api::{RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::ResourceExt;
+
+use crate::context::{
+    finalizer_patch, has_finalizer, is_conflict, is_not_found, now_unix, remove_condition,
+    set_condition, Context, Error, Result,
+};
 
 /// KubeVirt's start backoff: 10 s doubling per consecutive failure, at most 5 minutes.
 pub fn backoff_seconds(consecutive_failures: u32) -> u64 {
@@ -147,6 +157,260 @@ pub fn printable_status(
         Some(VmiPhase::Failed) => "Failed",
         Some(VmiPhase::Unknown) => "Unknown",
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reconcile loop
+
+/// Set on VMs so that deleting one stops its VMI first (`Terminating` is visible meanwhile).
+pub const VM_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalize";
+const CONTROLLER: &str = "vm";
+
+fn retry_after(vm: &VirtualMachine) -> Option<i64> {
+    vm.status
+        .as_ref()
+        .and_then(|s| s.start_failure.as_ref())
+        .and_then(|f| f.retry_after_timestamp.as_deref())
+        .and_then(crate::context::parse_unix)
+}
+
+/// The VMI a VM creates: the template with the VM's name, labels and a controller reference.
+pub fn vmi_for(vm: &VirtualMachine) -> VirtualMachineInstance {
+    let template = vm.spec.template.clone();
+    let tmeta = template.metadata.unwrap_or_default();
+    let mut spec = template.spec.unwrap_or_default();
+    api::validation::default_vmi_spec(&mut spec);
+    let mut labels = tmeta.labels.unwrap_or_default();
+    labels.insert(
+        crate::pod::LABEL_VM_NAME.into(),
+        vm.metadata.name.clone().unwrap_or_default(),
+    );
+    let mut vmi = VirtualMachineInstance::new(&vm.name_any(), spec);
+    vmi.metadata.namespace = vm.metadata.namespace.clone();
+    vmi.metadata.labels = Some(labels);
+    vmi.metadata.annotations = tmeta.annotations;
+    vmi.metadata.owner_references = crate::context::controller_ref(vm).map(|r| vec![r]);
+    vmi
+}
+
+/// Reconciles one VirtualMachine: applies [`decide`] and writes `status`.
+pub async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action> {
+    let started = std::time::Instant::now();
+    let r = reconcile_inner(&vm, &ctx).await;
+    ctx.metrics.observe_reconcile(CONTROLLER, started.elapsed());
+    if r.is_ok() {
+        ctx.succeeded(CONTROLLER, vm.as_ref());
+    }
+    r
+}
+
+pub fn error_policy(vm: Arc<VirtualMachine>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.retry(CONTROLLER, vm.as_ref(), err)
+}
+
+async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
+    let ns = vm.namespace().unwrap_or_default();
+    let name = vm.name_any();
+    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &ns);
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
+    let deleting = vm.metadata.deletion_timestamp.is_some();
+
+    if !deleting && !has_finalizer(vm, VM_FINALIZER) {
+        let p = finalizer_patch(vm, VM_FINALIZER, true);
+        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        return Ok(Action::await_change());
+    }
+
+    let mut status = vm.status.clone().unwrap_or_default();
+    if let Err(e) = api::validation::validate_vm(vm) {
+        // Never half-reconciled: no VMI, an Event and a Failure condition with the message.
+        let msg = e.to_string();
+        let known = status.conditions.iter().any(|c| {
+            c.type_ == "Failure"
+                && c.reason.as_deref() == Some("InvalidSpec")
+                && c.message.as_ref() == Some(&msg)
+        });
+        if !known {
+            ctx.event(vm, true, "InvalidSpec", "Validate", msg.clone())
+                .await;
+        }
+        set_condition(
+            &mut status.conditions,
+            "Failure",
+            true,
+            Some("InvalidSpec"),
+            Some(msg),
+        );
+        write_status(&vms, vm, status).await?;
+        return Ok(Action::await_change());
+    }
+    remove_condition(&mut status.conditions, "Failure");
+
+    // Only a VMI this VM controls counts; a foreign one with the same name is a failure.
+    let vmi = match vmis.get_opt(&name).await? {
+        Some(v)
+            if v.owner_references().is_empty()
+                || crate::context::controlled_by(&v, vm.uid().as_deref().unwrap_or("")) =>
+        {
+            Some(v)
+        }
+        Some(_) => {
+            let msg = format!(
+                "VirtualMachineInstance {name} exists and is not controlled by this VirtualMachine"
+            );
+            set_condition(
+                &mut status.conditions,
+                "Failure",
+                true,
+                Some("FailedCreate"),
+                Some(msg),
+            );
+            write_status(&vms, vm, status).await?;
+            return Ok(Action::await_change());
+        }
+        None => None,
+    };
+    let now = now_unix();
+
+    // Start failures: counted once per failed VMI, cleared when a newer VMI reaches Running.
+    if let Some(v) = &vmi {
+        let uid = v.uid();
+        let phase = v.status.as_ref().and_then(|s| s.phase);
+        let last = status
+            .start_failure
+            .as_ref()
+            .and_then(|f| f.last_failed_vmi_uid.clone());
+        if phase == Some(VmiPhase::Failed) && last != uid {
+            let count = status
+                .start_failure
+                .as_ref()
+                .map_or(0, |f| f.consecutive_fail_count)
+                + 1;
+            let wait = backoff_seconds(count as u32) as i64;
+            status.start_failure = Some(api::StartFailure {
+                consecutive_fail_count: count,
+                retry_after_timestamp: Some(crate::context::unix_rfc3339(now + wait)),
+                last_failed_vmi_uid: uid.clone(),
+            });
+            ctx.event(
+                vm,
+                true,
+                "FailedStart",
+                "Start",
+                format!(
+                    "VirtualMachineInstance {name} failed; restart in {wait} s (failure {count})"
+                ),
+            )
+            .await;
+        } else if phase == Some(VmiPhase::Running) && last.is_some() && last != uid {
+            status.start_failure = None;
+        }
+    }
+
+    // Start/stop requests: a Stop is done once its VMI is gone (or it names another VMI).
+    let vmi_uid = vmi.as_ref().and_then(|v| v.uid());
+    status.state_change_requests.retain(|r| {
+        !(r.action == "Stop" && (vmi.is_none() || (r.uid.is_some() && r.uid != vmi_uid)))
+    });
+
+    let mut view = vm.clone();
+    view.status = Some(status.clone());
+    let action = decide(&view, vmi.as_ref(), retry_after(&view), now);
+    let mut requeue = Action::await_change();
+    let mut current = vmi.clone();
+    match action {
+        VmAction::Nothing => {}
+        VmAction::CreateVmi => {
+            match vmis.create(&PostParams::default(), &vmi_for(vm)).await {
+                Ok(created) => {
+                    ctx.event(
+                        vm,
+                        false,
+                        "SuccessfulCreate",
+                        "Create",
+                        format!("Created virtual machine instance {name}"),
+                    )
+                    .await;
+                    current = Some(created);
+                }
+                Err(e) if is_conflict(&e) => {
+                    return Ok(Action::requeue(std::time::Duration::from_millis(200)))
+                }
+                Err(e) => return Err(e.into()),
+            }
+            status.created = Some(true);
+            status.state_change_requests.retain(|r| r.action != "Start");
+        }
+        VmAction::DeleteVmi => {
+            let v = vmi.as_ref().expect("DeleteVmi implies a VMI");
+            if v.metadata.deletion_timestamp.is_none() {
+                match vmis.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => {
+                        ctx.event(
+                            vm,
+                            false,
+                            "SuccessfulDelete",
+                            "Delete",
+                            format!("Stopped virtual machine instance {name}"),
+                        )
+                        .await
+                    }
+                    Err(e) if is_not_found(&e) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        VmAction::WaitUntil(t) => {
+            requeue = Action::requeue(std::time::Duration::from_secs((t - now).max(1) as u64));
+        }
+    }
+
+    if deleting && current.is_none() {
+        let p = finalizer_patch(vm, VM_FINALIZER, false);
+        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        return Ok(Action::await_change());
+    }
+
+    let mut view = vm.clone();
+    view.status = Some(status.clone());
+    status.printable_status =
+        Some(printable_status(&view, current.as_ref(), retry_after(&view), now).to_string());
+    let vmi_ready = current
+        .as_ref()
+        .and_then(|v| v.status.as_ref())
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True");
+    status.ready = Some(vmi_ready);
+    status.created = Some(current.is_some());
+    status.run_strategy = Some(run_strategy(vm));
+    let reason = if vmi_ready {
+        None
+    } else if current.is_none() {
+        Some("VMINotExists")
+    } else {
+        Some("VMINotReady")
+    };
+    set_condition(&mut status.conditions, "Ready", vmi_ready, reason, None);
+    write_status(&vms, vm, status).await?;
+    Ok(requeue)
+}
+
+/// Replaces `status` when it changed; a stale resourceVersion is a conflict, retried.
+async fn write_status(
+    vms: &Api<VirtualMachine>,
+    vm: &VirtualMachine,
+    status: api::VirtualMachineStatus,
+) -> Result<()> {
+    if vm.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let mut new = vm.clone();
+    new.status = Some(status);
+    vms.replace_status(&vm.name_any(), &PostParams::default(), &new)
+        .await?;
+    Ok(())
 }
 
 #[cfg(test)]

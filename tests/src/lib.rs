@@ -1,6 +1,9 @@
 //! Support for microvirt's integration tests: building and locating guest images, running a
 //! VM in-process with its console captured, and reading the probe guest's result line.
 
+pub mod apiserver;
+pub mod cluster;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,0 +1,740 @@
+//! The VirtualMachineInstanceMigration controller.
+//!
+//! Phases: Pending (queued until the cluster and source-node limits allow it) → Scheduling
+//! (target Pod created: same launcher, label `kubevirt.io/migrationJobUID`, required
+//! anti-affinity on `kubevirt.io/created-by` over `kubernetes.io/hostname` so it lands on another
+//! node) → Scheduled (target Pod bound) → PreparingTarget (target Pod running; the hand-off is
+//! written to `vmi.status.migrationState` and the VMI is labelled
+//! `kubevirt.io/migrationTargetNodeName`) → TargetReady (the target virt-handler set
+//! `targetNodeAddress`) → Running (the source virt-handler set `startTimestamp`) → Succeeded
+//! (`completed`: the VMI now lives in the target Pod and node, the source Pod is deleted) or
+//! Failed (`failed`, target Pod lost, source lost, or the migration was deleted): the target Pod
+//! is removed and the VMI keeps running on its source.
+//!
+//! The controller runs with concurrency 1 and counts migrations from the API server, so the
+//! limits hold even when many migrations are created at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use api::{
+    MigrationConfiguration, MigrationPhase, MigrationPolicy, MigrationState, PhaseTransition,
+    VirtualMachineInstance, VirtualMachineInstanceMigration, VirtualMachineInstanceMigrationStatus,
+    VmiPhase,
+};
+use k8s_openapi::api::core::v1::{Affinity, Namespace, Pod, PodAffinityTerm, PodAntiAffinity};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::ResourceExt;
+
+use crate::context::{
+    finalizer_patch, has_finalizer, is_not_found, now_rfc3339, set_condition, Context, Error,
+    Result,
+};
+use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
+use crate::vmi::{LABEL_MIGRATION_TARGET_NODE, LABEL_NODE_NAME};
+
+pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
+const CONTROLLER: &str = "migration";
+
+/// KubeVirt's defaults for what a MigrationPolicy may override.
+pub fn default_configuration() -> MigrationConfiguration {
+    MigrationConfiguration {
+        bandwidth_per_migration: Some(Quantity("0Mi".into())),
+        completion_timeout_per_gi_b: Some(150),
+        allow_auto_converge: Some(false),
+        allow_post_copy: Some(false),
+        progress_timeout: Some(150),
+        max_downtime_ms: Some(300),
+    }
+}
+
+/// The policy that applies to a VMI, as KubeVirt picks it: every selector label must match
+/// (VMI labels and namespace labels); the policy matching the most labels wins, ties by name.
+pub fn matching_policy<'a>(
+    policies: &'a [MigrationPolicy],
+    vmi_labels: &BTreeMap<String, String>,
+    ns_labels: &BTreeMap<String, String>,
+) -> Option<&'a MigrationPolicy> {
+    let subset = |want: &Option<BTreeMap<String, String>>, have: &BTreeMap<String, String>| {
+        want.iter().flatten().all(|(k, v)| have.get(k) == Some(v))
+    };
+    let weight = |p: &MigrationPolicy| {
+        p.spec
+            .selectors
+            .virtual_machine_instance_selector
+            .as_ref()
+            .map_or(0, |m| m.len())
+            + p.spec
+                .selectors
+                .namespace_selector
+                .as_ref()
+                .map_or(0, |m| m.len())
+    };
+    let mut matching: Vec<&MigrationPolicy> = policies
+        .iter()
+        .filter(|p| {
+            subset(
+                &p.spec.selectors.virtual_machine_instance_selector,
+                vmi_labels,
+            ) && subset(&p.spec.selectors.namespace_selector, ns_labels)
+        })
+        .collect();
+    matching.sort_by(|a, b| {
+        weight(b)
+            .cmp(&weight(a))
+            .then(a.name_any().cmp(&b.name_any()))
+    });
+    matching.first().copied()
+}
+
+pub fn configuration(policy: Option<&MigrationPolicy>) -> MigrationConfiguration {
+    let mut c = default_configuration();
+    if let Some(p) = policy {
+        let s = &p.spec;
+        if s.bandwidth_per_migration.is_some() {
+            c.bandwidth_per_migration = s.bandwidth_per_migration.clone();
+        }
+        if s.completion_timeout_per_gi_b.is_some() {
+            c.completion_timeout_per_gi_b = s.completion_timeout_per_gi_b;
+        }
+        if s.allow_auto_converge.is_some() {
+            c.allow_auto_converge = s.allow_auto_converge;
+        }
+        if s.allow_post_copy.is_some() {
+            c.allow_post_copy = s.allow_post_copy;
+        }
+    }
+    c
+}
+
+/// The target Pod: the VMI's launcher Pod, marked as this migration's and kept off the nodes
+/// where the VMI already has a Pod.
+pub fn target_pod(
+    vmi: &VirtualMachineInstance,
+    migration: &VirtualMachineInstanceMigration,
+    ctx: &Context,
+) -> Result<Pod> {
+    let mut pod = crate::pod::render(vmi, &ctx.config.pod)?;
+    let uid = vmi.uid().unwrap_or_default();
+    pod.metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert(
+            LABEL_MIGRATION_JOB.into(),
+            migration.uid().unwrap_or_default(),
+        );
+    let spec = pod.spec.get_or_insert_with(Default::default);
+    let affinity = spec.affinity.get_or_insert_with(Affinity::default);
+    let anti = affinity
+        .pod_anti_affinity
+        .get_or_insert_with(PodAntiAffinity::default);
+    anti.required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(Vec::new)
+        .push(PodAffinityTerm {
+            label_selector: Some(LabelSelector {
+                match_labels: Some(BTreeMap::from([(LABEL_CREATED_BY.to_string(), uid)])),
+                ..Default::default()
+            }),
+            topology_key: "kubernetes.io/hostname".into(),
+            ..Default::default()
+        });
+    Ok(pod)
+}
+
+pub async fn reconcile(
+    m: Arc<VirtualMachineInstanceMigration>,
+    ctx: Arc<Context>,
+) -> Result<Action> {
+    let started = std::time::Instant::now();
+    let r = reconcile_inner(&m, &ctx).await;
+    ctx.metrics.observe_reconcile(CONTROLLER, started.elapsed());
+    if r.is_ok() {
+        ctx.succeeded(CONTROLLER, m.as_ref());
+    }
+    r
+}
+
+pub fn error_policy(
+    m: Arc<VirtualMachineInstanceMigration>,
+    err: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    ctx.retry(CONTROLLER, m.as_ref(), err)
+}
+
+fn is_final(p: Option<MigrationPhase>) -> bool {
+    matches!(p, Some(MigrationPhase::Succeeded | MigrationPhase::Failed))
+}
+
+struct Apis {
+    migrations: Api<VirtualMachineInstanceMigration>,
+    vmis: Api<VirtualMachineInstance>,
+    pods: Api<Pod>,
+}
+
+async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> Result<Action> {
+    let ns = m.namespace().unwrap_or_default();
+    let apis = Apis {
+        migrations: Api::namespaced(ctx.client.clone(), &ns),
+        vmis: Api::namespaced(ctx.client.clone(), &ns),
+        pods: Api::namespaced(ctx.client.clone(), &ns),
+    };
+    let name = m.name_any();
+    let mut status = m.status.clone().unwrap_or_default();
+    let phase = status.phase;
+    let vmi = apis.vmis.get_opt(&m.spec.vmi_name).await?;
+
+    if m.metadata.deletion_timestamp.is_some() {
+        if !is_final(phase) {
+            // Deleting an unfinished migration cancels it.
+            fail(
+                &apis,
+                m,
+                vmi.as_ref(),
+                &mut status,
+                "MigrationCanceled",
+                "the migration was deleted (canceled)".into(),
+                ctx,
+            )
+            .await?;
+        }
+        if has_finalizer(m, MIGRATION_FINALIZER) {
+            let p = finalizer_patch(m, MIGRATION_FINALIZER, false);
+            apis.migrations
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+                .await?;
+        }
+        return Ok(Action::await_change());
+    }
+    if !has_finalizer(m, MIGRATION_FINALIZER) && !is_final(phase) {
+        let p = finalizer_patch(m, MIGRATION_FINALIZER, true);
+        apis.migrations
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        return Ok(Action::await_change());
+    }
+    if is_final(phase) {
+        return Ok(Action::await_change());
+    }
+    if let Err(e) = api::validation::validate_migration(m) {
+        fail(
+            &apis,
+            m,
+            vmi.as_ref(),
+            &mut status,
+            "InvalidSpec",
+            e.to_string(),
+            ctx,
+        )
+        .await?;
+        return Ok(Action::await_change());
+    }
+    let phase = phase.unwrap_or(MigrationPhase::Pending);
+    let Some(vmi) = vmi.filter(|v| v.metadata.deletion_timestamp.is_none()) else {
+        fail(
+            &apis,
+            m,
+            None,
+            &mut status,
+            "VMINotFound",
+            format!(
+                "VirtualMachineInstance {} does not exist or is being deleted",
+                m.spec.vmi_name
+            ),
+            ctx,
+        )
+        .await?;
+        return Ok(Action::await_change());
+    };
+    let vstatus = vmi.status.clone().unwrap_or_default();
+    if vstatus.phase != Some(VmiPhase::Running) {
+        let why = format!(
+            "VirtualMachineInstance {} is {:?}, not Running{}",
+            vmi.name_any(),
+            vstatus.phase.unwrap_or(VmiPhase::Pending),
+            if phase == MigrationPhase::Pending {
+                ""
+            } else {
+                " (the source was lost)"
+            }
+        );
+        fail(&apis, m, Some(&vmi), &mut status, "VMINotRunning", why, ctx).await?;
+        return Ok(Action::await_change());
+    }
+    let source_node = vstatus.node_name.clone().unwrap_or_default();
+    let muid = m.uid().unwrap_or_default();
+    let target = apis
+        .pods
+        .list(&ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={muid}")))
+        .await?
+        .items
+        .into_iter()
+        .next();
+
+    if phase == MigrationPhase::Pending {
+        if target.is_none() {
+            if let Some(wait) = queue_position(&apis, ctx, m, &vmi, &source_node).await? {
+                if status.phase.is_none() {
+                    enter(&mut status, MigrationPhase::Pending);
+                    write_status(&apis.migrations, m, status).await?;
+                }
+                tracing::debug!(migration = %name, reason = %wait, "migration queued");
+                return Ok(Action::requeue(ctx.config.migration_queue_recheck));
+            }
+        }
+        let pod = match target {
+            Some(p) => p,
+            None => {
+                let pod = apis
+                    .pods
+                    .create(&PostParams::default(), &target_pod(&vmi, m, ctx)?)
+                    .await?;
+                ctx.event(
+                    m,
+                    false,
+                    "SuccessfulCreate",
+                    "Migrate",
+                    format!("Created migration target pod {}", pod.name_any()),
+                )
+                .await;
+                pod
+            }
+        };
+        let ms = status.migration_state.get_or_insert_with(Default::default);
+        ms.migration_uid = Some(muid.clone());
+        ms.source_node = Some(source_node.clone());
+        ms.target_pod = Some(pod.name_any());
+        enter(&mut status, MigrationPhase::Scheduling);
+        write_status(&apis.migrations, m, status).await?;
+        return Ok(Action::await_change());
+    }
+
+    // From here on the target Pod must exist and be healthy.
+    let Some(target) = target.filter(|p| p.metadata.deletion_timestamp.is_none()) else {
+        fail(
+            &apis,
+            m,
+            Some(&vmi),
+            &mut status,
+            "TargetPodLost",
+            "the migration target pod is gone".into(),
+            ctx,
+        )
+        .await?;
+        return Ok(Action::await_change());
+    };
+    let tphase = target
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default();
+    if tphase == "Failed" || tphase == "Succeeded" {
+        fail(
+            &apis,
+            m,
+            Some(&vmi),
+            &mut status,
+            "TargetPodFailed",
+            format!(
+                "the migration target pod {} ended ({tphase})",
+                target.name_any()
+            ),
+            ctx,
+        )
+        .await?;
+        return Ok(Action::await_change());
+    }
+    let target_node = target
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .filter(|n| !n.is_empty());
+    let vms = vstatus
+        .migration_state
+        .clone()
+        .filter(|s| s.migration_uid.as_deref() == Some(&muid));
+
+    match phase {
+        MigrationPhase::Scheduling => {
+            if let Some(node) = target_node {
+                status
+                    .migration_state
+                    .get_or_insert_with(Default::default)
+                    .target_node = Some(node);
+                enter(&mut status, MigrationPhase::Scheduled);
+                write_status(&apis.migrations, m, status).await?;
+            }
+        }
+        MigrationPhase::Scheduled if tphase == "Running" => {
+            let node = target_node.unwrap_or_default();
+            let ns_labels = Api::<Namespace>::all(ctx.client.clone())
+                .get_opt(&vmi.namespace().unwrap_or_default())
+                .await?
+                .map(|n| n.labels().clone())
+                .unwrap_or_default();
+            let policies = Api::<MigrationPolicy>::all(ctx.client.clone())
+                .list(&ListParams::default())
+                .await?
+                .items;
+            let policy = matching_policy(&policies, vmi.labels(), &ns_labels);
+            let hand_off = MigrationState {
+                migration_uid: Some(muid.clone()),
+                source_node: Some(source_node.clone()),
+                target_node: Some(node.clone()),
+                target_pod: Some(target.name_any()),
+                mode: Some(
+                    if configuration(policy).allow_post_copy == Some(true) {
+                        "PostCopy"
+                    } else {
+                        "PreCopy"
+                    }
+                    .into(),
+                ),
+                migration_configuration: Some(configuration(policy)),
+                migration_policy_name: policy.map(|p| p.name_any()),
+                ..Default::default()
+            };
+            let mut labels = vmi.labels().clone();
+            labels.insert(LABEL_MIGRATION_TARGET_NODE.into(), node);
+            let mut vstatus = vstatus.clone();
+            vstatus.migration_state = Some(hand_off.clone());
+            write_vmi(&apis.vmis, &vmi, Some(labels), vstatus).await?;
+            status.migration_state = Some(hand_off);
+            enter(&mut status, MigrationPhase::PreparingTarget);
+            write_status(&apis.migrations, m, status).await?;
+        }
+        MigrationPhase::PreparingTarget | MigrationPhase::TargetReady | MigrationPhase::Running => {
+            let Some(vms) = vms else {
+                fail(
+                    &apis,
+                    m,
+                    Some(&vmi),
+                    &mut status,
+                    "HandOffLost",
+                    "vmi.status.migrationState no longer describes this migration".into(),
+                    ctx,
+                )
+                .await?;
+                return Ok(Action::await_change());
+            };
+            if vms.failed == Some(true) {
+                fail(
+                    &apis,
+                    m,
+                    Some(&vmi),
+                    &mut status,
+                    "MigrationFailed",
+                    "virt-handler reported the migration failed".into(),
+                    ctx,
+                )
+                .await?;
+                return Ok(Action::await_change());
+            }
+            if vms.completed == Some(true) {
+                succeed(&apis, m, &vmi, &target, vms, &mut status, ctx).await?;
+                return Ok(Action::await_change());
+            }
+            let next = if vms.start_timestamp.is_some() {
+                MigrationPhase::Running
+            } else if vms.target_node_address.is_some() {
+                MigrationPhase::TargetReady
+            } else {
+                phase
+            };
+            if next != phase {
+                status.migration_state = Some(vms);
+                enter(&mut status, next);
+                write_status(&apis.migrations, m, status).await?;
+            }
+        }
+        _ => {}
+    }
+    Ok(Action::await_change())
+}
+
+/// None when the migration may start, or why it waits: at most
+/// `parallel_migrations_per_cluster` in flight, `parallel_outbound_migrations_per_node` leaving
+/// one node, one per VMI (earliest created first).
+async fn queue_position(
+    apis: &Apis,
+    ctx: &Context,
+    m: &VirtualMachineInstanceMigration,
+    vmi: &VirtualMachineInstance,
+    source_node: &str,
+) -> Result<Option<String>> {
+    let all = Api::<VirtualMachineInstanceMigration>::all(ctx.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let uid = m.uid();
+    let in_flight: Vec<&VirtualMachineInstanceMigration> = all
+        .iter()
+        .filter(|o| o.uid() != uid)
+        .filter(|o| {
+            let p = o.status.as_ref().and_then(|s| s.phase);
+            !is_final(p) && p.is_some() && p != Some(MigrationPhase::Pending)
+        })
+        .collect();
+    if in_flight
+        .iter()
+        .any(|o| o.spec.vmi_name == vmi.name_any() && o.namespace() == vmi.namespace())
+    {
+        return Ok(Some("another migration of this VMI is in progress".into()));
+    }
+    if in_flight.len() >= ctx.config.parallel_migrations_per_cluster {
+        return Ok(Some(format!(
+            "{} migrations are running in the cluster",
+            in_flight.len()
+        )));
+    }
+    let outbound = in_flight
+        .iter()
+        .filter(|o| {
+            o.status
+                .as_ref()
+                .and_then(|s| s.migration_state.as_ref())
+                .and_then(|s| s.source_node.as_deref())
+                == Some(source_node)
+        })
+        .count();
+    if outbound >= ctx.config.parallel_outbound_migrations_per_node {
+        return Ok(Some(format!(
+            "{outbound} migrations are leaving node {source_node}"
+        )));
+    }
+    let _ = apis;
+    Ok(None)
+}
+
+fn enter(status: &mut VirtualMachineInstanceMigrationStatus, phase: MigrationPhase) {
+    status.phase = Some(phase);
+    status.phase_transition_timestamps.push(PhaseTransition {
+        phase: format!("{phase:?}"),
+        phase_transition_timestamp: now_rfc3339(),
+    });
+}
+
+/// The VMI moves to the target: its Pod, node and labels; the source Pod is deleted (its
+/// launcher has already handed the guest over).
+async fn succeed(
+    apis: &Apis,
+    m: &VirtualMachineInstanceMigration,
+    vmi: &VirtualMachineInstance,
+    target: &Pod,
+    mut vms: MigrationState,
+    status: &mut VirtualMachineInstanceMigrationStatus,
+    ctx: &Context,
+) -> Result<()> {
+    let target_node = vms.target_node.clone().unwrap_or_default();
+    vms.end_timestamp.get_or_insert_with(now_rfc3339);
+    let mut vstatus = vmi.status.clone().unwrap_or_default();
+    let old_pods = vstatus.active_pods.clone().unwrap_or_default();
+    vstatus.node_name = Some(target_node.clone());
+    vstatus.active_pods = Some(BTreeMap::from([(
+        target.uid().unwrap_or_default(),
+        target_node.clone(),
+    )]));
+    vstatus.migration_state = Some(vms.clone());
+    if vstatus.evacuation_node_name.is_some() {
+        vstatus.evacuation_node_name = None;
+    }
+    let mut labels = vmi.labels().clone();
+    labels.remove(LABEL_MIGRATION_TARGET_NODE);
+    labels.insert(LABEL_NODE_NAME.into(), target_node.clone());
+    write_vmi(&apis.vmis, vmi, Some(labels), vstatus).await?;
+    // Source Pods: the ones the VMI ran in before.
+    let uid = vmi.uid().unwrap_or_default();
+    for p in crate::vmi::pods_of(&apis.pods, &uid).await? {
+        if p.uid().is_some_and(|u| old_pods.contains_key(&u)) {
+            delete_pod(&apis.pods, &p.name_any()).await?;
+        }
+    }
+    status.migration_state = Some(vms);
+    set_condition(
+        &mut status.conditions,
+        "Succeeded",
+        true,
+        Some("MigrationSucceeded"),
+        None,
+    );
+    enter(status, MigrationPhase::Succeeded);
+    write_status(&apis.migrations, m, status.clone()).await?;
+    ctx.event(
+        m,
+        false,
+        "SuccessfulMigration",
+        "Migrate",
+        format!(
+            "VirtualMachineInstance {} migrated to node {target_node}",
+            vmi.name_any()
+        ),
+    )
+    .await;
+    Ok(())
+}
+
+/// Ends a migration as Failed: the target Pod is deleted, the VMI's hand-off is marked failed
+/// and its target label removed; the VMI keeps running where it is.
+async fn fail(
+    apis: &Apis,
+    m: &VirtualMachineInstanceMigration,
+    vmi: Option<&VirtualMachineInstance>,
+    status: &mut VirtualMachineInstanceMigrationStatus,
+    reason: &str,
+    message: String,
+    ctx: &Context,
+) -> Result<()> {
+    let muid = m.uid().unwrap_or_default();
+    let targets = apis
+        .pods
+        .list(&ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={muid}")))
+        .await?
+        .items;
+    for p in targets
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    {
+        delete_pod(&apis.pods, &p.name_any()).await?;
+    }
+    if let Some(vmi) = vmi {
+        let mut vstatus = vmi.status.clone().unwrap_or_default();
+        if let Some(vms) = vstatus
+            .migration_state
+            .as_mut()
+            .filter(|s| s.migration_uid.as_deref() == Some(&muid))
+        {
+            vms.failed = Some(true);
+            vms.completed = Some(false);
+            vms.end_timestamp.get_or_insert_with(now_rfc3339);
+            if reason == "MigrationCanceled" {
+                vms.abort_status = Some("Succeeded".into());
+            }
+        }
+        let mut labels = vmi.labels().clone();
+        labels.remove(LABEL_MIGRATION_TARGET_NODE);
+        write_vmi(&apis.vmis, vmi, Some(labels), vstatus).await?;
+    }
+    if let Some(ms) = status.migration_state.as_mut() {
+        ms.failed = Some(true);
+        ms.end_timestamp.get_or_insert_with(now_rfc3339);
+    }
+    set_condition(
+        &mut status.conditions,
+        "Failed",
+        true,
+        Some(reason),
+        Some(message.clone()),
+    );
+    enter(status, MigrationPhase::Failed);
+    write_status(&apis.migrations, m, status.clone()).await?;
+    ctx.event(m, true, reason, "Migrate", message).await;
+    Ok(())
+}
+
+async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
+    match pods.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn write_vmi(
+    vmis: &Api<VirtualMachineInstance>,
+    vmi: &VirtualMachineInstance,
+    labels: Option<BTreeMap<String, String>>,
+    status: api::VirtualMachineInstanceStatus,
+) -> Result<()> {
+    let mut current = vmi.clone();
+    if let Some(labels) = labels.filter(|l| l != vmi.labels()) {
+        let mut l: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into()))
+            .collect();
+        for k in vmi.labels().keys().filter(|k| !labels.contains_key(*k)) {
+            l.insert(k.clone(), serde_json::Value::Null);
+        }
+        let p = serde_json::json!({"metadata": {"labels": l, "resourceVersion": vmi.resource_version()}});
+        current = vmis
+            .patch(&vmi.name_any(), &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+    }
+    if vmi.status.as_ref() != Some(&status) {
+        current.status = Some(status);
+        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &current)
+            .await?;
+    }
+    Ok(())
+}
+
+async fn write_status(
+    migrations: &Api<VirtualMachineInstanceMigration>,
+    m: &VirtualMachineInstanceMigration,
+    status: VirtualMachineInstanceMigrationStatus,
+) -> Result<()> {
+    if m.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
+    let mut new = m.clone();
+    new.status = Some(status);
+    migrations
+        .replace_status(&m.name_any(), &PostParams::default(), &new)
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::{MigrationPolicySpec, MigrationSelectors};
+
+    fn policy(name: &str, vmi: &[(&str, &str)], ns: &[(&str, &str)], bw: &str) -> MigrationPolicy {
+        let map = |l: &[(&str, &str)]| {
+            (!l.is_empty()).then(|| {
+                l.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            })
+        };
+        MigrationPolicy::new(
+            name,
+            MigrationPolicySpec {
+                bandwidth_per_migration: Some(Quantity(bw.into())),
+                selectors: MigrationSelectors {
+                    virtual_machine_instance_selector: map(vmi),
+                    namespace_selector: map(ns),
+                },
+                ..Default::default()
+            },
+        )
+    }
+
+    #[test]
+    fn the_most_specific_matching_policy_wins() {
+        let ps = vec![
+            policy("a", &[("tier", "db")], &[], "10Mi"),
+            policy("b", &[("tier", "db")], &[("env", "prod")], "20Mi"),
+            policy("c", &[("tier", "web")], &[], "30Mi"),
+        ];
+        let l = |kv: &[(&str, &str)]| {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let pick = |vmi: &[(&str, &str)], ns: &[(&str, &str)]| {
+            matching_policy(&ps, &l(vmi), &l(ns)).map(|p| p.name_any())
+        };
+        assert_eq!(
+            pick(&[("tier", "db")], &[("env", "prod")]),
+            Some("b".into())
+        );
+        assert_eq!(pick(&[("tier", "db")], &[]), Some("a".into()));
+        assert_eq!(pick(&[("tier", "cache")], &[]), None);
+        let c = configuration(matching_policy(&ps, &l(&[("tier", "web")]), &l(&[])));
+        assert_eq!(c.bandwidth_per_migration, Some(Quantity("30Mi".into())));
+        assert_eq!(c.completion_timeout_per_gi_b, Some(150));
+    }
+}

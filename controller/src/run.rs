@@ -1,0 +1,162 @@
+//! Wiring: the four kube-runtime `Controller`s, behind leader election.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use api::{
+    VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
+    VirtualMachineInstanceReplicaSet,
+};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::controller::{Config, Controller};
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::watcher;
+use kube::{Api, Client, ResourceExt};
+
+use crate::context::{Context, ControllerConfig};
+use crate::leader::{LeaderElector, LeaseConfig};
+use crate::metrics::Metrics;
+use crate::pod::{LABEL_APP, LABEL_MIGRATION_JOB};
+
+/// Runs the VM, VMI, ReplicaSet and Migration controllers until `shutdown` resolves.
+pub async fn run_controllers(
+    ctx: Arc<Context>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let client = ctx.client.clone();
+    let wc = watcher::Config::default;
+    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
+        let mut rx = tx.subscribe();
+        async move {
+            let _ = rx.recv().await;
+        }
+    };
+    let launcher_pods = || wc().labels(&format!("{LABEL_APP}=virt-launcher"));
+
+    let vm = Controller::new(Api::<VirtualMachine>::all(client.clone()), wc())
+        .owns(Api::<VirtualMachineInstance>::all(client.clone()), wc())
+        .graceful_shutdown_on(stop(&tx))
+        .run(crate::vm::reconcile, crate::vm::error_policy, ctx.clone())
+        .for_each(|_| async {});
+
+    let vmi_controller = Controller::new(Api::<VirtualMachineInstance>::all(client.clone()), wc())
+        .owns(Api::<Pod>::all(client.clone()), launcher_pods());
+    ctx.metrics.watch_vmis(vmi_controller.store());
+    let vmi = vmi_controller
+        .graceful_shutdown_on(stop(&tx))
+        .run(crate::vmi::reconcile, crate::vmi::error_policy, ctx.clone())
+        .for_each(|_| async {});
+
+    let rs = Controller::new(
+        Api::<VirtualMachineInstanceReplicaSet>::all(client.clone()),
+        wc(),
+    )
+    .owns(Api::<VirtualMachineInstance>::all(client.clone()), wc())
+    .graceful_shutdown_on(stop(&tx))
+    .run(
+        crate::replicaset::reconcile,
+        crate::replicaset::error_policy,
+        ctx.clone(),
+    )
+    .for_each(|_| async {});
+
+    let mig_controller = Controller::new(
+        Api::<VirtualMachineInstanceMigration>::all(client.clone()),
+        wc(),
+    )
+    .with_config(Config::default().concurrency(1));
+    let store = mig_controller.store();
+    ctx.metrics.watch_migrations(store.clone());
+    let by_vmi = store.clone();
+    let by_pod = store;
+    let migration = mig_controller
+        // A VMI's hand-off progress (set by virt-handler) drives its migrations.
+        .watches(
+            Api::<VirtualMachineInstance>::all(client.clone()),
+            wc(),
+            move |vmi| {
+                by_vmi
+                    .state()
+                    .into_iter()
+                    .filter(|m| {
+                        m.spec.vmi_name == vmi.name_any() && m.namespace() == vmi.namespace()
+                    })
+                    .map(|m| ObjectRef::from_obj(m.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
+        // Target Pods carry the migration's uid.
+        .watches(
+            Api::<Pod>::all(client.clone()),
+            wc().labels(LABEL_MIGRATION_JOB),
+            move |pod| {
+                let uid = pod.labels().get(LABEL_MIGRATION_JOB).cloned();
+                by_pod
+                    .state()
+                    .into_iter()
+                    .filter(|m| m.uid() == uid)
+                    .map(|m| ObjectRef::from_obj(m.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
+        .graceful_shutdown_on(stop(&tx))
+        .run(
+            crate::migration::reconcile,
+            crate::migration::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| async {});
+
+    ctx.metrics.set_ready(true);
+    let all = async {
+        tokio::join!(vm, vmi, rs, migration);
+    };
+    tokio::select! {
+        _ = all => {}
+        _ = shutdown => {
+            let _ = tx.send(());
+        }
+    }
+    ctx.metrics.set_ready(false);
+}
+
+/// virt-controller: waits for the leader Lease (when configured), then reconciles until
+/// `shutdown` resolves or leadership is lost. Returns Err when leadership was lost, so the
+/// process exits and restarts as a follower (as client-go's leader election does).
+pub async fn run(
+    client: Client,
+    config: ControllerConfig,
+    lease: Option<LeaseConfig>,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), String> {
+    let ctx = Context::new(client.clone(), config, metrics.clone());
+    let Some(lease) = lease else {
+        run_controllers(ctx, shutdown).await;
+        return Ok(());
+    };
+    let elector = LeaderElector::new(client, lease);
+    let mut shutdown = Box::pin(shutdown);
+    tokio::select! {
+        _ = elector.acquire() => {}
+        _ = &mut shutdown => return Ok(()),
+    }
+    metrics.set_leading(true);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let controllers = tokio::spawn(run_controllers(ctx, async {
+        let _ = stop_rx.await;
+    }));
+    let outcome = tokio::select! {
+        _ = elector.hold() => Err("lost the leader Lease".to_string()),
+        _ = &mut shutdown => Ok(()),
+    };
+    let _ = stop_tx.send(());
+    let _ = controllers.await;
+    metrics.set_leading(false);
+    if outcome.is_ok() {
+        elector.release().await;
+    }
+    outcome
+}

@@ -1,0 +1,375 @@
+//! The VirtualMachineInstance controller: one launcher Pod per VMI and the VMI's phase from it.
+//!
+//! Phases: Pending (accepted) → Scheduling (Pod created, not yet running on a node) →
+//! Scheduled (Pod running on a node: `status.nodeName`, label `kubevirt.io/nodeName`) →
+//! Running (set by virt-handler once the guest runs) → Succeeded/Failed from the Pod's outcome.
+//! The Pods a VMI runs in are `status.activePods` (Pod uid → node), so a migration target
+//! Pod (which carries the same `kubevirt.io/created-by` label) is never mistaken for it.
+//! A finalizer makes deleting a VMI delete its Pods with the VMI's grace period first: the
+//! launcher turns SIGTERM into an ACPI-style guest shutdown (Ctrl-Alt-Del), so the guest is shut
+//! down before the Pod goes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use api::{VirtualMachineInstance, VirtualMachineInstanceStatus, VmiPhase};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::ResourceExt;
+
+use crate::context::{
+    finalizer_patch, has_finalizer, is_not_found, remove_condition, set_condition, Context, Error,
+    Result,
+};
+use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
+
+pub const VMI_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
+pub const LABEL_NODE_NAME: &str = "kubevirt.io/nodeName";
+pub const LABEL_MIGRATION_TARGET_NODE: &str = "kubevirt.io/migrationTargetNodeName";
+const CONTROLLER: &str = "vmi";
+
+pub async fn reconcile(vmi: Arc<VirtualMachineInstance>, ctx: Arc<Context>) -> Result<Action> {
+    let started = std::time::Instant::now();
+    let r = reconcile_inner(&vmi, &ctx).await;
+    ctx.metrics.observe_reconcile(CONTROLLER, started.elapsed());
+    if r.is_ok() {
+        ctx.succeeded(CONTROLLER, vmi.as_ref());
+    }
+    r
+}
+
+pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.retry(CONTROLLER, vmi.as_ref(), err)
+}
+
+/// The Pods made for this VMI (its launcher and any migration target), read from the API
+/// server rather than a cache so that a Pod created a moment ago is never created twice.
+pub async fn pods_of(pods: &Api<Pod>, uid: &str) -> Result<Vec<Pod>> {
+    let lp = ListParams::default().labels(&format!("{LABEL_CREATED_BY}={uid}"));
+    Ok(pods.list(&lp).await?.items)
+}
+
+fn pod_phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn pod_node(pod: &Pod) -> Option<String> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .filter(|n| !n.is_empty())
+}
+
+fn pod_condition<'a>(
+    pod: &'a Pod,
+    type_: &str,
+) -> Option<&'a k8s_openapi::api::core::v1::PodCondition> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == type_))
+}
+
+/// Why the launcher container ended, for a Failed VMI's `reason`.
+fn termination_reason(pod: &Pod) -> String {
+    let state = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .and_then(|c| c.iter().find(|c| c.name == "compute"))
+        .and_then(|c| c.state.as_ref())
+        .and_then(|s| s.terminated.as_ref());
+    match state {
+        Some(t) => format!(
+            "launcher exited with code {}{}",
+            t.exit_code,
+            t.reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        ),
+        None => pod
+            .status
+            .as_ref()
+            .and_then(|s| s.reason.clone())
+            .unwrap_or_else(|| "launcher Pod failed".into()),
+    }
+}
+
+async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<Action> {
+    let ns = vmi.namespace().unwrap_or_default();
+    let name = vmi.name_any();
+    let uid = vmi.uid().unwrap_or_default();
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+
+    if vmi.metadata.deletion_timestamp.is_some() {
+        let all = pods_of(&pods, &uid).await?;
+        let grace = vmi
+            .spec
+            .termination_grace_period_seconds
+            .unwrap_or(30)
+            .max(0) as u32;
+        for p in all
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+        {
+            let dp = DeleteParams {
+                grace_period_seconds: Some(grace),
+                ..Default::default()
+            };
+            match pods.delete(&p.name_any(), &dp).await {
+                Ok(_) => {}
+                Err(e) if is_not_found(&e) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if all.is_empty() && has_finalizer(vmi, VMI_FINALIZER) {
+            let p = finalizer_patch(vmi, VMI_FINALIZER, false);
+            vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+                .await?;
+        }
+        return Ok(Action::await_change());
+    }
+    if !has_finalizer(vmi, VMI_FINALIZER) {
+        let p = finalizer_patch(vmi, VMI_FINALIZER, true);
+        vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        return Ok(Action::await_change());
+    }
+
+    let mut status = vmi.status.clone().unwrap_or_default();
+    let phase = status.phase;
+    if matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed)) {
+        return Ok(Action::await_change());
+    }
+    if let Err(e) = api::validation::validate_vmi(vmi) {
+        let msg = e.to_string();
+        let known = status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Synchronized" && c.message.as_ref() == Some(&msg));
+        if !known {
+            ctx.event(vmi, true, "FailedCreate", "Validate", msg.clone())
+                .await;
+        }
+        status.phase = Some(VmiPhase::Pending);
+        set_condition(
+            &mut status.conditions,
+            "Synchronized",
+            false,
+            Some("FailedCreate"),
+            Some(msg),
+        );
+        write(&vmis, vmi, None, status).await?;
+        return Ok(Action::await_change());
+    }
+    remove_condition(&mut status.conditions, "Synchronized");
+
+    let all = pods_of(&pods, &uid).await?;
+    let active_uids: Vec<String> = status
+        .active_pods
+        .as_ref()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
+    let mut pod = all
+        .iter()
+        .find(|p| p.uid().is_some_and(|u| active_uids.contains(&u)))
+        .cloned();
+    if pod.is_none() && active_uids.is_empty() {
+        // A launcher Pod created by an earlier round whose status write was lost is adopted.
+        pod = all
+            .iter()
+            .find(|p| !p.labels().contains_key(LABEL_MIGRATION_JOB))
+            .cloned();
+    }
+    let mut labels = vmi.labels().clone();
+
+    match (&pod, phase) {
+        (None, None | Some(VmiPhase::Pending)) => {
+            let rendered = crate::pod::render(vmi, &ctx.config.pod)?;
+            let created = pods.create(&PostParams::default(), &rendered).await?;
+            ctx.event(
+                vmi,
+                false,
+                "SuccessfulCreate",
+                "Create",
+                format!("Created virtual machine pod {}", created.name_any()),
+            )
+            .await;
+            status.phase = Some(VmiPhase::Scheduling);
+            status.active_pods = Some(BTreeMap::from([(
+                created.uid().unwrap_or_default(),
+                String::new(),
+            )]));
+        }
+        (None, _) => {
+            status.phase = Some(VmiPhase::Failed);
+            status.reason = Some("PodVanished".into());
+            ctx.event(
+                vmi,
+                true,
+                "PodVanished",
+                "Sync",
+                "the launcher Pod disappeared".into(),
+            )
+            .await;
+        }
+        (Some(p), _) => {
+            let node = pod_node(p);
+            status.active_pods = Some(BTreeMap::from([(
+                p.uid().unwrap_or_default(),
+                node.clone().unwrap_or_default(),
+            )]));
+            let unschedulable = pod_condition(p, "PodScheduled")
+                .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"));
+            match unschedulable {
+                Some(c) => set_condition(
+                    &mut status.conditions,
+                    "PodScheduled",
+                    false,
+                    Some("Unschedulable"),
+                    c.message.clone(),
+                ),
+                None => remove_condition(&mut status.conditions, "PodScheduled"),
+            }
+            match pod_phase(p) {
+                "Succeeded" => status.phase = Some(VmiPhase::Succeeded),
+                "Failed" => {
+                    status.phase = Some(VmiPhase::Failed);
+                    status.reason = Some(termination_reason(p));
+                }
+                "Running"
+                    if matches!(phase, None | Some(VmiPhase::Pending | VmiPhase::Scheduling)) =>
+                {
+                    if let Some(n) = &node {
+                        status.phase = Some(VmiPhase::Scheduled);
+                        status.node_name = Some(n.clone());
+                    }
+                }
+                _ if phase.is_none() || phase == Some(VmiPhase::Pending) => {
+                    status.phase = Some(VmiPhase::Scheduling)
+                }
+                _ => {}
+            }
+            if let Some(n) = &status.node_name {
+                labels.insert(LABEL_NODE_NAME.into(), n.clone());
+            }
+            let ready = status.phase == Some(VmiPhase::Running)
+                && pod_condition(p, "Ready").is_some_and(|c| c.status == "True");
+            set_condition(
+                &mut status.conditions,
+                "Ready",
+                ready,
+                (!ready).then_some("PodNotReady"),
+                None,
+            );
+            if ready {
+                remove_reason(&mut status);
+            }
+        }
+    }
+    if status.phase == Some(VmiPhase::Running) {
+        evacuate(vmi, &status, ctx).await?;
+    }
+    let labels = (&labels != vmi.labels()).then_some(labels);
+    write(&vmis, vmi, labels, status).await?;
+    Ok(Action::await_change())
+}
+
+fn remove_reason(status: &mut VirtualMachineInstanceStatus) {
+    if status.reason.as_deref() == Some("PodVanished") {
+        status.reason = None;
+    }
+}
+
+/// A Running VMI whose launcher Pod's eviction was refused by the webhook (it set
+/// `status.evacuationNodeName` to the VMI's node) is live-migrated away, as KubeVirt's
+/// evacuation controller does: one migration at a time, named `kubevirt-evacuation-*`.
+async fn evacuate(
+    vmi: &VirtualMachineInstance,
+    status: &VirtualMachineInstanceStatus,
+    ctx: &Context,
+) -> Result<()> {
+    let (Some(evac), Some(node)) = (&status.evacuation_node_name, &status.node_name) else {
+        return Ok(());
+    };
+    if evac != node {
+        return Ok(());
+    }
+    let ns = vmi.namespace().unwrap_or_default();
+    let migrations: Api<api::VirtualMachineInstanceMigration> =
+        Api::namespaced(ctx.client.clone(), &ns);
+    let active = migrations.list(&ListParams::default()).await?.items;
+    let busy = active.iter().any(|m| {
+        m.spec.vmi_name == vmi.name_any()
+            && !matches!(
+                m.status.as_ref().and_then(|s| s.phase),
+                Some(api::MigrationPhase::Succeeded | api::MigrationPhase::Failed)
+            )
+    });
+    if busy {
+        return Ok(());
+    }
+    let mut m = api::VirtualMachineInstanceMigration::new(
+        "",
+        api::VirtualMachineInstanceMigrationSpec {
+            vmi_name: vmi.name_any(),
+        },
+    );
+    m.metadata.name = None;
+    m.metadata.generate_name = Some("kubevirt-evacuation-".into());
+    m.metadata.namespace = Some(ns);
+    m.metadata.annotations = Some(BTreeMap::from([(
+        "kubevirt.io/evacuationMigration".to_string(),
+        node.clone(),
+    )]));
+    let created = migrations.create(&PostParams::default(), &m).await?;
+    ctx.event(
+        vmi,
+        false,
+        "EvacuationMigrationCreated",
+        "Migrate",
+        format!(
+            "node {node} is being drained; created migration {}",
+            created.name_any()
+        ),
+    )
+    .await;
+    Ok(())
+}
+
+/// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed.
+async fn write(
+    vmis: &Api<VirtualMachineInstance>,
+    vmi: &VirtualMachineInstance,
+    labels: Option<BTreeMap<String, String>>,
+    status: VirtualMachineInstanceStatus,
+) -> Result<()> {
+    let mut current = vmi.clone();
+    if let Some(labels) = labels {
+        let mut l: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into()))
+            .collect();
+        for k in vmi.labels().keys() {
+            if !labels.contains_key(k) {
+                l.insert(k.clone(), serde_json::Value::Null);
+            }
+        }
+        let p = serde_json::json!({"metadata": {"labels": l, "resourceVersion": vmi.resource_version()}});
+        current = vmis
+            .patch(&vmi.name_any(), &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+    }
+    if vmi.status.as_ref() != Some(&status) {
+        current.status = Some(status);
+        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &current)
+            .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,330 @@
+//! The admission webhook (HTTPS, admission.k8s.io/v1), served by every virt-controller replica:
+//! - `/validate`: VMs, VMIs, ReplicaSets and Migrations through the `api` crate's validation, so
+//!   `kubectl apply` of a bad object fails with the same message `virt-launcher run` prints;
+//!   the deprecated `spec.running` is admitted with a warning, as KubeVirt does;
+//! - `/mutate`: KubeVirt's defaulting (`api::validation::default_*`) as a JSON patch;
+//! - `/eviction`: `pods/eviction` of a launcher Pod whose VMI has `evictionStrategy:
+//!   LiveMigrate` is refused with 429 (so `kubectl drain` keeps retrying) after marking the VMI
+//!   `status.evacuationNodeName`; the VMI controller then starts a live migration, and once
+//!   the VMI has left the node the Pod is gone and the drain completes.
+
+use std::sync::Arc;
+
+use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
+use axum::extract::State;
+use axum::routing::post;
+use axum::Json;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::core::DynamicObject;
+use kube::{Client, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::pod::{LABEL_APP, LABEL_CREATED_BY};
+
+pub const RUNNING_DEPRECATED: &str =
+    "spec.running is deprecated, please use spec.runStrategy instead.";
+
+#[derive(Clone)]
+pub struct WebhookState {
+    /// For `/eviction`, which reads the Pod and VMI and marks the VMI.
+    pub client: Option<Client>,
+}
+
+pub fn router(state: WebhookState) -> axum::Router {
+    axum::Router::new()
+        .route("/validate", post(validate))
+        .route("/mutate", post(mutate))
+        .route("/eviction", post(eviction))
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .with_state(Arc::new(state))
+}
+
+type Review = Json<AdmissionReview<DynamicObject>>;
+
+fn request(
+    review: AdmissionReview<DynamicObject>,
+) -> Result<AdmissionRequest<DynamicObject>, Box<AdmissionResponse>> {
+    review.try_into().map_err(|e| {
+        Box::new(AdmissionResponse::invalid(format!(
+            "not an AdmissionReview request: {e}"
+        )))
+    })
+}
+
+fn decode<T: DeserializeOwned>(obj: &DynamicObject, kind: &str) -> Result<T, String> {
+    let v = serde_json::to_value(obj).map_err(|e| e.to_string())?;
+    serde_json::from_value(v).map_err(|e| format!("{kind} cannot be decoded: {e}"))
+}
+
+/// The admission decision for one object, as the launcher would judge it.
+pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, String> {
+    let mut warnings = vec![];
+    let checked = match kind {
+        "VirtualMachine" => {
+            let vm: VirtualMachine = decode(obj, kind)?;
+            if vm.spec.running.is_some() {
+                warnings.push(RUNNING_DEPRECATED.to_string());
+            }
+            api::validation::validate_vm(&vm)
+        }
+        "VirtualMachineInstance" => api::validation::validate_vmi(&decode(obj, kind)?),
+        "VirtualMachineInstanceReplicaSet" => api::validation::validate_vmirs(&decode(obj, kind)?),
+        "VirtualMachineInstanceMigration" => {
+            api::validation::validate_migration(&decode(obj, kind)?)
+        }
+        _ => return Ok(warnings),
+    };
+    checked.map_err(|e| e.to_string())?;
+    Ok(warnings)
+}
+
+async fn validate(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
+    let req = match request(review) {
+        Ok(r) => r,
+        Err(resp) => return Json(resp.into_review()),
+    };
+    let mut resp = AdmissionResponse::from(&req);
+    if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
+        match validate_object(&req.kind.kind, obj) {
+            Ok(w) if !w.is_empty() => resp.warnings = Some(w),
+            Ok(_) => {}
+            Err(msg) => {
+                resp = resp.deny(msg);
+                resp.result.code = 422;
+                resp.result.reason = "Invalid".into();
+            }
+        }
+    }
+    Json(resp.into_review())
+}
+
+fn defaulted<T: DeserializeOwned + Serialize>(
+    obj: &DynamicObject,
+    kind: &str,
+    f: impl FnOnce(&mut T),
+) -> Result<(Value, Value), String> {
+    let before = serde_json::to_value(obj).map_err(|e| e.to_string())?;
+    let mut typed: T = decode(obj, kind)?;
+    f(&mut typed);
+    let mut after = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    // Keep what the typed view does not carry (e.g. a null status) as it was.
+    if before.get("status").is_none() {
+        if let Some(o) = after.as_object_mut() {
+            o.remove("status");
+        }
+    }
+    Ok((before, after))
+}
+
+/// KubeVirt's defaulting as a JSON patch against the submitted object.
+pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patch::Patch>, String> {
+    let (before, after) = match kind {
+        "VirtualMachine" => defaulted::<VirtualMachine>(obj, kind, api::validation::default_vm)?,
+        "VirtualMachineInstance" => defaulted::<VirtualMachineInstance>(obj, kind, |v| {
+            api::validation::default_vmi_spec(&mut v.spec)
+        })?,
+        "VirtualMachineInstanceReplicaSet" => {
+            defaulted::<VirtualMachineInstanceReplicaSet>(obj, kind, |rs| {
+                if let Some(spec) = rs.spec.template.spec.as_mut() {
+                    api::validation::default_vmi_spec(spec);
+                }
+                rs.spec.replicas.get_or_insert(1);
+            })?
+        }
+        _ => return Ok(None),
+    };
+    let patch = json_patch::diff(&before, &after);
+    Ok((!patch.0.is_empty()).then_some(patch))
+}
+
+async fn mutate(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
+    let req = match request(review) {
+        Ok(r) => r,
+        Err(resp) => return Json(resp.into_review()),
+    };
+    let resp = AdmissionResponse::from(&req);
+    let Some(obj) = &req.object else {
+        return Json(resp.into_review());
+    };
+    let resp = match default_patch(&req.kind.kind, obj) {
+        Ok(Some(p)) => match resp.clone().with_patch(p) {
+            Ok(r) => r,
+            Err(e) => resp.deny(format!("building the defaulting patch: {e}")),
+        },
+        Ok(None) => resp,
+        Err(msg) => resp.deny(msg),
+    };
+    Json(resp.into_review())
+}
+
+/// What the eviction of a launcher Pod does (see the module comment).
+pub async fn evict(
+    client: &Client,
+    namespace: &str,
+    pod_name: &str,
+) -> Result<Option<String>, kube::Error> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let Some(pod) = pods.get_opt(pod_name).await? else {
+        return Ok(None);
+    };
+    if pod.labels().get(LABEL_APP).map(String::as_str) != Some("virt-launcher") {
+        return Ok(None);
+    }
+    let Some(vmi_uid) = pod.labels().get(LABEL_CREATED_BY).cloned() else {
+        return Ok(None);
+    };
+    let Some(owner) = pod.owner_references().iter().find(|r| r.uid == vmi_uid) else {
+        return Ok(None);
+    };
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), namespace);
+    let Some(mut vmi) = vmis.get_opt(&owner.name).await? else {
+        return Ok(None);
+    };
+    let strategy = vmi.spec.eviction_strategy.as_deref().unwrap_or("None");
+    let running = vmi.status.as_ref().and_then(|s| s.phase) == Some(api::VmiPhase::Running);
+    if !matches!(strategy, "LiveMigrate" | "LiveMigrateIfPossible") || !running {
+        return Ok(None);
+    }
+    let node = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default();
+    let status = vmi.status.get_or_insert_with(Default::default);
+    if status.node_name.as_deref() != Some(node.as_str()) {
+        // A migration source or target Pod that is not where the VMI runs: nothing to move.
+        return Ok(None);
+    }
+    if status.evacuation_node_name.as_deref() != Some(node.as_str()) {
+        status.evacuation_node_name = Some(node.clone());
+        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &vmi)
+            .await?;
+    }
+    Ok(Some(format!(
+        "Eviction triggered evacuation of VMI \"{namespace}/{}\" from node {node}",
+        vmi.name_any()
+    )))
+}
+
+async fn eviction(
+    State(state): State<Arc<WebhookState>>,
+    Json(review): Review,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let req = match request(review) {
+        Ok(r) => r,
+        Err(resp) => return Json(resp.into_review()),
+    };
+    let resp = AdmissionResponse::from(&req);
+    let (Some(client), Some(ns)) = (&state.client, req.namespace.as_deref()) else {
+        return Json(resp.into_review());
+    };
+    let resp = match evict(client, ns, &req.name).await {
+        Ok(None) => resp,
+        Ok(Some(msg)) => {
+            let mut r = resp.deny(msg);
+            r.result.code = 429;
+            r.result.reason = "TooManyRequests".into();
+            r
+        }
+        // Failing closed would block drains forever on an API hiccup; refusing with 500 lets
+        // the client retry.
+        Err(e) => {
+            let mut r = resp.deny(format!("cannot decide the eviction: {e}"));
+            r.result.code = 500;
+            r
+        }
+    };
+    Json(resp.into_review())
+}
+
+/// Serves `router` over TLS on `listener` until the process ends.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    tls: Arc<tokio_rustls::rustls::ServerConfig>,
+    app: axum::Router,
+) -> std::io::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    loop {
+        let (tcp, peer) = listener.accept().await?;
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        tokio::spawn(async move {
+            let stream = match acceptor.accept(tcp).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let builder =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            if let Err(e) = builder
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await
+            {
+                tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
+            }
+        });
+    }
+}
+
+/// A self-signed serving certificate for the webhook Service's DNS names, and its PEM (the
+/// CA bundle to put into the webhook configurations).
+pub fn self_signed(
+    dns_names: Vec<String>,
+) -> Result<(Arc<tokio_rustls::rustls::ServerConfig>, String), String> {
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let params = rcgen::CertificateParams::new(dns_names).map_err(|e| e.to_string())?;
+    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+    let pem = cert.pem();
+    let cfg = server_config(cert.der().to_vec(), key.serialize_der())?;
+    Ok((cfg, pem))
+}
+
+/// A rustls server configuration from a DER certificate and PKCS#8 key.
+pub fn server_config(
+    cert_der: Vec<u8>,
+    key_der: Vec<u8>,
+) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
+    use tokio_rustls::rustls;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![rustls::pki_types::CertificateDer::from(cert_der)],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key_der.into()),
+        )
+        .map_err(|e| e.to_string())?;
+    Ok(Arc::new(cfg))
+}
+
+/// Loads a PEM certificate chain and key (e.g. from a cert-manager Secret).
+pub fn load_pem(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
+    use tokio_rustls::rustls;
+    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    let certs: Vec<rustls::pki_types::CertificateDer<'static>> =
+        rustls_pemfile::certs(&mut read(cert)?.as_slice())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("{}: {e}", cert.display()))?;
+    let key = rustls_pemfile::private_key(&mut read(key)?.as_slice())
+        .map_err(|e| format!("{}: {e}", key.display()))?
+        .ok_or_else(|| format!("{}: no private key found", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| e.to_string())?;
+    Ok(Arc::new(cfg))
+}

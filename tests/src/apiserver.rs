@@ -1,0 +1,1424 @@
+//! An in-process Kubernetes API server over HTTP, for running the real controllers (kube-rs
+//! clients, watchers and `Controller`s) without a cluster.
+//!
+//! Written by hand because no maintained crate serves the Kubernetes REST protocol in-process:
+//! kube-rs's own test support mocks at the tower-service level (below HTTP), which would tell the
+//! client it is not talking to an API server. What this one implements, as the real one does:
+//! - list with label/field selectors, `limit`/`continue` paging and the list's resourceVersion;
+//! - watch from a resourceVersion with replay, ADDED/MODIFIED/DELETED as objects enter and leave a
+//!   selector, BOOKMARK events (`allowWatchBookmarks`), `timeoutSeconds`, and 410 Gone once a
+//!   resourceVersion has been compacted away;
+//! - create (generateName, uid, creationTimestamp, generation), update and patch (JSON merge,
+//!   strategic merge as JSON merge, JSON patch) with 409 Conflict on a stale resourceVersion,
+//!   no-op writes that do not bump the resourceVersion;
+//! - the status subresource (the main resource ignores status, `/status` ignores the rest) and
+//!   the scale subresource (autoscaling/v1 Scale);
+//! - deletion with finalizers (deletionTimestamp, removal once finalizers are gone), graceful
+//!   deletion of Pods bound to a node (the kubelet completes it with gracePeriodSeconds=0), and
+//!   ownerReference garbage collection (background propagation);
+//! - fault injection for the error-handling tests: failing requests with a status code, and
+//!   dropping every open watch.
+//!
+//! Not implemented (the controllers do not use them): server-side apply, deletecollection,
+//! protobuf, tables, admission (the webhook is tested on its own).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, Method, Response, StatusCode, Uri};
+use serde_json::{json, Map, Value};
+use tokio::sync::broadcast;
+
+/// A kind the server stores.
+#[derive(Clone, Debug)]
+pub struct ResourceType {
+    pub group: &'static str,
+    pub version: &'static str,
+    pub plural: &'static str,
+    pub kind: &'static str,
+    pub namespaced: bool,
+    pub status_subresource: bool,
+    /// JSON paths (without the leading dot) of spec replicas, status replicas, status selector.
+    pub scale: Option<(&'static str, &'static str, &'static str)>,
+}
+
+impl ResourceType {
+    fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+    fn key(&self) -> String {
+        format!("{}/{}/{}", self.group, self.version, self.plural)
+    }
+}
+
+/// The kinds microvirt's control plane touches.
+pub fn default_types() -> Vec<ResourceType> {
+    let t = |group, version, plural, kind, namespaced, status| ResourceType {
+        group,
+        version,
+        plural,
+        kind,
+        namespaced,
+        status_subresource: status,
+        scale: None,
+    };
+    let mut rs = t(
+        "kubevirt.io",
+        "v1",
+        "virtualmachineinstancereplicasets",
+        "VirtualMachineInstanceReplicaSet",
+        true,
+        true,
+    );
+    rs.scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
+    vec![
+        t("", "v1", "pods", "Pod", true, true),
+        t("", "v1", "nodes", "Node", false, true),
+        t("", "v1", "namespaces", "Namespace", false, true),
+        t("", "v1", "events", "Event", true, false),
+        t("events.k8s.io", "v1", "events", "Event", true, false),
+        t("coordination.k8s.io", "v1", "leases", "Lease", true, false),
+        t(
+            "kubevirt.io",
+            "v1",
+            "virtualmachines",
+            "VirtualMachine",
+            true,
+            true,
+        ),
+        t(
+            "kubevirt.io",
+            "v1",
+            "virtualmachineinstances",
+            "VirtualMachineInstance",
+            true,
+            true,
+        ),
+        rs,
+        t(
+            "kubevirt.io",
+            "v1",
+            "virtualmachineinstancemigrations",
+            "VirtualMachineInstanceMigration",
+            true,
+            true,
+        ),
+        t(
+            "migrations.kubevirt.io",
+            "v1alpha1",
+            "migrationpolicies",
+            "MigrationPolicy",
+            false,
+            true,
+        ),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct WatchEvent {
+    rv: u64,
+    rtype: String,
+    kind: &'static str,
+    old: Option<Value>,
+    new: Value,
+}
+
+/// A request fault: the next `remaining` requests whose method and path match fail with `code`.
+#[derive(Clone, Debug)]
+struct Fault {
+    method: Option<Method>,
+    path_contains: String,
+    code: u16,
+    remaining: u64,
+}
+
+type Key = (String, String); // namespace ("" for cluster-scoped), name
+
+struct State {
+    rv: u64,
+    objects: BTreeMap<String, BTreeMap<Key, Value>>,
+    history: VecDeque<WatchEvent>,
+    /// Watches from a resourceVersion below this get 410 Gone.
+    compacted: u64,
+    faults: Vec<Fault>,
+}
+
+struct Inner {
+    types: Vec<ResourceType>,
+    state: Mutex<State>,
+    events: broadcast::Sender<Arc<WatchEvent>>,
+    /// Bumped to end every open watch.
+    watch_epoch: tokio::sync::watch::Sender<u64>,
+    bookmark_interval: Duration,
+    history_limit: usize,
+    requests: AtomicU64,
+    request_log: Mutex<Vec<(Method, String, u16)>>,
+}
+
+/// A running server; dropping it does not stop it (it lives as long as the runtime).
+#[derive(Clone)]
+pub struct ApiServer {
+    inner: Arc<Inner>,
+    pub addr: SocketAddr,
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiServerOptions {
+    pub bookmark_interval: Duration,
+    /// Events kept for watch replay; older resourceVersions get 410 Gone.
+    pub history_limit: usize,
+}
+
+impl Default for ApiServerOptions {
+    fn default() -> Self {
+        ApiServerOptions {
+            bookmark_interval: Duration::from_secs(1),
+            history_limit: 100_000,
+        }
+    }
+}
+
+fn now_rfc3339() -> String {
+    jiff::Timestamp::now()
+        .round(jiff::Unit::Second)
+        .unwrap()
+        .to_string()
+}
+
+fn random_suffix(n: usize) -> String {
+    // Kubernetes' generateName alphabet (no vowels, no confusable digits).
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    (0..n)
+        .map(|_| ALPHABET[fastrand::usize(..ALPHABET.len())] as char)
+        .collect()
+}
+
+fn uid() -> String {
+    let b: [u8; 16] = std::array::from_fn(|_| fastrand::u8(..));
+    format!(
+        "{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-4{:01x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5], b[6] & 0xf, b[7], (b[8] & 0x3f) | 0x80, b[9], b[10], b[11], b[12], b[13],
+        b[14], b[15]
+    )
+}
+
+/// An API error as a `Status` object.
+#[derive(Debug)]
+struct ApiError {
+    code: u16,
+    reason: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            reason,
+            message: message.into(),
+        }
+    }
+    fn status(&self) -> Value {
+        json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": self.message, "reason": self.reason, "code": self.code,
+        })
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+fn json_response(code: u16, body: &Value) -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::from_u16(code).unwrap())
+        .header("content-type", "application/json")
+        .body(Body::from(serde_json::to_vec(body).unwrap()))
+        .unwrap()
+}
+
+fn get_path<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(v, |v, k| v.get(k))
+}
+
+fn set_path(v: &mut Value, path: &str, value: Value) {
+    let mut cur = v;
+    let parts: Vec<&str> = path.split('.').collect();
+    for k in &parts[..parts.len() - 1] {
+        if !cur.get(*k).is_some_and(Value::is_object) {
+            cur[*k] = json!({});
+        }
+        cur = cur.get_mut(*k).unwrap();
+    }
+    cur[parts[parts.len() - 1]] = value;
+}
+
+fn meta(v: &Value) -> &Value {
+    v.get("metadata").unwrap_or(&Value::Null)
+}
+
+fn meta_str<'a>(v: &'a Value, field: &str) -> Option<&'a str> {
+    meta(v).get(field).and_then(Value::as_str)
+}
+
+fn has_finalizers(v: &Value) -> bool {
+    meta(v)
+        .get("finalizers")
+        .and_then(Value::as_array)
+        .is_some_and(|f| !f.is_empty())
+}
+
+/// RFC 7386 JSON merge patch.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    if let Value::Object(p) = patch {
+        if !target.is_object() {
+            *target = Value::Object(Map::new());
+        }
+        let t = target.as_object_mut().unwrap();
+        for (k, v) in p {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+    } else {
+        *target = patch.clone();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selectors
+
+#[derive(Debug, Clone)]
+enum LabelReq {
+    Eq(String, String),
+    Ne(String, String),
+    In(String, Vec<String>),
+    NotIn(String, Vec<String>),
+    Exists(String),
+    NotExists(String),
+}
+
+/// Splits on commas that are not inside parentheses.
+fn split_terms(s: &str) -> Vec<String> {
+    let mut out = vec![];
+    let mut depth = 0;
+    let mut cur = String::new();
+    for c in s.chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(std::mem::take(&mut cur));
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(c);
+    }
+    if !cur.trim().is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+fn parse_label_selector(s: &str) -> ApiResult<Vec<LabelReq>> {
+    let bad = || {
+        ApiError::new(
+            400,
+            "BadRequest",
+            format!("unable to parse labelSelector {s:?}"),
+        )
+    };
+    let set = |v: &str| -> ApiResult<Vec<String>> {
+        let v = v.trim();
+        let inner = v
+            .strip_prefix('(')
+            .and_then(|v| v.strip_suffix(')'))
+            .ok_or_else(bad)?;
+        Ok(inner.split(',').map(|x| x.trim().to_string()).collect())
+    };
+    split_terms(s)
+        .iter()
+        .map(|t| {
+            let t = t.trim();
+            if let Some((k, v)) = t.split_once(" notin ") {
+                Ok(LabelReq::NotIn(k.trim().into(), set(v)?))
+            } else if let Some((k, v)) = t.split_once(" in ") {
+                Ok(LabelReq::In(k.trim().into(), set(v)?))
+            } else if let Some((k, v)) = t.split_once("!=") {
+                Ok(LabelReq::Ne(k.trim().into(), v.trim().into()))
+            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
+                Ok(LabelReq::Eq(k.trim().into(), v.trim().into()))
+            } else if let Some(k) = t.strip_prefix('!') {
+                Ok(LabelReq::NotExists(k.trim().into()))
+            } else if !t.is_empty() && !t.contains(' ') {
+                Ok(LabelReq::Exists(t.into()))
+            } else {
+                Err(bad())
+            }
+        })
+        .collect()
+}
+
+fn labels_match(obj: &Value, reqs: &[LabelReq]) -> bool {
+    let labels = meta(obj).get("labels");
+    let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
+    reqs.iter().all(|r| match r {
+        LabelReq::Eq(k, v) => get(k) == Some(v),
+        LabelReq::Ne(k, v) => get(k) != Some(v),
+        LabelReq::In(k, vs) => get(k).is_some_and(|x| vs.iter().any(|v| v == x)),
+        LabelReq::NotIn(k, vs) => !get(k).is_some_and(|x| vs.iter().any(|v| v == x)),
+        LabelReq::Exists(k) => get(k).is_some(),
+        LabelReq::NotExists(k) => get(k).is_none(),
+    })
+}
+
+/// Field selector terms: (path, wanted value, equal?).
+fn parse_field_selector(s: &str) -> ApiResult<Vec<(String, String, bool)>> {
+    s.split(',')
+        .filter(|t| !t.trim().is_empty())
+        .map(|t| {
+            if let Some((k, v)) = t.split_once("!=") {
+                Ok((k.trim().into(), v.trim().into(), false))
+            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
+                Ok((k.trim().into(), v.trim().into(), true))
+            } else {
+                Err(ApiError::new(
+                    400,
+                    "BadRequest",
+                    format!("invalid fieldSelector term {t:?}"),
+                ))
+            }
+        })
+        .collect()
+}
+
+fn fields_match(obj: &Value, reqs: &[(String, String, bool)]) -> bool {
+    reqs.iter().all(|(path, want, eq)| {
+        let got = match get_path(obj, path) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Null) | None => String::new(),
+            Some(v) => v.to_string(),
+        };
+        (got == *want) == *eq
+    })
+}
+
+#[derive(Clone, Debug, Default)]
+struct Filter {
+    namespace: Option<String>,
+    labels: Vec<LabelReq>,
+    fields: Vec<(String, String, bool)>,
+}
+
+impl Filter {
+    fn matches(&self, obj: &Value) -> bool {
+        if let Some(ns) = &self.namespace {
+            if meta_str(obj, "namespace") != Some(ns) {
+                return false;
+            }
+        }
+        labels_match(obj, &self.labels) && fields_match(obj, &self.fields)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Request routing
+
+struct Target {
+    rtype: ResourceType,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+impl Inner {
+    fn route(&self, path: &str) -> ApiResult<Target> {
+        let not_found = || {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource ({path})"),
+            )
+        };
+        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let (group, version, rest) = match segs.as_slice() {
+            ["api", v, rest @ ..] => ("", *v, rest),
+            ["apis", g, v, rest @ ..] => (*g, *v, rest),
+            _ => return Err(not_found()),
+        };
+        let (namespace, rest) = match rest {
+            ["namespaces", ns, r, rest @ ..] => (Some(ns.to_string()), {
+                let mut v = vec![*r];
+                v.extend_from_slice(rest);
+                v
+            }),
+            r => (None, r.to_vec()),
+        };
+        let (plural, name, sub) = match rest.as_slice() {
+            [p] => (*p, None, None),
+            [p, n] => (*p, Some(n.to_string()), None),
+            [p, n, s] => (*p, Some(n.to_string()), Some(s.to_string())),
+            _ => return Err(not_found()),
+        };
+        let rtype = self
+            .types
+            .iter()
+            .find(|t| t.group == group && t.version == version && t.plural == plural)
+            .ok_or_else(not_found)?
+            .clone();
+        if namespace.is_some() && !rtype.namespaced {
+            return Err(not_found());
+        }
+        Ok(Target {
+            rtype,
+            namespace,
+            name,
+            subresource: sub,
+        })
+    }
+}
+
+fn query_map(uri: &Uri) -> BTreeMap<String, String> {
+    uri.query()
+        .map(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+impl ApiServer {
+    pub async fn start() -> ApiServer {
+        Self::start_with(ApiServerOptions::default()).await
+    }
+
+    pub async fn start_with(opts: ApiServerOptions) -> ApiServer {
+        let (events, _) = broadcast::channel(1 << 16);
+        let (watch_epoch, _) = tokio::sync::watch::channel(0);
+        let inner = Arc::new(Inner {
+            types: default_types(),
+            state: Mutex::new(State {
+                rv: 1,
+                objects: BTreeMap::new(),
+                history: VecDeque::new(),
+                compacted: 0,
+                faults: vec![],
+            }),
+            events,
+            watch_epoch,
+            bookmark_interval: opts.bookmark_interval,
+            history_limit: opts.history_limit,
+            requests: AtomicU64::new(0),
+            request_log: Mutex::new(vec![]),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app_inner = inner.clone();
+        let app = axum::Router::new().fallback(
+            move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+                let inner = app_inner.clone();
+                async move { inner.handle(method, uri, headers, body).await }
+            },
+        );
+        tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        ApiServer { inner, addr }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A kube client for this server, as `kubectl`/a controller would build from a kubeconfig.
+    pub fn client(&self) -> kube::Client {
+        let config = kube::Config::new(self.url().parse().unwrap());
+        kube::Client::try_from(config).unwrap()
+    }
+
+    /// A kubeconfig file pointing at this server, for controller processes.
+    pub fn write_kubeconfig(&self, path: &std::path::Path) {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\nusers:\n- name: fake\n  user: {{}}\ncurrent-context: fake\n",
+            self.url()
+        );
+        std::fs::write(path, text).unwrap();
+    }
+
+    /// The next `count` requests with this method (any if None) whose path contains
+    /// `path_contains` fail with `code`.
+    pub fn fail_requests(
+        &self,
+        method: Option<Method>,
+        path_contains: &str,
+        code: u16,
+        count: u64,
+    ) {
+        self.inner.state.lock().unwrap().faults.push(Fault {
+            method,
+            path_contains: path_contains.into(),
+            code,
+            remaining: count,
+        });
+    }
+
+    /// Ends every open watch stream (as an API server restart or a load balancer would).
+    pub fn drop_watches(&self) {
+        self.inner.watch_epoch.send_modify(|e| *e += 1);
+    }
+
+    /// Forgets watch history so that resuming from any earlier resourceVersion gets 410 Gone.
+    pub fn compact(&self) {
+        let mut st = self.inner.state.lock().unwrap();
+        st.compacted = st.rv;
+        st.history.clear();
+    }
+
+    pub fn request_count(&self) -> u64 {
+        self.inner.requests.load(Ordering::Relaxed)
+    }
+
+    /// (method, path, status code) of every request so far.
+    pub fn request_log(&self) -> Vec<(Method, String, u16)> {
+        self.inner.request_log.lock().unwrap().clone()
+    }
+
+    /// Every stored object of a kind (by plural, e.g. "pods"), in key order.
+    pub fn objects(&self, plural: &str) -> Vec<Value> {
+        let st = self.inner.state.lock().unwrap();
+        st.objects
+            .iter()
+            .filter(|(k, _)| k.ends_with(&format!("/{plural}")))
+            .flat_map(|(_, m)| m.values().cloned())
+            .collect()
+    }
+}
+
+impl Inner {
+    async fn handle(
+        self: Arc<Self>,
+        method: Method,
+        uri: Uri,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response<Body> {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        let path = uri.path().to_string();
+        let q = query_map(&uri);
+        let resp = match self.check_fault(&method, &path) {
+            Some(e) => Err(e),
+            None => {
+                self.clone()
+                    .dispatch(&method, &path, &q, &headers, &body)
+                    .await
+            }
+        };
+        let resp = resp.unwrap_or_else(|e| json_response(e.code, &e.status()));
+        self.request_log
+            .lock()
+            .unwrap()
+            .push((method, path, resp.status().as_u16()));
+        resp
+    }
+
+    fn check_fault(&self, method: &Method, path: &str) -> Option<ApiError> {
+        let mut st = self.state.lock().unwrap();
+        let f = st.faults.iter_mut().find(|f| {
+            f.remaining > 0
+                && f.method.as_ref().is_none_or(|m| m == method)
+                && path.contains(&f.path_contains)
+        })?;
+        f.remaining -= 1;
+        let reason = match f.code {
+            409 => "Conflict",
+            429 => "TooManyRequests",
+            500 => "InternalError",
+            503 => "ServiceUnavailable",
+            504 => "Timeout",
+            _ => "Unknown",
+        };
+        Some(ApiError::new(f.code, reason, "injected fault"))
+    }
+
+    async fn dispatch(
+        self: Arc<Self>,
+        method: &Method,
+        path: &str,
+        q: &BTreeMap<String, String>,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> ApiResult<Response<Body>> {
+        let t = self.route(path)?;
+        let body_json = || -> ApiResult<Value> {
+            serde_json::from_slice(body)
+                .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON body: {e}")))
+        };
+        let content_type = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        match (method, &t.name, t.subresource.as_deref()) {
+            (&Method::GET, None, None) => {
+                let watch = q.get("watch").is_some_and(|w| w == "true" || w == "1");
+                if watch {
+                    self.watch(&t, q)
+                } else {
+                    Ok(json_response(200, &self.list(&t, q)?))
+                }
+            }
+            (&Method::POST, None, None) => Ok(json_response(201, &self.create(&t, body_json()?)?)),
+            (&Method::GET, Some(name), None | Some("status")) => {
+                Ok(json_response(200, &self.get(&t, name)?))
+            }
+            (&Method::GET, Some(name), Some("scale")) => Ok(json_response(
+                200,
+                &self.scale_of(&t, &self.get(&t, name)?)?,
+            )),
+            (&Method::PUT, Some(name), sub) => {
+                let obj = body_json()?;
+                Ok(json_response(
+                    200,
+                    &self.update(&t, name, sub, Update::Replace(obj))?,
+                ))
+            }
+            (&Method::PATCH, Some(name), sub) => {
+                let patch = body_json()?;
+                let kind = if content_type.starts_with("application/merge-patch+json")
+                    || content_type.starts_with("application/strategic-merge-patch+json")
+                {
+                    Update::Merge(patch)
+                } else if content_type.starts_with("application/json-patch+json") {
+                    Update::Json(patch)
+                } else {
+                    return Err(ApiError::new(
+                        415,
+                        "UnsupportedMediaType",
+                        format!("patch type {content_type:?} is not supported by this test server"),
+                    ));
+                };
+                Ok(json_response(200, &self.update(&t, name, sub, kind)?))
+            }
+            (&Method::DELETE, Some(name), None) => {
+                let opts = if body.is_empty() {
+                    json!({})
+                } else {
+                    body_json()?
+                };
+                let grace = q
+                    .get("gracePeriodSeconds")
+                    .and_then(|g| g.parse::<i64>().ok())
+                    .or_else(|| opts.get("gracePeriodSeconds").and_then(Value::as_i64));
+                let precondition_rv = opts
+                    .pointer("/preconditions/resourceVersion")
+                    .and_then(Value::as_str)
+                    .map(str::to_string);
+                Ok(json_response(
+                    200,
+                    &self.delete(&t, name, grace, precondition_rv)?,
+                ))
+            }
+            _ => Err(ApiError::new(
+                405,
+                "MethodNotAllowed",
+                format!("{method} {path} is not supported"),
+            )),
+        }
+    }
+
+    fn ns_key(&self, t: &Target) -> String {
+        if t.rtype.namespaced {
+            t.namespace.clone().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    }
+
+    fn get(&self, t: &Target, name: &str) -> ApiResult<Value> {
+        let st = self.state.lock().unwrap();
+        st.objects
+            .get(&t.rtype.key())
+            .and_then(|m| m.get(&(self.ns_key(t), name.to_string())))
+            .cloned()
+            .ok_or_else(|| not_found(&t.rtype, name))
+    }
+
+    fn filter(&self, t: &Target, q: &BTreeMap<String, String>) -> ApiResult<Filter> {
+        Ok(Filter {
+            namespace: t.namespace.clone(),
+            labels: q
+                .get("labelSelector")
+                .map(|s| parse_label_selector(s))
+                .transpose()?
+                .unwrap_or_default(),
+            fields: q
+                .get("fieldSelector")
+                .map(|s| parse_field_selector(s))
+                .transpose()?
+                .unwrap_or_default(),
+        })
+    }
+
+    fn list(&self, t: &Target, q: &BTreeMap<String, String>) -> ApiResult<Value> {
+        let filter = self.filter(t, q)?;
+        let limit = q
+            .get("limit")
+            .and_then(|l| l.parse::<usize>().ok())
+            .filter(|l| *l > 0);
+        // continue token: "<list resourceVersion>/<namespace>/<name>" of the last item returned.
+        let cont = q.get("continue").filter(|c| !c.is_empty());
+        let st = self.state.lock().unwrap();
+        let (list_rv, after) = match cont {
+            Some(c) => {
+                let mut parts = c.splitn(3, '/');
+                let bad = || ApiError::new(400, "BadRequest", "invalid continue token");
+                let rv = parts.next().ok_or_else(bad)?.to_string();
+                let ns = parts.next().ok_or_else(bad)?.to_string();
+                let name = parts.next().ok_or_else(bad)?.to_string();
+                (rv, Some((ns, name)))
+            }
+            None => (st.rv.to_string(), None),
+        };
+        let empty = BTreeMap::new();
+        let all = st.objects.get(&t.rtype.key()).unwrap_or(&empty);
+        let mut items = vec![];
+        let mut next = None;
+        let range = match &after {
+            Some(k) => all.range((
+                std::ops::Bound::Excluded(k.clone()),
+                std::ops::Bound::Unbounded,
+            )),
+            None => all.range::<Key, _>(..),
+        };
+        for (k, v) in range {
+            if !filter.matches(v) {
+                continue;
+            }
+            if limit.is_some_and(|l| items.len() >= l) {
+                next = Some(format!(
+                    "{list_rv}/{}/{}",
+                    items_last_key(&items).0,
+                    items_last_key(&items).1
+                ));
+                let _ = k;
+                break;
+            }
+            items.push(v.clone());
+        }
+        let mut metadata = json!({"resourceVersion": list_rv});
+        if let Some(n) = next {
+            metadata["continue"] = json!(n);
+        }
+        Ok(json!({
+            "kind": format!("{}List", t.rtype.kind),
+            "apiVersion": t.rtype.api_version(),
+            "metadata": metadata,
+            "items": items,
+        }))
+    }
+
+    fn watch(
+        self: Arc<Self>,
+        t: &Target,
+        q: &BTreeMap<String, String>,
+    ) -> ApiResult<Response<Body>> {
+        let filter = self.filter(t, q)?;
+        let bookmarks = q.get("allowWatchBookmarks").is_some_and(|b| b == "true");
+        let timeout = q
+            .get("timeoutSeconds")
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(Duration::from_secs)
+            .unwrap_or(Duration::from_secs(1800));
+        let from: Option<u64> = q
+            .get("resourceVersion")
+            .filter(|rv| !rv.is_empty() && *rv != "0")
+            .map(|rv| {
+                rv.parse().map_err(|_| {
+                    ApiError::new(400, "BadRequest", format!("invalid resourceVersion {rv:?}"))
+                })
+            })
+            .transpose()?;
+        let rkey = t.rtype.key();
+        let (replay, mut rx, start_rv) = {
+            let st = self.state.lock().unwrap();
+            let replay: Vec<Arc<WatchEvent>> = match from {
+                Some(rv) if rv < st.compacted => {
+                    let gone = ApiError::new(
+                        410,
+                        "Expired",
+                        format!("too old resource version: {rv} ({})", st.compacted),
+                    );
+                    let line =
+                        serde_json::to_vec(&json!({"type": "ERROR", "object": gone.status()}))
+                            .unwrap();
+                    return Ok(Response::builder()
+                        .status(200)
+                        .header("content-type", "application/json")
+                        .body(Body::from([line, b"\n".to_vec()].concat()))
+                        .unwrap());
+                }
+                Some(rv) => st
+                    .history
+                    .iter()
+                    .filter(|e| e.rv > rv && e.rtype == rkey)
+                    .cloned()
+                    .map(Arc::new)
+                    .collect(),
+                None => st
+                    .objects
+                    .get(&rkey)
+                    .into_iter()
+                    .flat_map(|m| m.values())
+                    .map(|o| {
+                        Arc::new(WatchEvent {
+                            rv: st.rv,
+                            rtype: rkey.clone(),
+                            kind: "ADDED",
+                            old: None,
+                            new: o.clone(),
+                        })
+                    })
+                    .collect(),
+            };
+            (replay, self.events.subscribe(), from.unwrap_or(st.rv))
+        };
+        let mut epoch = self.watch_epoch.subscribe();
+        let rtype = t.rtype.clone();
+        let interval = self.bookmark_interval;
+        let stream = async_stream::stream! {
+            let line = |v: Value| -> Result<Bytes, std::io::Error> {
+                let mut b = serde_json::to_vec(&v).unwrap();
+                b.push(b'\n');
+                Ok(Bytes::from(b))
+            };
+            let mut seen = start_rv;
+            for ev in replay {
+                seen = seen.max(ev.rv);
+                if let Some(v) = render_event(&ev, &filter) { yield line(v); }
+            }
+            let deadline = tokio::time::Instant::now() + timeout;
+            let mut tick = tokio::time::interval(interval);
+            tick.tick().await;
+            epoch.borrow_and_update();
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline) => break,
+                    _ = epoch.changed() => break,
+                    _ = tick.tick() => {
+                        if bookmarks {
+                            yield line(json!({"type": "BOOKMARK", "object": {
+                                "kind": rtype.kind, "apiVersion": rtype.api_version(),
+                                "metadata": {"resourceVersion": seen.to_string()}}}));
+                        }
+                    }
+                    ev = rx.recv() => match ev {
+                        Ok(ev) => {
+                            seen = seen.max(ev.rv);
+                            if ev.rtype == rkey {
+                                if let Some(v) = render_event(&ev, &filter) { yield line(v); }
+                            }
+                        }
+                        // A watcher this far behind is ended; the client resumes from `seen`.
+                        Err(_) => break,
+                    },
+                }
+            }
+        };
+        Ok(Response::builder()
+            .status(200)
+            .header("content-type", "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap())
+    }
+
+    /// Records a change: bumps the resourceVersion, stores it in the object, queues the event.
+    fn commit(
+        &self,
+        st: &mut State,
+        rtype: &ResourceType,
+        kind: &'static str,
+        old: Option<Value>,
+        mut new: Value,
+    ) -> Value {
+        st.rv += 1;
+        let rv = st.rv;
+        new["metadata"]["resourceVersion"] = json!(rv.to_string());
+        let key = (
+            meta_str(&new, "namespace").unwrap_or("").to_string(),
+            meta_str(&new, "name").unwrap().to_string(),
+        );
+        let objs = st.objects.entry(rtype.key()).or_default();
+        if kind == "DELETED" {
+            objs.remove(&key);
+        } else {
+            objs.insert(key, new.clone());
+        }
+        let ev = WatchEvent {
+            rv,
+            rtype: rtype.key(),
+            kind,
+            old,
+            new: new.clone(),
+        };
+        st.history.push_back(ev.clone());
+        while st.history.len() > self.history_limit {
+            let e = st.history.pop_front().unwrap();
+            st.compacted = e.rv;
+        }
+        let _ = self.events.send(Arc::new(ev));
+        new
+    }
+
+    fn create(&self, t: &Target, mut obj: Value) -> ApiResult<Value> {
+        let rt = &t.rtype;
+        if !obj.is_object() {
+            return Err(ApiError::new(400, "BadRequest", "body must be an object"));
+        }
+        obj["kind"] = json!(rt.kind);
+        obj["apiVersion"] = json!(rt.api_version());
+        if !obj.get("metadata").is_some_and(Value::is_object) {
+            obj["metadata"] = json!({});
+        }
+        let ns = self.ns_key(t);
+        if rt.namespaced {
+            if ns.is_empty() {
+                return Err(ApiError::new(
+                    400,
+                    "BadRequest",
+                    "a namespaced object needs a namespace in the path",
+                ));
+            }
+            match meta_str(&obj, "namespace") {
+                Some(n) if n != ns => {
+                    return Err(ApiError::new(400, "BadRequest", format!("the namespace of the object ({n}) does not match the namespace on the request ({ns})")))
+                }
+                _ => obj["metadata"]["namespace"] = json!(ns),
+            }
+        }
+        let mut st = self.state.lock().unwrap();
+        let name = match (meta_str(&obj, "name"), meta_str(&obj, "generateName")) {
+            (Some(n), _) if !n.is_empty() => n.to_string(),
+            (_, Some(g)) if !g.is_empty() => loop {
+                let n = format!("{g}{}", random_suffix(5));
+                if !st.objects.get(&rt.key()).is_some_and(|m| m.contains_key(&(ns.clone(), n.clone()))) {
+                    break n;
+                }
+            },
+            _ => {
+                return Err(ApiError::new(422, "Invalid", format!("{} is invalid: metadata.name: Required value: name or generateName is required", rt.kind)))
+            }
+        };
+        if st
+            .objects
+            .get(&rt.key())
+            .is_some_and(|m| m.contains_key(&(ns.clone(), name.clone())))
+        {
+            return Err(ApiError::new(
+                409,
+                "AlreadyExists",
+                format!("{}.{} \"{name}\" already exists", rt.plural, rt.group),
+            ));
+        }
+        let m = &mut obj["metadata"];
+        m["name"] = json!(name);
+        m["uid"] = json!(uid());
+        m["creationTimestamp"] = json!(now_rfc3339());
+        m["generation"] = json!(1);
+        if let Some(m) = m.as_object_mut() {
+            m.remove("deletionTimestamp");
+            m.remove("resourceVersion");
+        }
+        if rt.status_subresource {
+            if rt.kind == "Pod" {
+                obj["status"] = json!({"phase": "Pending"});
+            } else if let Some(o) = obj.as_object_mut() {
+                o.remove("status");
+            }
+        }
+        Ok(self.commit(&mut st, rt, "ADDED", None, obj))
+    }
+
+    fn update(
+        &self,
+        t: &Target,
+        name: &str,
+        sub: Option<&str>,
+        update: Update,
+    ) -> ApiResult<Value> {
+        let rt = &t.rtype;
+        let key = (self.ns_key(t), name.to_string());
+        let mut st = self.state.lock().unwrap();
+        let old = st
+            .objects
+            .get(&rt.key())
+            .and_then(|m| m.get(&key))
+            .cloned()
+            .ok_or_else(|| not_found(rt, name))?;
+        if sub == Some("scale") {
+            let (spec_path, _, _) = rt.scale.ok_or_else(|| not_found(rt, name))?;
+            let mut scale = self.scale_of_locked(rt, &old)?;
+            let stale = |obj: &Value| {
+                meta_str(obj, "resourceVersion")
+                    .is_some_and(|rv| Some(rv) != meta_str(&old, "resourceVersion"))
+            };
+            match update {
+                Update::Replace(s) => {
+                    if stale(&s) {
+                        return Err(conflict(rt, name));
+                    }
+                    scale = s;
+                }
+                Update::Merge(p) => merge_patch(&mut scale, &p),
+                Update::Json(p) => apply_json_patch(&mut scale, p)?,
+            }
+            let replicas = scale.pointer("/spec/replicas").cloned().unwrap_or(json!(0));
+            let mut new = old.clone();
+            set_path(&mut new, spec_path, replicas);
+            let new = self.write(&mut st, rt, old, new)?;
+            return self.scale_of_locked(rt, &new);
+        }
+        if sub.is_some_and(|s| s != "status") {
+            return Err(not_found(rt, name));
+        }
+        let mut body = match update {
+            Update::Replace(obj) => {
+                match meta_str(&obj, "resourceVersion") {
+                    None | Some("") => {
+                        return Err(ApiError::new(422, "Invalid", format!("{} \"{name}\" is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update", rt.kind)))
+                    }
+                    Some(rv) if Some(rv) != meta_str(&old, "resourceVersion") => return Err(conflict(rt, name)),
+                    _ => {}
+                }
+                obj
+            }
+            Update::Merge(p) => {
+                if meta_str(&p, "resourceVersion")
+                    .is_some_and(|rv| Some(rv) != meta_str(&old, "resourceVersion"))
+                {
+                    return Err(conflict(rt, name));
+                }
+                let mut o = old.clone();
+                merge_patch(&mut o, &p);
+                o
+            }
+            Update::Json(p) => {
+                let mut o = old.clone();
+                apply_json_patch(&mut o, p)?;
+                o
+            }
+        };
+        // What each endpoint may change.
+        let mut new = old.clone();
+        if sub == Some("status") {
+            new["status"] = body.get("status").cloned().unwrap_or(Value::Null);
+        } else {
+            let status = old.get("status").cloned();
+            if let Some(o) = body.as_object_mut() {
+                o.remove("status");
+            }
+            new = body;
+            if rt.status_subresource {
+                if let Some(s) = status {
+                    new["status"] = s;
+                }
+            } else if let Some(s) = old
+                .get("status")
+                .cloned()
+                .filter(|_| new.get("status").is_none())
+            {
+                new["status"] = s;
+            }
+            // Immutable metadata.
+            for f in [
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+                "namespace",
+                "name",
+                "generation",
+            ] {
+                match old["metadata"].get(f) {
+                    Some(v) => new["metadata"][f] = v.clone(),
+                    None => {
+                        if let Some(m) = new["metadata"].as_object_mut() {
+                            m.remove(f);
+                        }
+                    }
+                }
+            }
+            new["kind"] = json!(rt.kind);
+            new["apiVersion"] = json!(rt.api_version());
+            if old.get("spec") != new.get("spec") {
+                let g = old["metadata"]["generation"].as_i64().unwrap_or(1);
+                new["metadata"]["generation"] = json!(g + 1);
+            }
+        }
+        self.write(&mut st, rt, old, new)
+    }
+
+    /// Stores an updated object, deleting it when it was being deleted and its last finalizer
+    /// went. No-op writes change nothing (no new resourceVersion, no event).
+    fn write(
+        &self,
+        st: &mut State,
+        rt: &ResourceType,
+        old: Value,
+        mut new: Value,
+    ) -> ApiResult<Value> {
+        new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
+        if new == old {
+            return Ok(old);
+        }
+        if meta(&new).get("deletionTimestamp").is_some()
+            && !has_finalizers(&new)
+            && !self.graceful_pending(rt, &new)
+        {
+            let deleted = self.commit(st, rt, "DELETED", Some(old), new);
+            self.collect_garbage(st, &deleted);
+            return Ok(deleted);
+        }
+        Ok(self.commit(st, rt, "MODIFIED", Some(old), new))
+    }
+
+    /// A Pod bound to a node stays until its kubelet confirms deletion (gracePeriodSeconds=0);
+    /// as in the real API server, unbound Pods and Pods that already ended go at once.
+    fn graceful_pending(&self, rt: &ResourceType, obj: &Value) -> bool {
+        let phase = get_path(obj, "status.phase").and_then(Value::as_str);
+        rt.kind == "Pod"
+            && !matches!(phase, Some("Succeeded" | "Failed"))
+            && get_path(obj, "spec.nodeName")
+                .and_then(Value::as_str)
+                .is_some_and(|n| !n.is_empty())
+            && meta(obj)
+                .get("deletionGracePeriodSeconds")
+                .and_then(Value::as_i64)
+                .unwrap_or(0)
+                > 0
+    }
+
+    fn delete(
+        &self,
+        t: &Target,
+        name: &str,
+        grace: Option<i64>,
+        precondition_rv: Option<String>,
+    ) -> ApiResult<Value> {
+        let rt = &t.rtype;
+        let key = (self.ns_key(t), name.to_string());
+        let mut st = self.state.lock().unwrap();
+        let old = st
+            .objects
+            .get(&rt.key())
+            .and_then(|m| m.get(&key))
+            .cloned()
+            .ok_or_else(|| not_found(rt, name))?;
+        if precondition_rv.is_some_and(|rv| Some(rv.as_str()) != meta_str(&old, "resourceVersion"))
+        {
+            return Err(conflict(rt, name));
+        }
+        Ok(self.delete_locked(&mut st, rt, old, grace))
+    }
+
+    fn delete_locked(
+        &self,
+        st: &mut State,
+        rt: &ResourceType,
+        old: Value,
+        grace: Option<i64>,
+    ) -> Value {
+        let mut new = old.clone();
+        let pod_grace = if rt.kind == "Pod" {
+            grace
+                .or_else(|| {
+                    get_path(&old, "spec.terminationGracePeriodSeconds").and_then(Value::as_i64)
+                })
+                .unwrap_or(30)
+        } else {
+            0
+        };
+        if meta(&new).get("deletionTimestamp").is_none() {
+            new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
+        }
+        // A shorter grace period may replace a longer one, never the other way round.
+        let current = meta(&old)
+            .get("deletionGracePeriodSeconds")
+            .and_then(Value::as_i64);
+        let g = current.map_or(pod_grace, |c| c.min(pod_grace));
+        new["metadata"]["deletionGracePeriodSeconds"] = json!(g);
+        if has_finalizers(&new) || self.graceful_pending(rt, &new) {
+            if new == old {
+                return old;
+            }
+            return self.commit(st, rt, "MODIFIED", Some(old), new);
+        }
+        let deleted = self.commit(st, rt, "DELETED", Some(old), new);
+        self.collect_garbage(st, &deleted);
+        deleted
+    }
+
+    /// Background propagation: dependents whose owners are all gone are deleted.
+    fn collect_garbage(&self, st: &mut State, deleted: &Value) {
+        let Some(owner_uid) = meta_str(deleted, "uid").map(str::to_string) else {
+            return;
+        };
+        let mut dependents = vec![];
+        for rt in &self.types {
+            let Some(objs) = st.objects.get(&rt.key()) else {
+                continue;
+            };
+            for o in objs.values() {
+                let owners = meta(o).get("ownerReferences").and_then(Value::as_array);
+                let owned = owners.is_some_and(|os| {
+                    os.iter()
+                        .any(|r| r.get("uid").and_then(Value::as_str) == Some(&owner_uid))
+                });
+                if owned {
+                    dependents.push((rt.clone(), o.clone()));
+                }
+            }
+        }
+        for (rt, o) in dependents {
+            let live_owner = meta(&o)
+                .get("ownerReferences")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r.get("uid").and_then(Value::as_str))
+                .any(|u| u != owner_uid && self.uid_exists(st, u));
+            if !live_owner {
+                self.delete_locked(st, &rt, o, None);
+            }
+        }
+    }
+
+    fn uid_exists(&self, st: &State, uid: &str) -> bool {
+        st.objects
+            .values()
+            .flat_map(|m| m.values())
+            .any(|o| meta_str(o, "uid") == Some(uid))
+    }
+
+    fn scale_of(&self, t: &Target, obj: &Value) -> ApiResult<Value> {
+        self.scale_of_locked(&t.rtype, obj)
+    }
+
+    fn scale_of_locked(&self, rt: &ResourceType, obj: &Value) -> ApiResult<Value> {
+        let (spec, status, selector) = rt.scale.ok_or_else(|| {
+            ApiError::new(
+                404,
+                "NotFound",
+                format!("{} has no scale subresource", rt.plural),
+            )
+        })?;
+        let m = meta(obj);
+        Ok(json!({
+            "kind": "Scale", "apiVersion": "autoscaling/v1",
+            "metadata": {"name": m["name"], "namespace": m["namespace"], "uid": m["uid"],
+                         "resourceVersion": m["resourceVersion"], "creationTimestamp": m["creationTimestamp"]},
+            "spec": {"replicas": get_path(obj, spec).cloned().unwrap_or(json!(0))},
+            "status": {"replicas": get_path(obj, status).cloned().unwrap_or(json!(0)),
+                       "selector": get_path(obj, selector).cloned().unwrap_or(json!(""))},
+        }))
+    }
+}
+
+fn items_last_key(items: &[Value]) -> (String, String) {
+    let last = items.last().unwrap();
+    (
+        meta_str(last, "namespace").unwrap_or("").to_string(),
+        meta_str(last, "name").unwrap_or("").to_string(),
+    )
+}
+
+enum Update {
+    Replace(Value),
+    Merge(Value),
+    Json(Value),
+}
+
+fn apply_json_patch(target: &mut Value, patch: Value) -> ApiResult<()> {
+    let p: json_patch::Patch = serde_json::from_value(patch)
+        .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON patch: {e}")))?;
+    json_patch::patch(target, &p)
+        .map_err(|e| ApiError::new(422, "Invalid", format!("JSON patch failed: {e}")))
+}
+
+fn not_found(rt: &ResourceType, name: &str) -> ApiError {
+    let g = if rt.group.is_empty() {
+        String::new()
+    } else {
+        format!(".{}", rt.group)
+    };
+    ApiError::new(
+        404,
+        "NotFound",
+        format!("{}{g} \"{name}\" not found", rt.plural),
+    )
+}
+
+fn conflict(rt: &ResourceType, name: &str) -> ApiError {
+    let g = if rt.group.is_empty() {
+        String::new()
+    } else {
+        format!(".{}", rt.group)
+    };
+    ApiError::new(
+        409,
+        "Conflict",
+        format!("Operation cannot be fulfilled on {}{g} \"{name}\": the object has been modified; please apply your changes to the latest version and try again", rt.plural),
+    )
+}
+
+/// The event a watcher with this filter sees, if any: objects entering the selection are
+/// ADDED, leaving it DELETED.
+fn render_event(ev: &WatchEvent, filter: &Filter) -> Option<Value> {
+    let new_in = filter.matches(&ev.new);
+    let old_in = ev.old.as_ref().is_some_and(|o| filter.matches(o));
+    let kind = match (ev.kind, old_in, new_in) {
+        ("DELETED", true, _) => "DELETED",
+        ("DELETED", false, _) => return None,
+        (_, true, true) => "MODIFIED",
+        (_, false, true) => "ADDED",
+        (_, true, false) => "DELETED",
+        (_, false, false) => return None,
+    };
+    Some(json!({"type": kind, "object": ev.new}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_selectors() {
+        let obj = json!({"metadata": {"labels": {"a": "1", "b": "x"}}});
+        let m = |s: &str| labels_match(&obj, &parse_label_selector(s).unwrap());
+        assert!(m("a=1"));
+        assert!(m("a==1,b=x"));
+        assert!(!m("a!=1"));
+        assert!(m("a in (1,2)"));
+        assert!(!m("a notin (1,2)"));
+        assert!(m("b,!c"));
+        assert!(!m("c"));
+        assert!(parse_label_selector("a in 1").is_err());
+    }
+
+    #[test]
+    fn merge_patch_rfc7386() {
+        let mut t = json!({"a": {"b": 1, "c": 2}, "l": [1, 2]});
+        merge_patch(&mut t, &json!({"a": {"b": null, "d": 3}, "l": [3]}));
+        assert_eq!(t, json!({"a": {"c": 2, "d": 3}, "l": [3]}));
+    }
+}

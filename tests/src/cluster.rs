@@ -1,0 +1,262 @@
+//! A control-plane test bench: the in-process API server, virt-controller's real controllers
+//! against it, and helpers that stand in for the parts of a cluster that are not there — the
+//! scheduler and kubelet (bind a Pod, run it, fail it, finish its graceful deletion) and
+//! virt-handler (mark a VMI Running, report migration progress).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use api::{VirtualMachineInstance, VmiPhase};
+use controller::context::ControllerConfig;
+use controller::leader::LeaseConfig;
+use controller::metrics::Metrics;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::Client;
+use serde_json::json;
+
+use crate::apiserver::ApiServer;
+
+pub const NS: &str = "default";
+
+pub struct Replica {
+    pub metrics: Arc<Metrics>,
+    pub task: tokio::task::JoinHandle<Result<(), String>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Replica {
+    /// Stops the replica cleanly (releasing its Lease).
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.task.await;
+    }
+
+    /// Kills the replica without cleanup, as a node failure would.
+    pub fn kill(self) {
+        self.task.abort();
+    }
+}
+
+pub struct Cluster {
+    pub api: ApiServer,
+    pub client: Client,
+}
+
+/// Controller settings for tests: quick retries so recoveries show within seconds.
+pub fn test_config() -> ControllerConfig {
+    ControllerConfig {
+        retry_base: Duration::from_millis(100),
+        retry_max: Duration::from_secs(5),
+        migration_queue_recheck: Duration::from_millis(300),
+        ..Default::default()
+    }
+}
+
+impl Cluster {
+    /// Another handle on the same API server.
+    pub fn clone_handle(&self) -> Cluster {
+        Cluster {
+            api: self.api.clone(),
+            client: self.client.clone(),
+        }
+    }
+
+    pub async fn start() -> Cluster {
+        let api = ApiServer::start().await;
+        let client = api.client();
+        Cluster { api, client }
+    }
+
+    /// Starts a virt-controller replica (leader-elected when `lease` is given).
+    pub fn replica(&self, config: ControllerConfig, lease: Option<LeaseConfig>) -> Replica {
+        let metrics = Arc::new(Metrics::new());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(controller::run::run(
+            self.api.client(),
+            config,
+            lease,
+            metrics.clone(),
+            async {
+                let _ = rx.await;
+            },
+        ));
+        Replica {
+            metrics,
+            task,
+            stop: Some(tx),
+        }
+    }
+
+    pub fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        Api::namespaced(self.client.clone(), NS)
+    }
+
+    pub async fn apply_yaml<K>(&self, yaml: &str) -> K
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + serde::de::DeserializeOwned
+            + serde::Serialize
+            + Clone
+            + std::fmt::Debug,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        let obj: K = serde_yaml::from_str(yaml).expect("test manifest parses");
+        self.api::<K>()
+            .create(&PostParams::default(), &obj)
+            .await
+            .expect("create")
+    }
+
+    /// Launcher Pods of a VMI (by the created-by label), in creation order.
+    pub async fn pods_of(&self, vmi: &VirtualMachineInstance) -> Vec<Pod> {
+        let uid = vmi.metadata.uid.clone().unwrap();
+        let mut pods = self
+            .api::<Pod>()
+            .list(&ListParams::default().labels(&format!("kubevirt.io/created-by={uid}")))
+            .await
+            .unwrap()
+            .items;
+        pods.sort_by_key(|p| {
+            p.metadata
+                .resource_version
+                .clone()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        });
+        pods
+    }
+
+    /// The scheduler binds the Pod to `node`; the kubelet starts it (phase Running, Ready).
+    pub async fn kubelet_run(&self, pod: &str, node: &str) {
+        let pods = self.api::<Pod>();
+        pods.patch(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"nodeName": node}})),
+        )
+        .await
+        .unwrap();
+        pods.patch_status(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Running", "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Ready", "status": "True"}]}})),
+        )
+        .await
+        .unwrap();
+    }
+
+    /// The scheduler cannot place the Pod.
+    pub async fn scheduler_unschedulable(&self, pod: &str) {
+        self.api::<Pod>()
+            .patch_status(
+                pod,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                    "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient devices.kubevirt.io/kvm."}]}})),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The kubelet reports the launcher container exited with `code`.
+    pub async fn kubelet_exit(&self, pod: &str, code: i32) {
+        let phase = if code == 0 { "Succeeded" } else { "Failed" };
+        self.api::<Pod>()
+            .patch_status(
+                pod,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": phase, "containerStatuses": [{
+                    "name": "compute", "image": "", "imageID": "", "ready": false, "restartCount": 0,
+                    "state": {"terminated": {"exitCode": code, "reason": if code == 0 { "Completed" } else { "Error" }}}}]}})),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The kubelet finishes the graceful deletion of every Pod being deleted.
+    pub async fn kubelet_finish_deletions(&self) -> usize {
+        let pods = self.api::<Pod>();
+        let mut n = 0;
+        for p in pods.list(&ListParams::default()).await.unwrap().items {
+            if p.metadata.deletion_timestamp.is_some() {
+                let name = p.metadata.name.unwrap();
+                let _ = pods
+                    .delete(
+                        &name,
+                        &DeleteParams {
+                            grace_period_seconds: Some(0),
+                            ..Default::default()
+                        },
+                    )
+                    .await;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// virt-handler reports the guest running (phase Running, Ready).
+    pub async fn handler_running(&self, vmi: &str) {
+        let vmis = self.api::<VirtualMachineInstance>();
+        let mut v = vmis.get(vmi).await.unwrap();
+        let s = v.status.get_or_insert_with(Default::default);
+        s.phase = Some(VmiPhase::Running);
+        s.conditions.retain(|c| c.type_ != "Ready");
+        s.conditions.push(api::Condition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            ..Default::default()
+        });
+        vmis.replace_status(vmi, &PostParams::default(), &v)
+            .await
+            .unwrap();
+    }
+
+    /// virt-handler edits `vmi.status.migrationState` (retrying on conflicts as it would).
+    pub async fn handler_migration(&self, vmi: &str, f: impl Fn(&mut api::MigrationState)) {
+        let vmis = self.api::<VirtualMachineInstance>();
+        loop {
+            let mut v = vmis.get(vmi).await.unwrap();
+            let ms = v
+                .status
+                .get_or_insert_with(Default::default)
+                .migration_state
+                .get_or_insert_with(Default::default);
+            f(ms);
+            match vmis.replace_status(vmi, &PostParams::default(), &v).await {
+                Ok(_) => return,
+                Err(kube::Error::Api(s)) if s.code == 409 => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+}
+
+/// Polls `f` until it returns Some, or panics with `what` after `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if start.elapsed() > timeout {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
