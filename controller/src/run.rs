@@ -145,18 +145,27 @@ pub async fn run(
     }
     metrics.set_leading(true);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let controllers = tokio::spawn(run_controllers(ctx, async {
+    // Aborted if this future is dropped, so that a replica torn down mid-way stops acting.
+    let mut controllers = AbortOnDrop(tokio::spawn(run_controllers(ctx, async {
         let _ = stop_rx.await;
-    }));
+    })));
     let outcome = tokio::select! {
         _ = elector.hold() => Err("lost the leader Lease".to_string()),
         _ = &mut shutdown => Ok(()),
     };
     let _ = stop_tx.send(());
-    let _ = controllers.await;
+    let _ = (&mut controllers.0).await;
     metrics.set_leading(false);
     if outcome.is_ok() {
         elector.release().await;
     }
     outcome
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
