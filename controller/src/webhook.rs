@@ -141,7 +141,26 @@ pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patc
     Ok((!patch.0.is_empty()).then_some(patch))
 }
 
-async fn mutate(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
+/// kube-core serializes `patch` (Go `[]byte`) as an array of numbers; the API server's
+/// canonical form is base64, which is what every other webhook sends.
+fn base64_patch(review: AdmissionReview<DynamicObject>) -> Json<Value> {
+    use base64::Engine;
+    let mut v = serde_json::to_value(&review).unwrap_or_default();
+    if let Some(bytes) = v.pointer("/response/patch").and_then(Value::as_array) {
+        let raw: Vec<u8> = bytes
+            .iter()
+            .filter_map(|b| b.as_u64().map(|b| b as u8))
+            .collect();
+        v["response"]["patch"] = base64::engine::general_purpose::STANDARD.encode(raw).into();
+    }
+    Json(v)
+}
+
+async fn mutate(review: Review) -> Json<Value> {
+    base64_patch(mutate_review(review).await.0)
+}
+
+async fn mutate_review(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
     let req = match request(review) {
         Ok(r) => r,
         Err(resp) => return Json(resp.into_review()),

@@ -260,3 +260,22 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A plain HTTP/1.1 GET (for `/metrics`), returning the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::get(path)
+        .header("host", "localhost")
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200, "GET {path}");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(body.to_vec()).unwrap()
+}

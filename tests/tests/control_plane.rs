@@ -854,3 +854,40 @@ async fn migration_limits_per_node_and_cluster() {
     ];
     admitted(cfg, &vms, 3).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_endpoint_counts_vmis_per_phase() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(controller::metrics::serve(listener, r.metrics.clone()));
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("m1", "Always"))
+        .await;
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("m2", "Always"))
+        .await;
+    bring_up(&c, "m1", "node-a").await;
+    let text = eventually("phase counts", T, || async {
+        let t = tests::cluster::http_get(addr, "/metrics").await;
+        (t.contains(r#"kubevirt_vmi_phase_count{node="node-a",phase="running"} 1"#)
+            && t.contains(r#"kubevirt_vmi_phase_count{node="",phase="scheduling"} 1"#))
+        .then_some(t)
+    })
+    .await;
+    assert!(
+        text.contains(
+            "kubevirt_virt_controller_reconcile_duration_seconds_count{controller=\"vmi\"}"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("kubevirt_vmi_migrations_in_pending_phase 0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kubevirt_virt_controller_ready_status 1"),
+        "{text}"
+    );
+    assert_eq!(tests::cluster::http_get(addr, "/healthz").await, "ok");
+    r.stop().await;
+}

@@ -1,0 +1,309 @@
+//! The admission webhook over real HTTPS (self-signed certificate, verified by the client as
+//! the API server would with the CA bundle): validation with the launcher's messages,
+//! defaulting patches, and eviction of a LiveMigrate VMI's Pod turned into a migration.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, VmiPhase};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use kube::api::ListParams;
+use serde_json::{json, Value};
+use tests::cluster::{eventually, test_config, Cluster};
+use tokio_rustls::rustls;
+
+const T: Duration = Duration::from_secs(20);
+
+struct Webhook {
+    addr: SocketAddr,
+    ca: String,
+}
+
+async fn start_webhook(client: Option<kube::Client>) -> Webhook {
+    let (tls, ca) =
+        controller::webhook::self_signed(vec!["virt-controller-webhook.microvirt.svc".into()])
+            .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = controller::webhook::router(controller::webhook::WebhookState { client });
+    tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
+    Webhook { addr, ca }
+}
+
+impl Webhook {
+    async fn post(&self, path: &str, body: &Value) -> Value {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in rustls_pemfile::certs(&mut self.ca.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("virt-controller-webhook.microvirt.svc")
+            .unwrap();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+            .connect(name, tcp)
+            .await
+            .expect("TLS handshake with the CA bundle");
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let req = hyper::Request::post(path)
+            .header("host", "virt-controller-webhook.microvirt.svc")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
+    }
+}
+
+fn review(kind: &str, resource: &str, operation: &str, object: Value) -> Value {
+    let (group, version) = match object["apiVersion"]
+        .as_str()
+        .unwrap_or("v1")
+        .split_once('/')
+    {
+        Some((g, v)) => (g.to_string(), v.to_string()),
+        None => (String::new(), "v1".to_string()),
+    };
+    json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": group, "version": version, "kind": kind},
+            "resource": {"group": group, "version": version, "resource": resource},
+            "name": object["metadata"]["name"], "namespace": "default",
+            "operation": operation,
+            "userInfo": {"username": "admin"},
+            "object": object, "oldObject": null, "dryRun": false,
+        }
+    })
+}
+
+fn vm(extra_spec: Value, memory: &str) -> Value {
+    let mut spec = json!({
+        "template": {"spec": {
+            "domain": {"memory": {"guest": memory}, "devices": {"disks": [{"name": "root"}]}},
+            "volumes": [{"name": "root", "containerDisk": {"image": "quay.io/containerdisks/alpine:3.20"}}]
+        }}
+    });
+    for (k, v) in extra_spec.as_object().unwrap() {
+        spec[k] = v.clone();
+    }
+    json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+           "metadata": {"name": "web", "namespace": "default"}, "spec": spec})
+}
+
+#[tokio::test]
+async fn validation_gives_the_launchers_message() {
+    let w = start_webhook(None).await;
+    let bad = vm(json!({"runStrategy": "Always"}), "64Zi");
+    let resp = w
+        .post(
+            "/validate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", bad.clone()),
+        )
+        .await;
+    let r = &resp["response"];
+    assert_eq!(r["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002");
+    assert_eq!(r["allowed"], false);
+    let typed: VirtualMachine = serde_json::from_value(bad).unwrap();
+    let launcher_message = api::validation::validate_vm(&typed)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(r["status"]["message"], launcher_message.as_str());
+    assert_eq!(r["status"]["code"], 422);
+
+    let good = vm(json!({"running": true}), "64Mi");
+    let resp = w
+        .post(
+            "/validate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", good),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], true, "{resp}");
+    assert_eq!(
+        resp["response"]["warnings"][0],
+        controller::webhook::RUNNING_DEPRECATED
+    );
+
+    let mig = json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+                     "metadata": {"name": "m"}, "spec": {"vmiName": ""}});
+    let resp = w
+        .post(
+            "/validate",
+            &review(
+                "VirtualMachineInstanceMigration",
+                "virtualmachineinstancemigrations",
+                "CREATE",
+                mig,
+            ),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false);
+    assert!(
+        resp["response"]["status"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.vmiName"),
+        "{resp}"
+    );
+
+    // Not an AdmissionReview request at all.
+    let resp = w
+        .post(
+            "/validate",
+            &json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false);
+}
+
+#[tokio::test]
+async fn mutation_applies_kubevirt_defaults_as_a_json_patch() {
+    let w = start_webhook(None).await;
+    let obj = vm(json!({"runStrategy": "Always"}), "64Mi");
+    let resp = w
+        .post(
+            "/mutate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", obj.clone()),
+        )
+        .await;
+    let r = &resp["response"];
+    assert_eq!(r["allowed"], true);
+    assert_eq!(r["patchType"], "JSONPatch");
+    let bytes = r["patch"].as_str().unwrap();
+    use base64::Engine;
+    let patch: json_patch::Patch = serde_json::from_slice(
+        &base64::engine::general_purpose::STANDARD
+            .decode(bytes)
+            .unwrap(),
+    )
+    .unwrap();
+    let mut patched = obj;
+    json_patch::patch(&mut patched, &patch).unwrap();
+    let d = &patched["spec"]["template"]["spec"]["domain"];
+    assert_eq!(d["cpu"]["cores"], 1);
+    assert_eq!(d["devices"]["disks"][0]["disk"]["bus"], "virtio");
+    assert_eq!(
+        patched["metadata"]["name"], "web",
+        "the patch leaves the rest alone"
+    );
+}
+
+fn evictable_vm(name: &str) -> String {
+    format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: {name}\nspec:\n  runStrategy: Always\n  template:\n    spec:\n      evictionStrategy: LiveMigrate\n      domain:\n        memory: {{guest: 32Mi}}\n        devices: {{}}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    let w = start_webhook(Some(c.client.clone())).await;
+    c.apply_yaml::<VirtualMachine>(&evictable_vm("drain-me"))
+        .await;
+    c.apply_yaml::<VirtualMachine>(
+        &evictable_vm("plain").replace("      evictionStrategy: LiveMigrate\n", ""),
+    )
+    .await;
+    let mut pods = vec![];
+    for name in ["drain-me", "plain"] {
+        let vmi = eventually("the VMI", T, || async {
+            c.api::<VirtualMachineInstance>()
+                .get_opt(name)
+                .await
+                .unwrap()
+        })
+        .await;
+        let pod = eventually("its Pod", T, || async {
+            c.pods_of(&vmi).await.into_iter().next()
+        })
+        .await;
+        c.kubelet_run(pod.metadata.name.as_deref().unwrap(), "node-a")
+            .await;
+        eventually("Scheduled", T, || async {
+            let v = c.api::<VirtualMachineInstance>().get(name).await.unwrap();
+            (v.status?.phase == Some(VmiPhase::Scheduled)).then_some(())
+        })
+        .await;
+        c.handler_running(name).await;
+        pods.push(pod.metadata.name.unwrap());
+    }
+    let eviction = |pod: &str| json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}});
+    // kubectl drain node-a: the LiveMigrate VMI's Pod is refused with 429 and migrates...
+    let resp = w
+        .post(
+            "/eviction",
+            &review("Eviction", "pods", "CREATE", eviction(&pods[0])),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false, "{resp}");
+    assert_eq!(resp["response"]["status"]["code"], 429);
+    assert!(resp["response"]["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("evacuation"));
+    let s = c
+        .api::<VirtualMachineInstance>()
+        .get("drain-me")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(s.evacuation_node_name.as_deref(), Some("node-a"));
+    let m = eventually("an evacuation migration", T, || async {
+        c.api::<VirtualMachineInstanceMigration>()
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|m| m.spec.vmi_name == "drain-me")
+    })
+    .await;
+    assert!(m
+        .metadata
+        .name
+        .as_deref()
+        .unwrap()
+        .starts_with("kubevirt-evacuation-"));
+    // ... while the other Pod is simply evicted.
+    let resp = w
+        .post(
+            "/eviction",
+            &review("Eviction", "pods", "CREATE", eviction(&pods[1])),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], true, "{resp}");
+    // A second eviction attempt (drain retries) does not start a second migration.
+    let resp = w
+        .post(
+            "/eviction",
+            &review("Eviction", "pods", "CREATE", eviction(&pods[0])),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let n = c
+        .api::<VirtualMachineInstanceMigration>()
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .len();
+    assert_eq!(n, 1);
+    r.stop().await;
+}
