@@ -158,7 +158,12 @@ impl Context {
             self.config.retry_base
         };
         let delay = self.backoff.delay(&key, base, self.config.retry_max);
-        tracing::warn!(controller, object = %key, error = %err, retry_in = ?delay, "reconcile failed");
+        if matches!(err, Error::Kube(e) if is_conflict(e)) {
+            // Expected when the cache lags our own last write; not worth a warning.
+            tracing::debug!(controller, object = %key, retry_in = ?delay, "conflict, retrying");
+        } else {
+            tracing::warn!(controller, object = %key, error = %err, retry_in = ?delay, "reconcile failed");
+        }
         Action::requeue(delay)
     }
 
