@@ -305,7 +305,13 @@ fn manifests_parse_and_references_line_up() {
             .iter()
             .flatten()
             .any(|p| p.port == port));
+        // Served by controller::webhook::router.
+        let path = r.path.as_deref().unwrap_or("/");
+        assert!(
+            ["/validate", "/mutate", "/eviction"].contains(&path),
+            "webhook path {path} is not served"
+        );
         n += 1;
     }
-    assert_eq!(n, 2);
+    assert_eq!(n, 3);
 }
