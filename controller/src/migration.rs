@@ -115,9 +115,9 @@ pub fn configuration(policy: Option<&MigrationPolicy>) -> MigrationConfiguration
 pub fn target_pod(
     vmi: &VirtualMachineInstance,
     migration: &VirtualMachineInstanceMigration,
-    ctx: &Context,
+    cfg: &crate::pod::PodConfig,
 ) -> Result<Pod> {
-    let mut pod = crate::pod::render(vmi, &ctx.config.pod)?;
+    let mut pod = crate::pod::render(vmi, cfg)?;
     let uid = vmi.uid().unwrap_or_default();
     pod.metadata
         .labels
@@ -290,7 +290,10 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
             None => {
                 let pod = apis
                     .pods
-                    .create(&PostParams::default(), &target_pod(&vmi, m, ctx)?)
+                    .create(
+                        &PostParams::default(),
+                        &target_pod(&vmi, m, &ctx.config.pod)?,
+                    )
                     .await?;
                 ctx.event(
                     m,

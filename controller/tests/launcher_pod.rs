@@ -141,3 +141,44 @@ fn a_vmi_without_uid_is_not_rendered() {
     .unwrap_err();
     assert_eq!(e.path, "metadata.uid");
 }
+
+#[test]
+fn migration_target_pod_avoids_the_source_node() {
+    let vmi = vmi_from_vm(include_str!("../../api/tests/data/vm-full.yaml"));
+    let mut m = api::VirtualMachineInstanceMigration::new(
+        "migrate-full",
+        api::VirtualMachineInstanceMigrationSpec {
+            vmi_name: vmi.metadata.name.clone().unwrap(),
+        },
+    );
+    m.metadata.uid = Some("7d5c3a1e-0000-4000-8000-00000000beef".into());
+    let pod = controller::migration::target_pod(
+        &vmi,
+        &m,
+        &PodConfig {
+            launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
+        },
+    )
+    .unwrap();
+    golden(
+        "migration-target-pod-full.yaml",
+        &serde_yaml::to_string(&pod).unwrap(),
+    );
+    // Everything but the migration label and the anti-affinity term is the launcher Pod's.
+    let source = render(
+        &vmi,
+        &PodConfig {
+            launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        pod.spec.as_ref().unwrap().containers,
+        source.spec.as_ref().unwrap().containers
+    );
+    let labels = pod.metadata.labels.unwrap();
+    assert_eq!(
+        labels["kubevirt.io/migrationJobUID"],
+        "7d5c3a1e-0000-4000-8000-00000000beef"
+    );
+}

@@ -136,7 +136,9 @@ struct WatchEvent {
 struct Fault {
     method: Option<Method>,
     path_contains: String,
+    /// Fail with this code, or (0) answer normally after `delay`.
     code: u16,
+    delay: Duration,
     remaining: u64,
 }
 
@@ -569,6 +571,25 @@ impl ApiServer {
             method,
             path_contains: path_contains.into(),
             code,
+            delay: Duration::ZERO,
+            remaining: count,
+        });
+    }
+
+    /// The next `count` matching requests are answered only after `delay` (a slow or hung
+    /// API server).
+    pub fn delay_requests(
+        &self,
+        method: Option<Method>,
+        path_contains: &str,
+        delay: Duration,
+        count: u64,
+    ) {
+        self.inner.state.lock().unwrap().faults.push(Fault {
+            method,
+            path_contains: path_contains.into(),
+            code: 0,
+            delay,
             remaining: count,
         });
     }
@@ -617,7 +638,13 @@ impl Inner {
         let path = uri.path().to_string();
         let q = query_map(&uri);
         let resp = match self.check_fault(&method, &path) {
-            Some(e) => Err(e),
+            Some(Err(e)) => Err(e),
+            Some(Ok(delay)) => {
+                tokio::time::sleep(delay).await;
+                self.clone()
+                    .dispatch(&method, &path, &q, &headers, &body)
+                    .await
+            }
             None => {
                 self.clone()
                     .dispatch(&method, &path, &q, &headers, &body)
@@ -632,7 +659,8 @@ impl Inner {
         resp
     }
 
-    fn check_fault(&self, method: &Method, path: &str) -> Option<ApiError> {
+    /// A matching fault: Err to fail the request, Ok(delay) to answer it late.
+    fn check_fault(&self, method: &Method, path: &str) -> Option<Result<Duration, ApiError>> {
         let mut st = self.state.lock().unwrap();
         let f = st.faults.iter_mut().find(|f| {
             f.remaining > 0
@@ -640,6 +668,9 @@ impl Inner {
                 && path.contains(&f.path_contains)
         })?;
         f.remaining -= 1;
+        if f.code == 0 {
+            return Some(Ok(f.delay));
+        }
         let reason = match f.code {
             409 => "Conflict",
             429 => "TooManyRequests",
@@ -648,7 +679,7 @@ impl Inner {
             504 => "Timeout",
             _ => "Unknown",
         };
-        Some(ApiError::new(f.code, reason, "injected fault"))
+        Some(Err(ApiError::new(f.code, reason, "injected fault")))
     }
 
     async fn dispatch(

@@ -206,21 +206,25 @@ impl Cluster {
         n
     }
 
-    /// virt-handler reports the guest running (phase Running, Ready).
+    /// virt-handler reports the guest running (phase Running, Ready), retrying on conflicts.
     pub async fn handler_running(&self, vmi: &str) {
         let vmis = self.api::<VirtualMachineInstance>();
-        let mut v = vmis.get(vmi).await.unwrap();
-        let s = v.status.get_or_insert_with(Default::default);
-        s.phase = Some(VmiPhase::Running);
-        s.conditions.retain(|c| c.type_ != "Ready");
-        s.conditions.push(api::Condition {
-            type_: "Ready".into(),
-            status: "True".into(),
-            ..Default::default()
-        });
-        vmis.replace_status(vmi, &PostParams::default(), &v)
-            .await
-            .unwrap();
+        loop {
+            let mut v = vmis.get(vmi).await.unwrap();
+            let s = v.status.get_or_insert_with(Default::default);
+            s.phase = Some(VmiPhase::Running);
+            s.conditions.retain(|c| c.type_ != "Ready");
+            s.conditions.push(api::Condition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                ..Default::default()
+            });
+            match vmis.replace_status(vmi, &PostParams::default(), &v).await {
+                Ok(_) => return,
+                Err(kube::Error::Api(s)) if s.code == 409 => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     /// virt-handler edits `vmi.status.migrationState` (retrying on conflicts as it would).

@@ -175,7 +175,10 @@ async fn vm_to_vmi_to_pod_then_stop() {
         },
     )
     .await;
-    assert_eq!(vm_printable(&c, "web").await.as_deref(), Some("Stopping"));
+    eventually("VM Stopping", T, || async {
+        (vm_printable(&c, "web").await.as_deref() == Some("Stopping")).then_some(())
+    })
+    .await;
     assert!(
         c.api::<VirtualMachineInstance>()
             .get_opt("web")
@@ -204,6 +207,23 @@ async fn vm_to_vmi_to_pod_then_stop() {
     r.stop().await;
 }
 
+/// What `virtctl start|stop|restart` does: adds state change requests to the VM's status,
+/// retrying when the controller wrote the status in between.
+async fn virtctl(c: &Cluster, vm: &str, requests: Vec<api::StateChangeRequest>) {
+    let vms = c.api::<VirtualMachine>();
+    loop {
+        let mut v = vms.get(vm).await.unwrap();
+        v.status
+            .get_or_insert_with(Default::default)
+            .state_change_requests = requests.clone();
+        match vms.replace_status(vm, &PostParams::default(), &v).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_start_restart_and_halted() {
     let c = Cluster::start().await;
@@ -225,32 +245,34 @@ async fn manual_start_restart_and_halted() {
 
     // virtctl start
     let vms = c.api::<VirtualMachine>();
-    let mut vm = vms.get("m").await.unwrap();
-    vm.status.as_mut().unwrap().state_change_requests = vec![api::StateChangeRequest {
-        action: "Start".into(),
-        ..Default::default()
-    }];
-    vms.replace_status("m", &PostParams::default(), &vm)
-        .await
-        .unwrap();
+    virtctl(
+        &c,
+        "m",
+        vec![api::StateChangeRequest {
+            action: "Start".into(),
+            ..Default::default()
+        }],
+    )
+    .await;
     let first = bring_up(&c, "m", "node-a").await;
 
     // virtctl restart: Stop (this VMI) + Start
-    let mut vm = vms.get("m").await.unwrap();
-    vm.status.as_mut().unwrap().state_change_requests = vec![
-        api::StateChangeRequest {
-            action: "Stop".into(),
-            uid: first.metadata.uid.clone(),
-            ..Default::default()
-        },
-        api::StateChangeRequest {
-            action: "Start".into(),
-            ..Default::default()
-        },
-    ];
-    vms.replace_status("m", &PostParams::default(), &vm)
-        .await
-        .unwrap();
+    virtctl(
+        &c,
+        "m",
+        vec![
+            api::StateChangeRequest {
+                action: "Stop".into(),
+                uid: first.metadata.uid.clone(),
+                ..Default::default()
+            },
+            api::StateChangeRequest {
+                action: "Start".into(),
+                ..Default::default()
+            },
+        ],
+    )
+    .await;
     eventually("the old Pod being deleted", T, || async {
         (c.kubelet_finish_deletions().await > 0).then_some(())
     })
@@ -568,7 +590,10 @@ async fn migration_happy_path() {
             .unwrap()["kubevirt.io/created-by"],
         vmi.metadata.uid.clone().unwrap()
     );
-    assert_eq!(vm_printable(&c, "db").await.as_deref(), Some("Running"));
+    eventually("VM Running", T, || async {
+        (vm_printable(&c, "db").await.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
 
     c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
         .await;
@@ -756,7 +781,18 @@ async fn source_node_loss_fails_the_migration_without_orphans() {
     c.kubelet_exit(source.metadata.name.as_deref().unwrap(), 137)
         .await;
     wait_migration(&c, "m3", api::MigrationPhase::Failed).await;
-    assert_eq!(vmi_phase(&c, "t3").await, Some(VmiPhase::Failed));
+    let s = c
+        .api::<VirtualMachineInstance>()
+        .get("t3")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(s.phase, Some(VmiPhase::Failed));
+    assert_eq!(
+        s.reason.as_deref(),
+        Some("launcher exited with code 137 (Error)")
+    );
     eventually("the target Pod removed", T, || async {
         let p = c
             .api::<Pod>()

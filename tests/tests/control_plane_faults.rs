@@ -93,6 +93,38 @@ async fn server_errors_back_off_without_duplicates() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_request_does_not_hold_up_other_objects() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.api
+        .delay_requests(Some(Method::POST), "/pods", Duration::from_secs(4), 1);
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("slow")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = std::time::Instant::now();
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("fast")).await;
+    eventually("the second VM's VMI Scheduling", T, || {
+        scheduling(&c, "fast")
+    })
+    .await;
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "waited behind the hung request: {:?}",
+        t.elapsed()
+    );
+    assert!(
+        scheduling(&c, "slow").await.is_none(),
+        "the slow Pod creation is still pending"
+    );
+    eventually("the first VM's VMI once the API answers", T, || {
+        scheduling(&c, "slow")
+    })
+    .await;
+    assert_eq!(launcher_pods(&c), 2);
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_and_expired_watches_recover() {
     let c = Cluster::start().await;
     let r = c.replica(test_config(), None);
