@@ -1,0 +1,290 @@
+//! The in-process API server behaves as Kubernetes does where the controllers depend on it,
+//! checked through kube-rs as any client would use it.
+
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use serde_json::json;
+use tests::apiserver::ApiServer;
+
+fn pod(name: &str, labels: serde_json::Value) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "c", "image": "x"}]}
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn create_update_conflict_and_status_subresource() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let created = pods
+        .create(&PostParams::default(), &pod("a", json!({"app": "x"})))
+        .await
+        .unwrap();
+    assert!(created.metadata.uid.is_some() && created.metadata.creation_timestamp.is_some());
+    assert_eq!(
+        created.status.as_ref().unwrap().phase.as_deref(),
+        Some("Pending")
+    );
+    let err = pods
+        .create(&PostParams::default(), &pod("a", json!({})))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, kube::Error::Api(s) if s.code == 409 && s.reason == "AlreadyExists"));
+
+    // A write with the current resourceVersion wins; the stale one conflicts.
+    let mut v1 = created.clone();
+    v1.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert("v".into(), "1".into());
+    let updated = pods
+        .replace("a", &PostParams::default(), &v1)
+        .await
+        .unwrap();
+    assert_ne!(
+        updated.metadata.resource_version,
+        created.metadata.resource_version
+    );
+    let err = pods
+        .replace("a", &PostParams::default(), &v1)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, kube::Error::Api(s) if s.code == 409 && s.reason == "Conflict"));
+
+    // The main resource ignores status; /status ignores everything else.
+    let mut sneaky = updated.clone();
+    sneaky.status.as_mut().unwrap().phase = Some("Running".into());
+    let after = pods
+        .replace("a", &PostParams::default(), &sneaky)
+        .await
+        .unwrap();
+    assert_eq!(after.status.unwrap().phase.as_deref(), Some("Pending"));
+    let after = pods
+        .patch_status(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"status": {"phase": "Running"}, "metadata": {"labels": {"x": "y"}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(after.status.unwrap().phase.as_deref(), Some("Running"));
+    assert!(!after.metadata.labels.unwrap().contains_key("x"));
+
+    // A no-op write does not bump the resourceVersion.
+    let again = pods
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"v": "1"}}})),
+        )
+        .await
+        .unwrap();
+    let same = pods
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"v": "1"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        again.metadata.resource_version,
+        same.metadata.resource_version
+    );
+
+    // generateName
+    let mut g = pod("", json!({}));
+    g.metadata.name = None;
+    g.metadata.generate_name = Some("gen-".into());
+    let g = pods.create(&PostParams::default(), &g).await.unwrap();
+    assert!(g.metadata.name.unwrap().len() == "gen-".len() + 5);
+}
+
+#[tokio::test]
+async fn list_paging_and_selectors() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    for i in 0..7 {
+        let tier = if i % 2 == 0 { "a" } else { "b" };
+        pods.create(
+            &PostParams::default(),
+            &pod(&format!("p{i}"), json!({"tier": tier})),
+        )
+        .await
+        .unwrap();
+    }
+    let page = pods.list(&ListParams::default().limit(3)).await.unwrap();
+    assert_eq!(page.items.len(), 3);
+    let token = page.metadata.continue_.clone().expect("a continue token");
+    let rest = pods
+        .list(&ListParams::default().limit(10).continue_token(&token))
+        .await
+        .unwrap();
+    assert_eq!(rest.items.len(), 4);
+    assert!(rest.metadata.continue_.is_none());
+    let a = pods
+        .list(&ListParams::default().labels("tier=a"))
+        .await
+        .unwrap();
+    assert_eq!(a.items.len(), 4);
+    let notin = pods
+        .list(&ListParams::default().labels("tier notin (a)"))
+        .await
+        .unwrap();
+    assert_eq!(notin.items.len(), 3);
+    let by_name = pods
+        .list(&ListParams::default().fields("metadata.name=p3"))
+        .await
+        .unwrap();
+    assert_eq!(by_name.items.len(), 1);
+    let other_ns: Api<Pod> = Api::namespaced(s.client(), "other");
+    assert!(other_ns
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+    let all: Api<Pod> = Api::all(s.client());
+    assert_eq!(
+        all.list(&ListParams::default()).await.unwrap().items.len(),
+        7
+    );
+}
+
+#[tokio::test]
+async fn watch_replays_bookmarks_selectors_and_gone() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let rv = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    pods.create(&PostParams::default(), &pod("w", json!({"app": "web"})))
+        .await
+        .unwrap();
+    // Leaves the selector: DELETED for a watcher of app=web.
+    pods.patch(
+        "w",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"app": "db"}}})),
+    )
+    .await
+    .unwrap();
+    let wp = WatchParams::default().labels("app=web").timeout(3);
+    let mut stream = pods.watch(&wp, &rv).await.unwrap().boxed();
+    let mut kinds = vec![];
+    while let Some(ev) = stream.try_next().await.unwrap() {
+        match ev {
+            WatchEvent::Added(p) => kinds.push(format!("ADDED {}", p.metadata.name.unwrap())),
+            WatchEvent::Modified(_) => kinds.push("MODIFIED".into()),
+            WatchEvent::Deleted(p) => kinds.push(format!("DELETED {}", p.metadata.name.unwrap())),
+            WatchEvent::Bookmark(b) => {
+                kinds.push("BOOKMARK".into());
+                assert!(
+                    b.metadata.resource_version.parse::<u64>().unwrap()
+                        >= rv.parse::<u64>().unwrap()
+                );
+                break;
+            }
+            WatchEvent::Error(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(kinds, ["ADDED w", "DELETED w", "BOOKMARK"]);
+
+    // After compaction an old resourceVersion is 410 Gone.
+    s.compact();
+    let mut stream = pods
+        .watch(&WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    match stream.try_next().await.unwrap() {
+        Some(WatchEvent::Error(e)) => assert_eq!(e.code, 410),
+        other => panic!("expected 410 Gone, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn finalizers_graceful_pod_deletion_and_garbage_collection() {
+    let s = ApiServer::start().await;
+    // Kinds the server does not store are 404, as a resource without its CRD is.
+    let err = Api::<ConfigMap>::namespaced(s.client(), "default")
+        .list(&ListParams::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, kube::Error::Api(s) if s.code == 404));
+
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let owner = pods
+        .create(&PostParams::default(), &pod("owner", json!({})))
+        .await
+        .unwrap();
+    let mut child = pod("child", json!({}));
+    child.metadata.owner_references = Some(vec![
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            name: "owner".into(),
+            uid: owner.metadata.uid.clone().unwrap(),
+            controller: Some(true),
+            ..Default::default()
+        },
+    ]);
+    child.metadata.finalizers = Some(vec!["test/hold".into()]);
+    pods.create(&PostParams::default(), &child).await.unwrap();
+
+    // Bound Pods are deleted gracefully: they stay with a deletionTimestamp until gracePeriodSeconds=0.
+    pods.patch(
+        "owner",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"nodeName": "n1"}})),
+    )
+    .await
+    .unwrap();
+    pods.delete("owner", &DeleteParams::default())
+        .await
+        .unwrap();
+    let o = pods.get("owner").await.unwrap();
+    assert!(o.metadata.deletion_timestamp.is_some());
+    assert_eq!(o.metadata.deletion_grace_period_seconds, Some(30));
+    pods.delete(
+        "owner",
+        &DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(pods.get_opt("owner").await.unwrap().is_none());
+
+    // Its dependent is collected, but its finalizer holds it until removed.
+    let c = pods.get("child").await.unwrap();
+    assert!(
+        c.metadata.deletion_timestamp.is_some(),
+        "garbage collection started"
+    );
+    pods.patch(
+        "child",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(pods.get_opt("child").await.unwrap().is_none());
+}
