@@ -314,6 +314,21 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
         !(r.action == "Stop" && (vmi.is_none() || (r.uid.is_some() && r.uid != vmi_uid)))
     });
 
+    // runStrategy Once: when its VMI has finished, the VM becomes Halted (as KubeVirt does), so
+    // it is never started again, whatever happens to the finished VMI.
+    if run_strategy(vm) == RunStrategy::Once
+        && !deleting
+        && vmi.as_ref().and_then(finished).is_some()
+    {
+        let p = serde_json::json!({
+            "metadata": {"resourceVersion": vm.resource_version()},
+            "spec": {"runStrategy": "Halted", "running": null}
+        });
+        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        return Ok(Action::await_change());
+    }
+
     let mut view = vm.clone();
     view.status = Some(status.clone());
     let action = decide(&view, vmi.as_ref(), retry_after(&view), now);

@@ -927,3 +927,33 @@ async fn metrics_endpoint_counts_vmis_per_phase() {
     assert_eq!(tests::cluster::http_get(addr, "/healthz").await, "ok");
     r.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_runs_a_single_time_then_halts() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("job", "Once"))
+        .await;
+    let first = bring_up(&c, "job", "node-a").await;
+    let pod = c.pods_of(&first).await.remove(0);
+    // The guest powers off: the launcher exits 0.
+    c.kubelet_exit(pod.metadata.name.as_deref().unwrap(), 0)
+        .await;
+    eventually("the VM Halted and Stopped", T, || async {
+        let vm = c.api::<VirtualMachine>().get("job").await.unwrap();
+        (vm.spec.run_strategy == Some(api::RunStrategy::Halted)
+            && vm.status?.printable_status.as_deref() == Some("Stopped"))
+        .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        c.api::<VirtualMachineInstance>()
+            .get_opt("job")
+            .await
+            .unwrap()
+            .is_none(),
+        "no second run"
+    );
+    r.stop().await;
+}
