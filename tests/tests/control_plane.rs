@@ -957,3 +957,41 @@ async fn once_runs_a_single_time_then_halts() {
     );
     r.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_vm_stops_its_guest_first() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    c.apply_yaml::<VirtualMachine>(&vm_yaml("gone", "Always"))
+        .await;
+    let vmi = bring_up(&c, "gone", "node-a").await;
+    let pod = c.pods_of(&vmi).await.remove(0);
+    c.api::<VirtualMachine>()
+        .delete("gone", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually("VM Terminating, its Pod being deleted", T, || async {
+        let p = c
+            .api::<Pod>()
+            .get_opt(pod.metadata.name.as_deref().unwrap())
+            .await
+            .unwrap()?;
+        let vm = c.api::<VirtualMachine>().get_opt("gone").await.unwrap()?;
+        (p.metadata.deletion_timestamp.is_some()
+            && vm.status?.printable_status.as_deref() == Some("Terminating"))
+        .then_some(())
+    })
+    .await;
+    c.kubelet_finish_deletions().await;
+    eventually("VM, VMI and Pod gone", T, || async {
+        let vm = c.api::<VirtualMachine>().get_opt("gone").await.unwrap();
+        let vmi = c
+            .api::<VirtualMachineInstance>()
+            .get_opt("gone")
+            .await
+            .unwrap();
+        (vm.is_none() && vmi.is_none() && c.api.objects("pods").is_empty()).then_some(())
+    })
+    .await;
+    r.stop().await;
+}
