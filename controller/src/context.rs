@@ -265,3 +265,72 @@ pub fn finalizer_patch<K: Resource>(obj: &K, finalizer: &str, present: bool) -> 
 pub fn has_finalizer<K: Resource>(obj: &K, finalizer: &str) -> bool {
     obj.finalizers().iter().any(|f| f == finalizer)
 }
+
+/// Replaces `status` (PUT …/status, guarded by the object's resourceVersion) when it differs
+/// from what the object has; a stale read is a conflict, retried by the error policy.
+pub async fn write_status<K>(api: &kube::Api<K>, obj: &K, status: K::Status) -> Result<K>
+where
+    K: kube::core::object::HasStatus
+        + Resource
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::Status: PartialEq,
+{
+    if obj.status() == Some(&status) {
+        return Ok(obj.clone());
+    }
+    let mut new = obj.clone();
+    *new.status_mut() = Some(status);
+    Ok(api
+        .replace_status(&obj.name_any(), &kube::api::PostParams::default(), &new)
+        .await?)
+}
+
+/// Sets the object's labels to `labels` with a merge patch guarded by its resourceVersion
+/// (labels it had and `labels` lacks are removed); returns the object as written.
+pub async fn write_labels<K>(
+    api: &kube::Api<K>,
+    obj: &K,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> Result<K>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if labels == obj.labels() {
+        return Ok(obj.clone());
+    }
+    let mut l: serde_json::Map<String, serde_json::Value> = labels
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
+    for k in obj.labels().keys().filter(|k| !labels.contains_key(*k)) {
+        l.insert(k.clone(), serde_json::Value::Null);
+    }
+    let p =
+        serde_json::json!({"metadata": {"labels": l, "resourceVersion": obj.resource_version()}});
+    Ok(api
+        .patch(
+            &obj.name_any(),
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&p),
+        )
+        .await?)
+}
+
+/// Deletes an object; one that is already gone is fine.
+pub async fn delete_if_present<K>(
+    api: &kube::Api<K>,
+    name: &str,
+    dp: &kube::api::DeleteParams,
+) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, dp).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}

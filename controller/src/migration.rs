@@ -30,8 +30,8 @@ use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
 use crate::context::{
-    finalizer_patch, has_finalizer, is_not_found, now_rfc3339, set_condition, Context, Error,
-    Result,
+    delete_if_present, finalizer_patch, has_finalizer, now_rfc3339, set_condition, write_status,
+    Context, Error, Result,
 };
 use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
 use crate::vmi::{LABEL_MIGRATION_TARGET_NODE, LABEL_NODE_NAME};
@@ -266,13 +266,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
     }
     let source_node = vstatus.node_name.clone().unwrap_or_default();
     let muid = m.uid().unwrap_or_default();
-    let target = apis
-        .pods
-        .list(&ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={muid}")))
-        .await?
-        .items
-        .into_iter()
-        .next();
+    let target = target_pods(&apis.pods, &muid).await?.into_iter().next();
 
     if phase == MigrationPhase::Pending {
         if target.is_none() {
@@ -404,7 +398,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
             labels.insert(LABEL_MIGRATION_TARGET_NODE.into(), node);
             let mut vstatus = vstatus.clone();
             vstatus.migration_state = Some(hand_off.clone());
-            write_vmi(&apis.vmis, &vmi, Some(labels), vstatus).await?;
+            crate::vmi::write(&apis.vmis, &vmi, Some(labels), vstatus).await?;
             status.migration_state = Some(hand_off);
             enter(&mut status, MigrationPhase::PreparingTarget);
             write_status(&apis.migrations, m, status).await?;
@@ -547,7 +541,7 @@ async fn succeed(
     let mut labels = vmi.labels().clone();
     labels.remove(LABEL_MIGRATION_TARGET_NODE);
     labels.insert(LABEL_NODE_NAME.into(), target_node.clone());
-    write_vmi(&apis.vmis, vmi, Some(labels), vstatus).await?;
+    crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
     // Source Pods: the ones the VMI ran in before.
     let uid = vmi.uid().unwrap_or_default();
     for p in crate::vmi::pods_of(&apis.pods, &uid).await? {
@@ -591,11 +585,7 @@ async fn fail(
     ctx: &Context,
 ) -> Result<()> {
     let muid = m.uid().unwrap_or_default();
-    let targets = apis
-        .pods
-        .list(&ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={muid}")))
-        .await?
-        .items;
+    let targets = target_pods(&apis.pods, &muid).await?;
     for p in targets
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
@@ -618,7 +608,7 @@ async fn fail(
         }
         let mut labels = vmi.labels().clone();
         labels.remove(LABEL_MIGRATION_TARGET_NODE);
-        write_vmi(&apis.vmis, vmi, Some(labels), vstatus).await?;
+        crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
     }
     if let Some(ms) = status.migration_state.as_mut() {
         ms.failed = Some(true);
@@ -638,55 +628,13 @@ async fn fail(
 }
 
 async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
-    match pods.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    delete_if_present(pods, name, &DeleteParams::default()).await
 }
 
-async fn write_vmi(
-    vmis: &Api<VirtualMachineInstance>,
-    vmi: &VirtualMachineInstance,
-    labels: Option<BTreeMap<String, String>>,
-    status: api::VirtualMachineInstanceStatus,
-) -> Result<()> {
-    let mut current = vmi.clone();
-    if let Some(labels) = labels.filter(|l| l != vmi.labels()) {
-        let mut l: serde_json::Map<String, serde_json::Value> = labels
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone().into()))
-            .collect();
-        for k in vmi.labels().keys().filter(|k| !labels.contains_key(*k)) {
-            l.insert(k.clone(), serde_json::Value::Null);
-        }
-        let p = serde_json::json!({"metadata": {"labels": l, "resourceVersion": vmi.resource_version()}});
-        current = vmis
-            .patch(&vmi.name_any(), &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-    }
-    if vmi.status.as_ref() != Some(&status) {
-        current.status = Some(status);
-        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &current)
-            .await?;
-    }
-    Ok(())
-}
-
-async fn write_status(
-    migrations: &Api<VirtualMachineInstanceMigration>,
-    m: &VirtualMachineInstanceMigration,
-    status: VirtualMachineInstanceMigrationStatus,
-) -> Result<()> {
-    if m.status.as_ref() == Some(&status) {
-        return Ok(());
-    }
-    let mut new = m.clone();
-    new.status = Some(status);
-    migrations
-        .replace_status(&m.name_any(), &PostParams::default(), &new)
-        .await?;
-    Ok(())
+/// The target Pods of a migration (by its uid label), from the API server.
+async fn target_pods(pods: &Api<Pod>, migration_uid: &str) -> Result<Vec<Pod>> {
+    let lp = ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={migration_uid}"));
+    Ok(pods.list(&lp).await?.items)
 }
 
 #[cfg(test)]

@@ -6,18 +6,15 @@
 
 use std::sync::Arc;
 
-use api::{
-    VirtualMachineInstance, VirtualMachineInstanceReplicaSet,
-    VirtualMachineInstanceReplicaSetStatus, VmiPhase,
-};
+use api::{VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VmiPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
 use crate::context::{
-    controlled_by, controller_ref, is_not_found, remove_condition, set_condition, Context, Error,
-    Result,
+    controlled_by, controller_ref, delete_if_present, remove_condition, set_condition,
+    write_status, Context, Error, Result,
 };
 
 const CONTROLLER: &str = "vmirs";
@@ -231,24 +228,5 @@ fn vmi_from_template(rs: &VirtualMachineInstanceReplicaSet) -> VirtualMachineIns
 }
 
 async fn delete_vmi(vmis: &Api<VirtualMachineInstance>, v: &VirtualMachineInstance) -> Result<()> {
-    match vmis.delete(&v.name_any(), &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-async fn write_status(
-    sets: &Api<VirtualMachineInstanceReplicaSet>,
-    rs: &VirtualMachineInstanceReplicaSet,
-    status: VirtualMachineInstanceReplicaSetStatus,
-) -> Result<()> {
-    if rs.status.as_ref() == Some(&status) {
-        return Ok(());
-    }
-    let mut new = rs.clone();
-    new.status = Some(status);
-    sets.replace_status(&rs.name_any(), &PostParams::default(), &new)
-        .await?;
-    Ok(())
+    delete_if_present(vmis, &v.name_any(), &DeleteParams::default()).await
 }

@@ -12,7 +12,7 @@ use kube::ResourceExt;
 
 use crate::context::{
     finalizer_patch, has_finalizer, is_conflict, is_not_found, now_unix, remove_condition,
-    set_condition, Context, Error, Result,
+    set_condition, write_status, Context, Error, Result,
 };
 
 /// KubeVirt's start backoff: 10 s doubling per consecutive failure, at most 5 minutes.
@@ -410,22 +410,6 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     set_condition(&mut status.conditions, "Ready", vmi_ready, reason, None);
     write_status(&vms, vm, status).await?;
     Ok(requeue)
-}
-
-/// Replaces `status` when it changed; a stale resourceVersion is a conflict, retried.
-async fn write_status(
-    vms: &Api<VirtualMachine>,
-    vm: &VirtualMachine,
-    status: api::VirtualMachineStatus,
-) -> Result<()> {
-    if vm.status.as_ref() == Some(&status) {
-        return Ok(());
-    }
-    let mut new = vm.clone();
-    new.status = Some(status);
-    vms.replace_status(&vm.name_any(), &PostParams::default(), &new)
-        .await?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -19,8 +19,8 @@ use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
 use crate::context::{
-    finalizer_patch, has_finalizer, is_not_found, remove_condition, set_condition, Context, Error,
-    Result,
+    delete_if_present, finalizer_patch, has_finalizer, remove_condition, set_condition,
+    write_labels, write_status, Context, Error, Result,
 };
 use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
 
@@ -114,19 +114,15 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
             .termination_grace_period_seconds
             .unwrap_or(30)
             .max(0) as u32;
+        let dp = DeleteParams {
+            grace_period_seconds: Some(grace),
+            ..Default::default()
+        };
         for p in all
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
         {
-            let dp = DeleteParams {
-                grace_period_seconds: Some(grace),
-                ..Default::default()
-            };
-            match pods.delete(&p.name_any(), &dp).await {
-                Ok(_) => {}
-                Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(e.into()),
-            }
+            delete_if_present(&pods, &p.name_any(), &dp).await?;
         }
         if all.is_empty() && has_finalizer(vmi, VMI_FINALIZER) {
             let p = finalizer_patch(vmi, VMI_FINALIZER, false);
@@ -344,32 +340,18 @@ async fn evacuate(
 }
 
 /// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed.
-async fn write(
+pub async fn write(
     vmis: &Api<VirtualMachineInstance>,
     vmi: &VirtualMachineInstance,
     labels: Option<BTreeMap<String, String>>,
     status: VirtualMachineInstanceStatus,
 ) -> Result<()> {
-    let mut current = vmi.clone();
-    if let Some(labels) = labels {
-        let mut l: serde_json::Map<String, serde_json::Value> = labels
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone().into()))
-            .collect();
-        for k in vmi.labels().keys() {
-            if !labels.contains_key(k) {
-                l.insert(k.clone(), serde_json::Value::Null);
-            }
-        }
-        let p = serde_json::json!({"metadata": {"labels": l, "resourceVersion": vmi.resource_version()}});
-        current = vmis
-            .patch(&vmi.name_any(), &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-    }
-    if vmi.status.as_ref() != Some(&status) {
-        current.status = Some(status);
-        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &current)
-            .await?;
-    }
+    let mut current = match labels {
+        Some(l) => write_labels(vmis, vmi, &l).await?,
+        None => vmi.clone(),
+    };
+    // The new status is compared with the one this round read, not with the label write's echo.
+    current.status = vmi.status.clone();
+    write_status(vmis, &current, status).await?;
     Ok(())
 }
