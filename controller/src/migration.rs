@@ -270,7 +270,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
 
     if phase == MigrationPhase::Pending {
         if target.is_none() {
-            if let Some(wait) = queue_position(&apis, ctx, m, &vmi, &source_node).await? {
+            if let Some(wait) = queue_position(ctx, m, &vmi, &source_node).await? {
                 if status.phase.is_none() {
                     enter(&mut status, MigrationPhase::Pending);
                     write_status(&apis.migrations, m, status).await?;
@@ -456,7 +456,6 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
 /// `parallel_migrations_per_cluster` in flight, `parallel_outbound_migrations_per_node` leaving
 /// one node, one per VMI (earliest created first).
 async fn queue_position(
-    apis: &Apis,
     ctx: &Context,
     m: &VirtualMachineInstanceMigration,
     vmi: &VirtualMachineInstance,
@@ -502,7 +501,6 @@ async fn queue_position(
             "{outbound} migrations are leaving node {source_node}"
         )));
     }
-    let _ = apis;
     Ok(None)
 }
 

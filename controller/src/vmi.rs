@@ -264,9 +264,6 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
                 (!ready).then_some("PodNotReady"),
                 None,
             );
-            if ready {
-                remove_reason(&mut status);
-            }
         }
     }
     if status.phase == Some(VmiPhase::Running) {
@@ -275,12 +272,6 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     let labels = (&labels != vmi.labels()).then_some(labels);
     write(&vmis, vmi, labels, status).await?;
     Ok(Action::await_change())
-}
-
-fn remove_reason(status: &mut VirtualMachineInstanceStatus) {
-    if status.reason.as_deref() == Some("PodVanished") {
-        status.reason = None;
-    }
 }
 
 /// A Running VMI whose launcher Pod's eviction was refused by the webhook (it set
