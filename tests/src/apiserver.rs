@@ -778,6 +778,11 @@ impl Inner {
 
     fn get(&self, t: &Target, name: &str) -> ApiResult<Value> {
         let st = self.state.lock().unwrap();
+        self.stored(&st, t, name)
+    }
+
+    /// The stored object `name` of the target's kind and namespace, or 404.
+    fn stored(&self, st: &State, t: &Target, name: &str) -> ApiResult<Value> {
         st.objects
             .get(&t.rtype.key())
             .and_then(|m| m.get(&(self.ns_key(t), name.to_string())))
@@ -1088,14 +1093,8 @@ impl Inner {
         update: Update,
     ) -> ApiResult<Value> {
         let rt = &t.rtype;
-        let key = (self.ns_key(t), name.to_string());
         let mut st = self.state.lock().unwrap();
-        let old = st
-            .objects
-            .get(&rt.key())
-            .and_then(|m| m.get(&key))
-            .cloned()
-            .ok_or_else(|| not_found(rt, name))?;
+        let old = self.stored(&st, t, name)?;
         if sub == Some("scale") {
             let (spec_path, _, _) = rt.scale.ok_or_else(|| not_found(rt, name))?;
             let mut scale = self.scale_of_locked(rt, &old)?;
@@ -1247,14 +1246,8 @@ impl Inner {
         precondition_rv: Option<String>,
     ) -> ApiResult<Value> {
         let rt = &t.rtype;
-        let key = (self.ns_key(t), name.to_string());
         let mut st = self.state.lock().unwrap();
-        let old = st
-            .objects
-            .get(&rt.key())
-            .and_then(|m| m.get(&key))
-            .cloned()
-            .ok_or_else(|| not_found(rt, name))?;
+        let old = self.stored(&st, t, name)?;
         if precondition_rv.is_some_and(|rv| Some(rv.as_str()) != meta_str(&old, "resourceVersion"))
         {
             return Err(conflict(rt, name));

@@ -227,6 +227,28 @@ impl Cluster {
         }
     }
 
+    /// Waits for the VMI and its launcher Pod, runs the Pod on `node` (scheduler + kubelet),
+    /// waits for the controller to mark the VMI Scheduled, then marks the guest running
+    /// (virt-handler). Returns the VMI as it is then.
+    pub async fn bring_up(&self, name: &str, node: &str) -> VirtualMachineInstance {
+        let t = Duration::from_secs(20);
+        let vmis = self.api::<VirtualMachineInstance>();
+        let vmi = eventually("the VMI", t, || async { vmis.get_opt(name).await.unwrap() }).await;
+        let pod = eventually("the launcher Pod", t, || async {
+            self.pods_of(&vmi).await.into_iter().next()
+        })
+        .await;
+        self.kubelet_run(pod.metadata.name.as_deref().unwrap(), node)
+            .await;
+        eventually("VMI Scheduled", t, || async {
+            let phase = vmis.get(name).await.unwrap().status?.phase;
+            (phase == Some(VmiPhase::Scheduled)).then_some(())
+        })
+        .await;
+        self.handler_running(name).await;
+        vmis.get(name).await.unwrap()
+    }
+
     /// virt-handler edits `vmi.status.migrationState` (retrying on conflicts as it would).
     pub async fn handler_migration(&self, vmi: &str, f: impl Fn(&mut api::MigrationState)) {
         let vmis = self.api::<VirtualMachineInstance>();

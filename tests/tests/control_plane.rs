@@ -61,29 +61,6 @@ async fn vm_printable(c: &Cluster, name: &str) -> Option<String> {
         .and_then(|s| s.printable_status)
 }
 
-/// Waits for the VMI's launcher Pod, runs it on `node` and marks the guest running.
-async fn bring_up(c: &Cluster, name: &str, node: &str) -> VirtualMachineInstance {
-    let vmi = eventually("the VMI", T, || async {
-        c.api::<VirtualMachineInstance>()
-            .get_opt(name)
-            .await
-            .unwrap()
-    })
-    .await;
-    let pod = eventually("the launcher Pod", T, || async {
-        c.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
-    c.kubelet_run(pod.metadata.name.as_deref().unwrap(), node)
-        .await;
-    eventually("VMI Scheduled", T, || async {
-        (vmi_phase(c, name).await == Some(VmiPhase::Scheduled)).then_some(())
-    })
-    .await;
-    c.handler_running(name).await;
-    c.api::<VirtualMachineInstance>().get(name).await.unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vm_to_vmi_to_pod_then_stop() {
     let c = Cluster::start().await;
@@ -254,7 +231,7 @@ async fn manual_start_restart_and_halted() {
         }],
     )
     .await;
-    let first = bring_up(&c, "m", "node-a").await;
+    let first = c.bring_up("m", "node-a").await;
 
     // virtctl restart: Stop (this VMI) + Start
     virtctl(
@@ -309,7 +286,7 @@ async fn rerun_on_failure_backs_off_then_restarts() {
     let r = c.replica(test_config(), None);
     c.apply_yaml::<VirtualMachine>(&vm_yaml("crashy", "RerunOnFailure"))
         .await;
-    let first = bring_up(&c, "crashy", "node-a").await;
+    let first = c.bring_up("crashy", "node-a").await;
     let pod = c.pods_of(&first).await.remove(0);
     c.kubelet_exit(pod.metadata.name.as_deref().unwrap(), 12)
         .await;
@@ -439,7 +416,7 @@ async fn replicaset_scales_up_and_down_keeping_running_vmis() {
         .all(|v| v.metadata.name.as_deref().unwrap().starts_with("fleet")));
     // One runs.
     let keep = vmis[1].metadata.name.clone().unwrap();
-    bring_up(&c, &keep, "node-a").await;
+    c.bring_up(&keep, "node-a").await;
     eventually("status replicas 3, ready 1", T, || async {
         let s = c
             .api::<VirtualMachineInstanceReplicaSet>()
@@ -559,7 +536,7 @@ async fn migration_happy_path() {
         .unwrap();
     c.apply_yaml::<VirtualMachine>(&vm_yaml("db", "Always"))
         .await;
-    let vmi = bring_up(&c, "db", "node-a").await;
+    let vmi = c.bring_up("db", "node-a").await;
     let source = c.pods_of(&vmi).await.remove(0);
     c.apply_yaml::<VirtualMachineInstanceMigration>(&migration_yaml("mig", "db"))
         .await;
@@ -667,7 +644,7 @@ async fn migration_in_flight(
     mig: &str,
 ) -> (VirtualMachineInstance, Pod, Pod) {
     c.apply_yaml::<VirtualMachine>(&vm_yaml(vm, "Always")).await;
-    let vmi = bring_up(c, vm, "node-a").await;
+    let vmi = c.bring_up(vm, "node-a").await;
     let source = c.pods_of(&vmi).await.remove(0);
     c.apply_yaml::<VirtualMachineInstanceMigration>(&migration_yaml(mig, vm))
         .await;
@@ -692,7 +669,7 @@ async fn migration_in_flight_vmi(
         .create(&PostParams::default(), &vmi)
         .await
         .unwrap();
-    let vmi = bring_up(c, name, "node-a").await;
+    let vmi = c.bring_up(name, "node-a").await;
     let source = c.pods_of(&vmi).await.remove(0);
     c.apply_yaml::<VirtualMachineInstanceMigration>(&migration_yaml(mig, name))
         .await;
@@ -826,7 +803,7 @@ async fn admitted(
     let r = c.replica(cfg, None);
     for (vm, node) in vms {
         c.apply_yaml::<VirtualMachine>(&vm_yaml(vm, "Always")).await;
-        bring_up(&c, vm, node).await;
+        c.bring_up(vm, node).await;
     }
     for (vm, _) in vms {
         c.apply_yaml::<VirtualMachineInstanceMigration>(&migration_yaml(&format!("m-{vm}"), vm))
@@ -902,7 +879,7 @@ async fn metrics_endpoint_counts_vmis_per_phase() {
         .await;
     c.apply_yaml::<VirtualMachine>(&vm_yaml("m2", "Always"))
         .await;
-    bring_up(&c, "m1", "node-a").await;
+    c.bring_up("m1", "node-a").await;
     let text = eventually("phase counts", T, || async {
         let t = tests::cluster::http_get(addr, "/metrics").await;
         (t.contains(r#"kubevirt_vmi_phase_count{node="node-a",phase="running"} 1"#)
@@ -934,7 +911,7 @@ async fn once_runs_a_single_time_then_halts() {
     let r = c.replica(test_config(), None);
     c.apply_yaml::<VirtualMachine>(&vm_yaml("job", "Once"))
         .await;
-    let first = bring_up(&c, "job", "node-a").await;
+    let first = c.bring_up("job", "node-a").await;
     let pod = c.pods_of(&first).await.remove(0);
     // The guest powers off: the launcher exits 0.
     c.kubelet_exit(pod.metadata.name.as_deref().unwrap(), 0)
@@ -964,7 +941,7 @@ async fn deleting_a_vm_stops_its_guest_first() {
     let r = c.replica(test_config(), None);
     c.apply_yaml::<VirtualMachine>(&vm_yaml("gone", "Always"))
         .await;
-    let vmi = bring_up(&c, "gone", "node-a").await;
+    let vmi = c.bring_up("gone", "node-a").await;
     let pod = c.pods_of(&vmi).await.remove(0);
     c.api::<VirtualMachine>()
         .delete("gone", &DeleteParams::default())

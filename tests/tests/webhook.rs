@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, VmiPhase};
+use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use kube::api::ListParams;
@@ -221,25 +221,8 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
     .await;
     let mut pods = vec![];
     for name in ["drain-me", "plain"] {
-        let vmi = eventually("the VMI", T, || async {
-            c.api::<VirtualMachineInstance>()
-                .get_opt(name)
-                .await
-                .unwrap()
-        })
-        .await;
-        let pod = eventually("its Pod", T, || async {
-            c.pods_of(&vmi).await.into_iter().next()
-        })
-        .await;
-        c.kubelet_run(pod.metadata.name.as_deref().unwrap(), "node-a")
-            .await;
-        eventually("Scheduled", T, || async {
-            let v = c.api::<VirtualMachineInstance>().get(name).await.unwrap();
-            (v.status?.phase == Some(VmiPhase::Scheduled)).then_some(())
-        })
-        .await;
-        c.handler_running(name).await;
+        let vmi = c.bring_up(name, "node-a").await;
+        let pod = c.pods_of(&vmi).await.remove(0);
         pods.push(pod.metadata.name.unwrap());
     }
     let eviction = |pod: &str| json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}});
