@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use api::migratability::EvictionStrategy;
 use api::Condition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::runtime::controller::Action;
@@ -27,6 +28,13 @@ pub struct ControllerConfig {
     /// Retry backoff after a failed reconcile: base, doubling per consecutive failure, cap.
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// The eviction strategy of VMIs that set none (KubeVirt's cluster-wide `evictionStrategy`).
+    pub default_eviction_strategy: EvictionStrategy,
+    /// Nodes with a taint of this key are drained of VMs (KubeVirt's `nodeDrainTaintKey`);
+    /// `None` turns the drain-taint controller off.
+    pub drain_taint_key: Option<String>,
+    /// The pause after the first failed evacuation migration of a VMI, doubling per failure.
+    pub evacuation_retry_base: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -40,6 +48,9 @@ impl Default for ControllerConfig {
             migration_queue_recheck: Duration::from_secs(2),
             retry_base: Duration::from_millis(200),
             retry_max: Duration::from_secs(300),
+            default_eviction_strategy: EvictionStrategy::None,
+            drain_taint_key: Some(crate::evacuation::DEFAULT_DRAIN_TAINT.into()),
+            evacuation_retry_base: Duration::from_secs(20),
         }
     }
 }

@@ -4,6 +4,8 @@
 
 pub mod context;
 pub mod crds;
+pub mod disruption;
+pub mod evacuation;
 pub mod leader;
 pub mod metrics;
 pub mod migration;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use api::migratability::EvictionStrategy;
 use clap::{Parser, Subcommand};
 use controller::context::ControllerConfig;
 use controller::leader::LeaseConfig;
@@ -58,6 +59,18 @@ struct RunArgs {
     parallel_migrations_per_cluster: usize,
     #[arg(long, default_value_t = 2)]
     parallel_outbound_migrations_per_node: usize,
+    /// The eviction strategy of VMIs that set none (KubeVirt's cluster-wide evictionStrategy):
+    /// None, LiveMigrate, LiveMigrateIfPossible or External.
+    #[arg(long, default_value = "None", value_parser = parse_strategy)]
+    default_eviction_strategy: EvictionStrategy,
+    /// Nodes with a taint of this key are drained of VMs that can move (KubeVirt's
+    /// nodeDrainTaintKey); an empty value turns that off.
+    #[arg(long, default_value = controller::evacuation::DEFAULT_DRAIN_TAINT)]
+    node_drain_taint_key: String,
+}
+
+fn parse_strategy(s: &str) -> Result<EvictionStrategy, String> {
+    s.parse()
 }
 
 #[derive(Subcommand)]
@@ -134,6 +147,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("--webhook-addr {}", args.webhook_addr))?;
         let app = controller::webhook::router(controller::webhook::WebhookState {
             client: Some(client.clone()),
+            default_eviction_strategy: args.default_eviction_strategy,
         });
         tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
         if let (Some(pem), Some(_)) = (ca, &args.webhook_service) {
@@ -157,6 +171,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     config.pod.launcher_image = args.launcher_image.clone();
     config.parallel_migrations_per_cluster = args.parallel_migrations_per_cluster;
     config.parallel_outbound_migrations_per_node = args.parallel_outbound_migrations_per_node;
+    config.default_eviction_strategy = args.default_eviction_strategy;
+    config.drain_taint_key = Some(args.node_drain_taint_key.clone()).filter(|k| !k.is_empty());
     controller::run::run(client, config, lease, metrics, shutdown_signal())
         .await
         .map_err(anyhow::Error::msg)

@@ -264,6 +264,25 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
         fail(&apis, m, Some(&vmi), &mut status, "VMINotRunning", why, ctx).await?;
         return Ok(Action::await_change());
     }
+    if phase == MigrationPhase::Pending {
+        if let Some(Err(why)) = crate::evacuation::published_migratability(&vstatus) {
+            let why = format!(
+                "VirtualMachineInstance {} cannot be live-migrated: {why}",
+                vmi.name_any()
+            );
+            fail(
+                &apis,
+                m,
+                Some(&vmi),
+                &mut status,
+                "VMINotMigratable",
+                why,
+                ctx,
+            )
+            .await?;
+            return Ok(Action::await_change());
+        }
+    }
     let source_node = vstatus.node_name.clone().unwrap_or_default();
     let muid = m.uid().unwrap_or_default();
     let target = target_pods(&apis.pods, &muid).await?.into_iter().next();

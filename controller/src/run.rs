@@ -1,4 +1,5 @@
-//! Wiring: the four kube-runtime `Controller`s, behind leader election.
+//! Wiring: the kube-runtime `Controller`s (VMs, VMIs, ReplicaSets, Migrations and the node
+//! drain taint), behind leader election.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use api::{
     VirtualMachineInstanceReplicaSet,
 };
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::controller::{Config, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -19,7 +20,8 @@ use crate::leader::{LeaderElector, LeaseConfig};
 use crate::metrics::Metrics;
 use crate::pod::{LABEL_APP, LABEL_MIGRATION_JOB};
 
-/// Runs the VM, VMI, ReplicaSet and Migration controllers until `shutdown` resolves.
+/// Runs the VM, VMI, ReplicaSet, Migration and drain-taint controllers until `shutdown`
+/// resolves.
 pub async fn run_controllers(
     ctx: Arc<Context>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
@@ -42,7 +44,20 @@ pub async fn run_controllers(
         .for_each(|_| async {});
 
     let vmi_controller = Controller::new(Api::<VirtualMachineInstance>::all(client.clone()), wc())
-        .owns(Api::<Pod>::all(client.clone()), launcher_pods());
+        .owns(Api::<Pod>::all(client.clone()), launcher_pods())
+        // A failed evacuation migration is retried by its VMI (after a pause).
+        .watches(
+            Api::<VirtualMachineInstanceMigration>::all(client.clone()),
+            wc(),
+            |m| {
+                m.annotations()
+                    .contains_key(crate::evacuation::EVACUATION_ANNOTATION)
+                    .then(|| {
+                        ObjectRef::<VirtualMachineInstance>::new(&m.spec.vmi_name)
+                            .within(&m.namespace().unwrap_or_default())
+                    })
+            },
+        );
     ctx.metrics.watch_vmis(vmi_controller.store());
     let vmi = vmi_controller
         .graceful_shutdown_on(stop(&tx))
@@ -109,9 +124,20 @@ pub async fn run_controllers(
         )
         .for_each(|_| async {});
 
+    // Only tainted nodes matter, but a taint cannot be selected on, so every node is watched
+    // (node objects are few next to Pods and VMIs).
+    let drain = Controller::new(Api::<Node>::all(client.clone()), wc())
+        .graceful_shutdown_on(stop(&tx))
+        .run(
+            crate::evacuation::reconcile_node,
+            crate::evacuation::node_error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| async {});
+
     ctx.metrics.set_ready(true);
     let all = async {
-        tokio::join!(vm, vmi, rs, migration);
+        tokio::join!(vm, vmi, rs, migration, drain);
     };
     tokio::select! {
         _ = all => {}

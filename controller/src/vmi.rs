@@ -22,7 +22,9 @@ use crate::context::{
     delete_if_present, finalizer_patch, has_finalizer, remove_condition, set_condition,
     write_labels, write_status, Context, Error, Result,
 };
+use crate::evacuation::{self, LIVE_MIGRATABLE};
 use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
+use api::migratability::EvictionStrategy;
 
 pub const VMI_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
 pub const LABEL_NODE_NAME: &str = "kubevirt.io/nodeName";
@@ -266,68 +268,35 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
             );
         }
     }
+    let placed = matches!(status.phase, Some(VmiPhase::Scheduled | VmiPhase::Running));
+    if placed {
+        match evacuation::migration_blocker(&ctx.client, vmi).await? {
+            None => set_condition(&mut status.conditions, LIVE_MIGRATABLE, true, None, None),
+            Some(b) => set_condition(
+                &mut status.conditions,
+                LIVE_MIGRATABLE,
+                false,
+                Some(b.reason),
+                Some(b.message),
+            ),
+        }
+    }
+    let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
+    if strategy != EvictionStrategy::None {
+        // Strategy None never has a budget, so those VMIs cost no request here.
+        let migratable = evacuation::published_migratability(&status).is_some_and(|r| r.is_ok());
+        let protect = placed && strategy.on_eviction(migratable).protects_pod();
+        crate::disruption::sync(&ctx.client, vmi, &status, protect).await?;
+    }
+    let mut action = Action::await_change();
     if status.phase == Some(VmiPhase::Running) {
-        evacuate(vmi, &status, ctx).await?;
+        if let Some(pause) = evacuation::evacuate(vmi, &status, ctx).await? {
+            action = Action::requeue(pause);
+        }
     }
     let labels = (&labels != vmi.labels()).then_some(labels);
     write(&vmis, vmi, labels, status).await?;
-    Ok(Action::await_change())
-}
-
-/// A Running VMI whose launcher Pod's eviction was refused by the webhook (it set
-/// `status.evacuationNodeName` to the VMI's node) is live-migrated away, as KubeVirt's
-/// evacuation controller does: one migration at a time, named `kubevirt-evacuation-*`.
-async fn evacuate(
-    vmi: &VirtualMachineInstance,
-    status: &VirtualMachineInstanceStatus,
-    ctx: &Context,
-) -> Result<()> {
-    let (Some(evac), Some(node)) = (&status.evacuation_node_name, &status.node_name) else {
-        return Ok(());
-    };
-    if evac != node {
-        return Ok(());
-    }
-    let ns = vmi.namespace().unwrap_or_default();
-    let migrations: Api<api::VirtualMachineInstanceMigration> =
-        Api::namespaced(ctx.client.clone(), &ns);
-    let active = migrations.list(&ListParams::default()).await?.items;
-    let busy = active.iter().any(|m| {
-        m.spec.vmi_name == vmi.name_any()
-            && !matches!(
-                m.status.as_ref().and_then(|s| s.phase),
-                Some(api::MigrationPhase::Succeeded | api::MigrationPhase::Failed)
-            )
-    });
-    if busy {
-        return Ok(());
-    }
-    let mut m = api::VirtualMachineInstanceMigration::new(
-        "",
-        api::VirtualMachineInstanceMigrationSpec {
-            vmi_name: vmi.name_any(),
-        },
-    );
-    m.metadata.name = None;
-    m.metadata.generate_name = Some("kubevirt-evacuation-".into());
-    m.metadata.namespace = Some(ns);
-    m.metadata.annotations = Some(BTreeMap::from([(
-        "kubevirt.io/evacuationMigration".to_string(),
-        node.clone(),
-    )]));
-    let created = migrations.create(&PostParams::default(), &m).await?;
-    ctx.event(
-        vmi,
-        false,
-        "EvacuationMigrationCreated",
-        "Migrate",
-        format!(
-            "node {node} is being drained; created migration {}",
-            created.name_any()
-        ),
-    )
-    .await;
-    Ok(())
+    Ok(action)
 }
 
 /// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed.

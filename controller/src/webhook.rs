@@ -10,12 +10,15 @@
 
 use std::sync::Arc;
 
-use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
+use api::migratability::EvictionStrategy;
+use api::{
+    VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
+    VirtualMachineInstanceReplicaSet,
+};
 use axum::extract::State;
 use axum::routing::post;
 use axum::Json;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::DynamicObject;
 use kube::{Client, ResourceExt};
@@ -24,15 +27,16 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_rustls::rustls;
 
-use crate::pod::{LABEL_APP, LABEL_CREATED_BY};
-
 pub const RUNNING_DEPRECATED: &str =
     "spec.running is deprecated, please use spec.runStrategy instead.";
 
 #[derive(Clone)]
 pub struct WebhookState {
-    /// For `/eviction`, which reads the Pod and VMI and marks the VMI.
+    /// For `/eviction`, which reads the Pod and VMI and marks the VMI, and for admitting
+    /// migrations, which reads their VMI.
     pub client: Option<Client>,
+    /// The eviction strategy of VMIs that set none.
+    pub default_eviction_strategy: EvictionStrategy,
 }
 
 pub fn router(state: WebhookState) -> axum::Router {
@@ -83,14 +87,75 @@ pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, S
     Ok(warnings)
 }
 
-async fn validate(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
+/// KubeVirt's admission of a new migration: its VMI exists, runs, can be live-migrated and is
+/// not being migrated already. (The migration controller checks the same again, since a
+/// webhook may be bypassed.)
+pub async fn admit_migration(client: &Client, obj: &DynamicObject) -> Result<(), String> {
+    let m: VirtualMachineInstanceMigration = decode(obj, "VirtualMachineInstanceMigration")?;
+    let ns = obj.namespace().unwrap_or_default();
+    let vmi_name = &m.spec.vmi_name;
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), &ns);
+    let vmi = vmis
+        .get_opt(vmi_name)
+        .await
+        .map_err(|e| format!("cannot read VirtualMachineInstance {vmi_name:?}: {e}"))?
+        .ok_or_else(|| {
+            format!("spec.vmiName: VirtualMachineInstance {vmi_name:?} does not exist in namespace {ns:?}")
+        })?;
+    let status = vmi.status.clone().unwrap_or_default();
+    if status.phase != Some(api::VmiPhase::Running) {
+        return Err(format!(
+            "spec.vmiName: VirtualMachineInstance {vmi_name:?} is {:?}; only a Running VMI can be migrated",
+            status.phase.unwrap_or(api::VmiPhase::Pending)
+        ));
+    }
+    if let Some(Err(why)) = crate::evacuation::published_migratability(&status) {
+        return Err(format!(
+            "spec.vmiName: VirtualMachineInstance {vmi_name:?} cannot be live-migrated: {why}"
+        ));
+    }
+    let migrations: Api<VirtualMachineInstanceMigration> = Api::namespaced(client.clone(), &ns);
+    let others = migrations
+        .list(&Default::default())
+        .await
+        .map_err(|e| format!("cannot list migrations: {e}"))?;
+    if let Some(busy) = others.items.iter().find(|o| {
+        o.spec.vmi_name == *vmi_name
+            && !matches!(
+                o.status.as_ref().and_then(|s| s.phase),
+                Some(api::MigrationPhase::Succeeded | api::MigrationPhase::Failed)
+            )
+    }) {
+        return Err(format!(
+            "spec.vmiName: VirtualMachineInstance {vmi_name:?} is already being migrated by {:?}",
+            busy.name_any()
+        ));
+    }
+    Ok(())
+}
+
+async fn validate(
+    State(state): State<Arc<WebhookState>>,
+    Json(review): Review,
+) -> Json<AdmissionReview<DynamicObject>> {
     let req = match request(review) {
         Ok(r) => r,
         Err(resp) => return Json(resp.into_review()),
     };
     let mut resp = AdmissionResponse::from(&req);
     if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
-        match validate_object(&req.kind.kind, obj) {
+        let mut verdict = validate_object(&req.kind.kind, obj);
+        if let (Ok(_), Some(client), "VirtualMachineInstanceMigration", Operation::Create) = (
+            &verdict,
+            &state.client,
+            req.kind.kind.as_str(),
+            &req.operation,
+        ) {
+            if let Err(e) = admit_migration(client, obj).await {
+                verdict = Err(e);
+            }
+        }
+        match verdict {
             Ok(w) if !w.is_empty() => resp.warnings = Some(w),
             Ok(_) => {}
             Err(msg) => {
@@ -181,55 +246,6 @@ async fn mutate_review(Json(review): Review) -> Json<AdmissionReview<DynamicObje
     Json(resp.into_review())
 }
 
-/// What the eviction of a launcher Pod does (see the module comment).
-pub async fn evict(
-    client: &Client,
-    namespace: &str,
-    pod_name: &str,
-) -> Result<Option<String>, kube::Error> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let Some(pod) = pods.get_opt(pod_name).await? else {
-        return Ok(None);
-    };
-    if pod.labels().get(LABEL_APP).map(String::as_str) != Some("virt-launcher") {
-        return Ok(None);
-    }
-    let Some(vmi_uid) = pod.labels().get(LABEL_CREATED_BY).cloned() else {
-        return Ok(None);
-    };
-    let Some(owner) = pod.owner_references().iter().find(|r| r.uid == vmi_uid) else {
-        return Ok(None);
-    };
-    let vmis: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), namespace);
-    let Some(mut vmi) = vmis.get_opt(&owner.name).await? else {
-        return Ok(None);
-    };
-    let strategy = vmi.spec.eviction_strategy.as_deref().unwrap_or("None");
-    let running = vmi.status.as_ref().and_then(|s| s.phase) == Some(api::VmiPhase::Running);
-    if !matches!(strategy, "LiveMigrate" | "LiveMigrateIfPossible") || !running {
-        return Ok(None);
-    }
-    let node = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .unwrap_or_default();
-    let status = vmi.status.get_or_insert_with(Default::default);
-    if status.node_name.as_deref() != Some(node.as_str()) {
-        // A migration source or target Pod that is not where the VMI runs: nothing to move.
-        return Ok(None);
-    }
-    if status.evacuation_node_name.as_deref() != Some(node.as_str()) {
-        status.evacuation_node_name = Some(node.clone());
-        vmis.replace_status(&vmi.name_any(), &PostParams::default(), &vmi)
-            .await?;
-    }
-    Ok(Some(format!(
-        "Eviction triggered evacuation of VMI \"{namespace}/{}\" from node {node}",
-        vmi.name_any()
-    )))
-}
-
 async fn eviction(
     State(state): State<Arc<WebhookState>>,
     Json(review): Review,
@@ -242,7 +258,14 @@ async fn eviction(
     let (Some(client), Some(ns)) = (&state.client, req.namespace.as_deref()) else {
         return Json(resp.into_review());
     };
-    let resp = match evict(client, ns, &req.name).await {
+    let resp = match crate::evacuation::evict(
+        client,
+        state.default_eviction_strategy,
+        ns,
+        &req.name,
+    )
+    .await
+    {
         Ok(None) => resp,
         Ok(Some(msg)) => {
             let mut r = resp.deny(msg);

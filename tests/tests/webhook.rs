@@ -27,7 +27,10 @@ async fn start_webhook(client: Option<kube::Client>) -> Webhook {
             .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = controller::webhook::router(controller::webhook::WebhookState { client });
+    let app = controller::webhook::router(controller::webhook::WebhookState {
+        client,
+        default_eviction_strategy: Default::default(),
+    });
     tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
     Webhook { addr, ca }
 }
