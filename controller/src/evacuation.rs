@@ -229,6 +229,18 @@ pub async fn evacuate(
     if all.iter().any(|m| m.spec.vmi_name == name && !is_final(m)) {
         return Ok(None);
     }
+    // The VMI this round started from may be a cached copy from before a migration that has
+    // just ended moved it (a migration's VMI is written before the migration is marked
+    // final); read it again after the migrations so that a finished evacuation is never
+    // started twice.
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
+    let fresh = vmis.get_opt(&name).await?.and_then(|v| v.status);
+    let still_marked = fresh.is_some_and(|s| {
+        s.evacuation_node_name.as_ref() == Some(node) && s.node_name.as_ref() == Some(node)
+    });
+    if !still_marked {
+        return Ok(None);
+    }
     let failed: Vec<i64> = all
         .iter()
         .filter(|m| is_evacuation_of(m, &name, node))

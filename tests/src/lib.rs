@@ -1,6 +1,7 @@
 //! Support for microvirt's integration tests: building and locating guest images, running a
 //! VM in-process with its console captured, and reading the probe guest's result line.
 
+pub mod admission;
 pub mod apiserver;
 pub mod cluster;
 

@@ -2,97 +2,16 @@
 //! the API server would with the CA bundle): validation with the launcher's messages,
 //! defaulting patches, and eviction of a LiveMigrate VMI's Pod turned into a migration.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
+use api::migratability::EvictionStrategy;
 use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
 use kube::api::ListParams;
 use serde_json::{json, Value};
+use tests::admission::{eviction, review, start_webhook};
 use tests::cluster::{eventually, test_config, Cluster};
-use tokio_rustls::rustls;
 
 const T: Duration = Duration::from_secs(20);
-
-struct Webhook {
-    addr: SocketAddr,
-    ca: String,
-}
-
-async fn start_webhook(client: Option<kube::Client>) -> Webhook {
-    let (tls, ca) =
-        controller::webhook::self_signed(vec!["virt-controller-webhook.microvirt.svc".into()])
-            .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = controller::webhook::router(controller::webhook::WebhookState {
-        client,
-        default_eviction_strategy: Default::default(),
-    });
-    tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
-    Webhook { addr, ca }
-}
-
-impl Webhook {
-    async fn post(&self, path: &str, body: &Value) -> Value {
-        let mut roots = rustls::RootCertStore::empty();
-        for c in rustls_pemfile::certs(&mut self.ca.as_bytes()) {
-            roots.add(c.unwrap()).unwrap();
-        }
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let name = rustls::pki_types::ServerName::try_from("virt-controller-webhook.microvirt.svc")
-            .unwrap();
-        let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
-            .connect(name, tcp)
-            .await
-            .expect("TLS handshake with the CA bundle");
-        let (mut sender, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-                .await
-                .unwrap();
-        tokio::spawn(conn);
-        let req = hyper::Request::post(path)
-            .header("host", "virt-controller-webhook.microvirt.svc")
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
-            .unwrap();
-        let resp = sender.send_request(req).await.unwrap();
-        assert_eq!(resp.status(), 200);
-        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap()
-    }
-}
-
-fn review(kind: &str, resource: &str, operation: &str, object: Value) -> Value {
-    let (group, version) = match object["apiVersion"]
-        .as_str()
-        .unwrap_or("v1")
-        .split_once('/')
-    {
-        Some((g, v)) => (g.to_string(), v.to_string()),
-        None => (String::new(), "v1".to_string()),
-    };
-    json!({
-        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-        "request": {
-            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
-            "kind": {"group": group, "version": version, "kind": kind},
-            "resource": {"group": group, "version": version, "resource": resource},
-            "name": object["metadata"]["name"], "namespace": "default",
-            "operation": operation,
-            "userInfo": {"username": "admin"},
-            "object": object, "oldObject": null, "dryRun": false,
-        }
-    })
-}
 
 fn vm(extra_spec: Value, memory: &str) -> Value {
     let mut spec = json!({
@@ -110,7 +29,7 @@ fn vm(extra_spec: Value, memory: &str) -> Value {
 
 #[tokio::test]
 async fn validation_gives_the_launchers_message() {
-    let w = start_webhook(None).await;
+    let w = start_webhook(None, EvictionStrategy::None).await;
     let bad = vm(json!({"runStrategy": "Always"}), "64Zi");
     let resp = w
         .post(
@@ -175,7 +94,7 @@ async fn validation_gives_the_launchers_message() {
 
 #[tokio::test]
 async fn mutation_applies_kubevirt_defaults_as_a_json_patch() {
-    let w = start_webhook(None).await;
+    let w = start_webhook(None, EvictionStrategy::None).await;
     let obj = vm(json!({"runStrategy": "Always"}), "64Mi");
     let resp = w
         .post(
@@ -215,7 +134,7 @@ fn evictable_vm(name: &str) -> String {
 async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
     let c = Cluster::start().await;
     let r = c.replica(test_config(), None);
-    let w = start_webhook(Some(c.client.clone())).await;
+    let w = start_webhook(Some(c.client.clone()), EvictionStrategy::None).await;
     c.apply_yaml::<VirtualMachine>(&evictable_vm("drain-me"))
         .await;
     c.apply_yaml::<VirtualMachine>(
@@ -228,14 +147,8 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
         let pod = c.pods_of(&vmi).await.remove(0);
         pods.push(pod.metadata.name.unwrap());
     }
-    let eviction = |pod: &str| json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "default"}});
     // kubectl drain node-a: the LiveMigrate VMI's Pod is refused with 429 and migrates...
-    let resp = w
-        .post(
-            "/eviction",
-            &review("Eviction", "pods", "CREATE", eviction(&pods[0])),
-        )
-        .await;
+    let resp = w.post("/eviction", &eviction(&pods[0])).await;
     assert_eq!(resp["response"]["allowed"], false, "{resp}");
     assert_eq!(resp["response"]["status"]["code"], 429);
     assert!(resp["response"]["status"]["message"]
@@ -267,20 +180,10 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
         .unwrap()
         .starts_with("kubevirt-evacuation-"));
     // ... while the other Pod is simply evicted.
-    let resp = w
-        .post(
-            "/eviction",
-            &review("Eviction", "pods", "CREATE", eviction(&pods[1])),
-        )
-        .await;
+    let resp = w.post("/eviction", &eviction(&pods[1])).await;
     assert_eq!(resp["response"]["allowed"], true, "{resp}");
     // A second eviction attempt (drain retries) does not start a second migration.
-    let resp = w
-        .post(
-            "/eviction",
-            &review("Eviction", "pods", "CREATE", eviction(&pods[0])),
-        )
-        .await;
+    let resp = w.post("/eviction", &eviction(&pods[0])).await;
     assert_eq!(resp["response"]["allowed"], false);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let n = c
