@@ -156,7 +156,8 @@ pub struct Condition {
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"IP","type":"string","jsonPath":".status.interfaces[0].ipAddress"}"#,
     printcolumn = r#"{"name":"NodeName","type":"string","jsonPath":".status.nodeName"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type=='Ready')].status"}"#
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type=='Ready')].status"}"#,
+    printcolumn = r#"{"name":"Live-Migratable","type":"string","jsonPath":".status.conditions[?(@.type=='LiveMigratable')].status","priority":1}"#
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]

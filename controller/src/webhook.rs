@@ -3,10 +3,10 @@
 //!   `kubectl apply` of a bad object fails with the same message `virt-launcher run` prints;
 //!   the deprecated `spec.running` is admitted with a warning, as KubeVirt does;
 //! - `/mutate`: KubeVirt's defaulting (`api::validation::default_*`) as a JSON patch;
-//! - `/eviction`: `pods/eviction` of a launcher Pod whose VMI has `evictionStrategy:
-//!   LiveMigrate` is refused with 429 (so `kubectl drain` keeps retrying) after marking the VMI
-//!   `status.evacuationNodeName`; the VMI controller then starts a live migration, and once
-//!   the VMI has left the node the Pod is gone and the drain completes.
+//! - `/eviction`: `pods/eviction` of a launcher Pod, decided by its VMI's eviction strategy
+//!   (see `crate::evacuation::evict`): refused with 429 (so `kubectl drain` keeps retrying)
+//!   after marking the VMI `status.evacuationNodeName` when it is to move; the VMI controller
+//!   then live-migrates it, and once it has left the node the Pod is gone and the drain ends.
 
 use std::sync::Arc;
 

@@ -50,9 +50,15 @@ fn short_names_subresources_and_columns() {
         .as_ref()
         .unwrap()
         .iter()
-        .map(|c| c.name.clone())
+        .map(|c| (c.name.clone(), c.priority.unwrap_or(0)))
         .collect();
-    assert_eq!(cols, ["Age", "Phase", "IP", "NodeName", "Ready"]);
+    // `kubectl get vmi` shows KubeVirt's five columns; `-o wide` adds Live-Migratable.
+    let names = ["Age", "Phase", "IP", "NodeName", "Ready", "Live-Migratable"];
+    let want: Vec<_> = names
+        .iter()
+        .map(|n| (n.to_string(), i32::from(*n == "Live-Migratable")))
+        .collect();
+    assert_eq!(cols, want);
 
     let rs = crd("VirtualMachineInstanceReplicaSet");
     assert_eq!(
