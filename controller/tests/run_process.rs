@@ -8,6 +8,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use tests::apiserver::ApiServer;
+use tests::rbac::{service_account_user, Authorizer};
 
 async fn wait<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
     let start = Instant::now();
@@ -26,17 +27,24 @@ async fn wait<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_reconciles_and_releases_its_lease_on_sigterm() {
     let api = ApiServer::start().await;
+    // The process runs under its deployed service account and RBAC rules.
+    api.enforce_rbac(Authorizer::from_dir(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac"),
+    ));
     let dir = std::env::temp_dir().join(format!("virt-controller-run-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig);
+    api.write_kubeconfig(
+        &kubeconfig,
+        Some(&service_account_user("microvirt", "virt-controller")),
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_virt-controller"))
         .args([
             "run",
             "--leader-election-lease",
             "virt-controller",
             "--namespace",
-            "default",
+            "microvirt",
             "--identity",
             "replica-1",
             "--lease-duration",
@@ -69,7 +77,7 @@ async fn run_reconciles_and_releases_its_lease_on_sigterm() {
             .next()
     })
     .await;
-    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "microvirt");
     let holder = leases
         .get("virt-controller")
         .await

@@ -22,7 +22,7 @@
 //! Not implemented (the controllers do not use them): server-side apply, deletecollection,
 //! protobuf, tables, admission (the webhook is tested on its own).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,6 +32,8 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, Response, StatusCode, Uri};
 use serde_json::{json, Map, Value};
 use tokio::sync::broadcast;
+
+use crate::rbac::{Authorizer, RequestAttributes};
 
 /// A kind the server stores.
 #[derive(Clone, Debug)]
@@ -179,6 +181,15 @@ struct Inner {
     history_limit: usize,
     requests: AtomicU64,
     request_log: Mutex<Vec<(Method, String, u16)>>,
+    auth: Mutex<Authentication>,
+}
+
+/// Bearer token → user, and the RBAC rules such users are held to. Requests without a token
+/// are the cluster admin's (the test itself).
+#[derive(Default)]
+struct Authentication {
+    users: HashMap<String, String>,
+    rbac: Option<Arc<Authorizer>>,
 }
 
 /// A running server; dropping it does not stop it (it lives as long as the runtime).
@@ -539,6 +550,7 @@ impl ApiServer {
             history_limit: opts.history_limit,
             requests: AtomicU64::new(0),
             request_log: Mutex::new(vec![]),
+            auth: Mutex::new(Authentication::default()),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -565,10 +577,45 @@ impl ApiServer {
         kube::Client::try_from(config).unwrap()
     }
 
-    /// A kubeconfig file pointing at this server, for controller processes.
-    pub fn write_kubeconfig(&self, path: &std::path::Path) {
+    /// Holds every request made with a token (see [`ApiServer::client_as`]) to these RBAC
+    /// rules: what they do not grant is refused with 403 Forbidden.
+    pub fn enforce_rbac(&self, authorizer: Authorizer) {
+        self.inner.auth.lock().unwrap().rbac = Some(Arc::new(authorizer));
+    }
+
+    /// A client authenticated as `user` (a bearer token the server maps to that user), as a
+    /// component running under its service account would be.
+    pub fn client_as(&self, user: &str) -> kube::Client {
+        let token = format!("token-{}", random_suffix(16));
+        self.inner
+            .auth
+            .lock()
+            .unwrap()
+            .users
+            .insert(token.clone(), user.to_string());
+        let mut config = kube::Config::new(self.url().parse().unwrap());
+        config.auth_info.token = Some(secrecy::SecretString::from(token));
+        kube::Client::try_from(config).unwrap()
+    }
+
+    /// A kubeconfig file pointing at this server, for controller processes: as the cluster
+    /// admin, or as `user` (with a token, see [`ApiServer::client_as`]).
+    pub fn write_kubeconfig(&self, path: &std::path::Path, user: Option<&str>) {
+        let credentials = match user {
+            Some(u) => {
+                let token = format!("token-{}", random_suffix(16));
+                self.inner
+                    .auth
+                    .lock()
+                    .unwrap()
+                    .users
+                    .insert(token.clone(), u.to_string());
+                format!("{{token: {token}}}")
+            }
+            None => "{}".into(),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\nusers:\n- name: fake\n  user: {{}}\ncurrent-context: fake\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\nusers:\n- name: fake\n  user: {credentials}\ncurrent-context: fake\n",
             self.url()
         );
         std::fs::write(path, text).unwrap();
@@ -653,17 +700,11 @@ impl Inner {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let path = uri.path().to_string();
         let q = query_map(&uri);
-        let resp = match self.check_fault(&method, &path) {
-            Some(Err(e)) => Err(e),
-            Some(Ok(delay)) => {
-                tokio::time::sleep(delay).await;
+        let resp = match self.authorize(&method, &path, &q, &headers) {
+            Err(e) => Err(e),
+            Ok(()) => {
                 self.clone()
-                    .dispatch(&method, &path, &q, &headers, &body)
-                    .await
-            }
-            None => {
-                self.clone()
-                    .dispatch(&method, &path, &q, &headers, &body)
+                    .serve(method.clone(), &path, &q, &headers, &body)
                     .await
             }
         };
@@ -672,6 +713,92 @@ impl Inner {
             .lock()
             .unwrap()
             .push((method, path, resp.status().as_u16()));
+        resp
+    }
+
+    /// Authentication by bearer token and RBAC authorization, as the real server does before
+    /// anything else.
+    fn authorize(
+        &self,
+        method: &Method,
+        path: &str,
+        q: &BTreeMap<String, String>,
+        headers: &HeaderMap,
+    ) -> ApiResult<()> {
+        let Some(token) = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+        else {
+            return Ok(());
+        };
+        let (user, authorizer) = {
+            let auth = self.auth.lock().unwrap();
+            (auth.users.get(token).cloned(), auth.rbac.clone())
+        };
+        let Some(user) = user else {
+            return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
+        };
+        let Some(authorizer) = authorizer else {
+            return Ok(());
+        };
+        let t = self.route(path)?;
+        let verb = match (method, &t.name) {
+            (&Method::GET, None) if q.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+                "watch"
+            }
+            (&Method::GET, None) => "list",
+            (&Method::GET, Some(_)) => "get",
+            (&Method::POST, _) => "create",
+            (&Method::PUT, _) => "update",
+            (&Method::PATCH, _) => "patch",
+            (&Method::DELETE, None) => "deletecollection",
+            (&Method::DELETE, Some(_)) => "delete",
+            _ => return Ok(()),
+        };
+        let attrs = RequestAttributes {
+            verb: verb.into(),
+            api_group: t.rtype.group.into(),
+            resource: match &t.subresource {
+                Some(sub) => format!("{}/{sub}", t.rtype.plural),
+                None => t.rtype.plural.into(),
+            },
+            namespace: t.namespace.clone(),
+            name: t.name.clone(),
+        };
+        if authorizer.allows(&user, &attrs) {
+            Ok(())
+        } else {
+            let message = Authorizer::forbidden_message(&user, &attrs);
+            // Printed so that a test that then times out says why.
+            eprintln!("test API server: 403 {message}");
+            Err(ApiError::new(403, "Forbidden", message))
+        }
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        method: Method,
+        path: &str,
+        q: &BTreeMap<String, String>,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> ApiResult<Response<Body>> {
+        let path = path.to_string();
+        let resp = match self.check_fault(&method, &path) {
+            Some(Err(e)) => Err(e),
+            Some(Ok(delay)) => {
+                tokio::time::sleep(delay).await;
+                self.clone()
+                    .dispatch(&method, &path, q, headers, body)
+                    .await
+            }
+            None => {
+                self.clone()
+                    .dispatch(&method, &path, q, headers, body)
+                    .await
+            }
+        };
         resp
     }
 

@@ -17,8 +17,11 @@ use kube::Client;
 use serde_json::json;
 
 use crate::apiserver::ApiServer;
+use crate::rbac::{service_account_user, Authorizer};
 
 pub const NS: &str = "default";
+/// Where virt-controller runs (its Lease lives there), as in `deploy/`.
+pub const CONTROLLER_NAMESPACE: &str = "microvirt";
 
 pub struct Replica {
     pub metrics: Arc<Metrics>,
@@ -65,10 +68,23 @@ impl Cluster {
         }
     }
 
+    /// An API server holding virt-controller to the RBAC rules deployed with it
+    /// (`deploy/rbac/`), and an admin client for the test.
     pub async fn start() -> Cluster {
         let api = ApiServer::start().await;
+        api.enforce_rbac(Authorizer::from_dir(
+            &crate::repo_root().join("deploy/rbac"),
+        ));
         let client = api.client();
         Cluster { api, client }
+    }
+
+    /// A client with virt-controller's service account, as its Deployment runs it.
+    pub fn controller_client(&self) -> Client {
+        self.api.client_as(&service_account_user(
+            CONTROLLER_NAMESPACE,
+            "virt-controller",
+        ))
     }
 
     /// Starts a virt-controller replica (leader-elected when `lease` is given).
@@ -76,7 +92,7 @@ impl Cluster {
         let metrics = Arc::new(Metrics::new());
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(controller::run::run(
-            self.api.client(),
+            self.controller_client(),
             config,
             lease,
             metrics.clone(),

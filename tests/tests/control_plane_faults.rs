@@ -8,7 +8,8 @@ use api::{VirtualMachine, VirtualMachineInstance, VmiPhase};
 use axum::http::Method;
 use controller::leader::LeaseConfig;
 use k8s_openapi::api::coordination::v1::Lease;
-use tests::cluster::{eventually, test_config, Cluster};
+use kube::Api;
+use tests::cluster::{eventually, test_config, Cluster, CONTROLLER_NAMESPACE};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -154,7 +155,7 @@ async fn dropped_and_expired_watches_recover() {
 }
 
 fn lease(identity: &str) -> LeaseConfig {
-    let mut l = LeaseConfig::new("default", "virt-controller", identity);
+    let mut l = LeaseConfig::new(CONTROLLER_NAMESPACE, "virt-controller", identity);
     l.lease_duration = Duration::from_secs(2);
     l.renew_deadline = Duration::from_millis(1300);
     l.retry_period = Duration::from_millis(200);
@@ -162,7 +163,7 @@ fn lease(identity: &str) -> LeaseConfig {
 }
 
 async fn holder(c: &Cluster) -> Option<String> {
-    c.api::<Lease>()
+    Api::<Lease>::namespaced(c.client.clone(), CONTROLLER_NAMESPACE)
         .get_opt("virt-controller")
         .await
         .unwrap()?
@@ -205,8 +206,7 @@ async fn only_the_leader_acts_and_a_follower_takes_over() {
     })
     .await;
     assert_eq!(holder(&c).await.as_deref(), Some("replica-b"));
-    let transitions = c
-        .api::<Lease>()
+    let transitions = Api::<Lease>::namespaced(c.client.clone(), CONTROLLER_NAMESPACE)
         .get("virt-controller")
         .await
         .unwrap()

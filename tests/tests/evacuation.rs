@@ -114,7 +114,7 @@ fn min_available(b: &PodDisruptionBudget) -> Option<i32> {
 async fn live_migratable_follows_claims_and_host_disks_and_gates_migrations() {
     let c = Cluster::start().await;
     let r = c.replica(test_config(), None);
-    let w = start_webhook(Some(c.client.clone()), EvictionStrategy::None).await;
+    let w = start_webhook(Some(c.controller_client()), EvictionStrategy::None).await;
     claim(&c, "shared", "ReadWriteMany").await;
     claim(&c, "local", "ReadWriteOnce").await;
     for (name, volume) in [
@@ -217,7 +217,7 @@ async fn eviction_follows_the_strategy_table_with_budgets_behind_it() {
     let mut config = test_config();
     config.default_eviction_strategy = cluster_default;
     let r = c.replica(config, None);
-    let w = start_webhook(Some(c.client.clone()), cluster_default).await;
+    let w = start_webhook(Some(c.controller_client()), cluster_default).await;
     claim(&c, "local", "ReadWriteOnce").await;
     let movable = "containerDisk: {image: quay.io/containerdisks/alpine:3.20}";
     let stuck = "persistentVolumeClaim: {claimName: local}";

@@ -134,7 +134,7 @@ fn evictable_vm(name: &str) -> String {
 async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
     let c = Cluster::start().await;
     let r = c.replica(test_config(), None);
-    let w = start_webhook(Some(c.client.clone()), EvictionStrategy::None).await;
+    let w = start_webhook(Some(c.controller_client()), EvictionStrategy::None).await;
     c.apply_yaml::<VirtualMachine>(&evictable_vm("drain-me"))
         .await;
     c.apply_yaml::<VirtualMachine>(

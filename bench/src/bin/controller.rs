@@ -110,7 +110,7 @@ async fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("controller-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let kubeconfig = dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig);
+    api.write_kubeconfig(&kubeconfig, None);
     let mut child = Command::new(&bin)
         .args(["run", "--no-webhook", "--metrics-addr", "127.0.0.1:0"])
         .env("KUBECONFIG", &kubeconfig)
