@@ -113,6 +113,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     pub recorder: Recorder,
     pub backoff: RetryBackoff,
+    /// Held while a migration is admitted against the limits (see `migration.rs`).
+    pub migration_admission: tokio::sync::Mutex<()>,
 }
 
 impl Context {
@@ -127,6 +129,7 @@ impl Context {
             config,
             metrics,
             backoff: RetryBackoff::default(),
+            migration_admission: tokio::sync::Mutex::new(()),
         })
     }
 

@@ -11,8 +11,10 @@
 //! Failed (`failed`, target Pod lost, source lost, or the migration was deleted): the target Pod
 //! is removed and the VMI keeps running on its source.
 //!
-//! The controller runs with concurrency 1 and counts migrations from the API server, so the
-//! limits hold even when many migrations are created at once.
+//! Migrations reconcile in parallel, except admission (Pending → Scheduling), which is
+//! serialized and counts admitted migrations from the API server, so the limits hold exactly
+//! even when many migrations are created at once, and a slow request for one migration does not
+//! hold up the others once they are admitted.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -288,44 +290,53 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
     let target = target_pods(&apis.pods, &muid).await?.into_iter().next();
 
     if phase == MigrationPhase::Pending {
-        if target.is_none() {
-            if let Some(wait) = queue_position(ctx, m, &vmi, &source_node).await? {
-                if status.phase.is_none() {
-                    enter(&mut status, MigrationPhase::Pending);
-                    write_status(&apis.migrations, m, status).await?;
-                }
-                tracing::debug!(migration = %name, reason = %wait, "migration queued");
-                return Ok(Action::requeue(ctx.config.migration_queue_recheck));
+        // Admission is serialized (one reconcile at a time decides, and writes its decision
+        // before the next looks) so the limits are exact; everything else runs in parallel.
+        let _admission = ctx.migration_admission.lock().await;
+        if let Some(wait) = queue_position(ctx, m, &vmi, &source_node).await? {
+            if status.phase.is_none() {
+                enter(&mut status, MigrationPhase::Pending);
+                write_status(&apis.migrations, m, status).await?;
             }
+            tracing::debug!(migration = %name, reason = %wait, "migration queued");
+            return Ok(Action::requeue(ctx.config.migration_queue_recheck));
         }
-        let pod = match target {
-            Some(p) => p,
-            None => {
-                let pod = apis
-                    .pods
-                    .create(
-                        &PostParams::default(),
-                        &target_pod(&vmi, m, &ctx.config.pod)?,
-                    )
-                    .await?;
-                ctx.event(
-                    m,
-                    false,
-                    "SuccessfulCreate",
-                    "Migrate",
-                    format!("Created migration target pod {}", pod.name_any()),
-                )
-                .await;
-                pod
-            }
-        };
         let ms = status.migration_state.get_or_insert_with(Default::default);
         ms.migration_uid = Some(muid.clone());
         ms.source_node = Some(source_node.clone());
-        ms.target_pod = Some(pod.name_any());
         enter(&mut status, MigrationPhase::Scheduling);
         write_status(&apis.migrations, m, status).await?;
         return Ok(Action::await_change());
+    }
+    let recorded_target = status
+        .migration_state
+        .as_ref()
+        .and_then(|s| s.target_pod.clone());
+    if phase == MigrationPhase::Scheduling && target.is_none() && recorded_target.is_none() {
+        // Admitted: make the target Pod (a retry after a lost write finds it by label above).
+        let pod = apis
+            .pods
+            .create(
+                &PostParams::default(),
+                &target_pod(&vmi, m, &ctx.config.pod)?,
+            )
+            .await?;
+        ctx.event(
+            m,
+            false,
+            "SuccessfulCreate",
+            "Migrate",
+            format!("Created migration target pod {}", pod.name_any()),
+        )
+        .await;
+        let ms = status.migration_state.get_or_insert_with(Default::default);
+        ms.target_pod = Some(pod.name_any());
+        write_status(&apis.migrations, m, status).await?;
+        return Ok(Action::await_change());
+    }
+    if let (Some(t), None) = (&target, &recorded_target) {
+        let ms = status.migration_state.get_or_insert_with(Default::default);
+        ms.target_pod = Some(t.name_any());
     }
 
     // From here on the target Pod must exist and be healthy.

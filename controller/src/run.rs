@@ -10,7 +10,7 @@ use api::{
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::runtime::controller::{Config, Controller};
+use kube::runtime::controller::Controller;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
@@ -80,8 +80,7 @@ pub async fn run_controllers(
     let mig_controller = Controller::new(
         Api::<VirtualMachineInstanceMigration>::all(client.clone()),
         wc(),
-    )
-    .with_config(Config::default().concurrency(1));
+    );
     let store = mig_controller.store();
     ctx.metrics.watch_migrations(store.clone());
     let by_vmi = store.clone();

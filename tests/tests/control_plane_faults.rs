@@ -225,3 +225,86 @@ async fn only_the_leader_acts_and_a_follower_takes_over() {
     b.stop().await;
     assert_eq!(holder(&c).await, None);
 }
+
+async fn target_pod_of(
+    c: &Cluster,
+    migration_uid: &str,
+) -> Option<k8s_openapi::api::core::v1::Pod> {
+    c.api::<k8s_openapi::api::core::v1::Pod>()
+        .list(
+            &kube::api::ListParams::default()
+                .labels(&format!("kubevirt.io/migrationJobUID={migration_uid}")),
+        )
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .next()
+}
+
+async fn start_migration(c: &Cluster, name: &str, vmi: &str) -> String {
+    let m: api::VirtualMachineInstanceMigration = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+        "metadata": {"name": name, "namespace": "default"}, "spec": {"vmiName": vmi}
+    }))
+    .unwrap();
+    c.api::<api::VirtualMachineInstanceMigration>()
+        .create(&kube::api::PostParams::default(), &m)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap()
+}
+
+/// Migrations reconcile in parallel once admitted: one whose API requests hang does not hold
+/// up another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_migration_does_not_hold_up_another() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    for name in ["m-slow", "m-fast"] {
+        c.apply_yaml::<VirtualMachine>(&vm_yaml(name)).await;
+        c.bring_up(name, "node-a").await;
+    }
+    let slow = start_migration(&c, "slow", "m-slow").await;
+    let target = eventually("the slow migration's target Pod", T, || {
+        target_pod_of(&c, &slow)
+    })
+    .await;
+    // Every request about the slow migration now hangs for 5 s; binding its target Pod makes
+    // the controller write its status (and wait).
+    c.api.delay_requests(
+        None,
+        "/virtualmachineinstancemigrations/slow",
+        Duration::from_secs(5),
+        100,
+    );
+    c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = std::time::Instant::now();
+    let fast = start_migration(&c, "fast", "m-fast").await;
+    let fast_target = eventually("the fast migration's target Pod", T, || {
+        target_pod_of(&c, &fast)
+    })
+    .await;
+    c.kubelet_run(fast_target.metadata.name.as_deref().unwrap(), "node-c")
+        .await;
+    eventually("the fast migration preparing its target", T, || async {
+        let v = c
+            .api::<VirtualMachineInstance>()
+            .get("m-fast")
+            .await
+            .unwrap();
+        let ms = v.status?.migration_state?;
+        (ms.migration_uid.as_deref() == Some(fast.as_str())).then_some(())
+    })
+    .await;
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "the fast migration waited behind the hung one: {:?}",
+        t.elapsed()
+    );
+    r.stop().await;
+}
