@@ -1,7 +1,8 @@
 //! `/metrics` in Prometheus text format, with KubeVirt's metric names where they exist:
 //! `kubevirt_vmi_phase_count`, `kubevirt_vmi_migrations_in_{pending,scheduling,running,unset}_phase`,
 //! `kubevirt_vmi_migration_succeeded`, `kubevirt_vmi_migration_failed`,
-//! `kubevirt_virt_controller_leading_status`, `kubevirt_virt_controller_ready_status`; and
+//! `kubevirt_virt_controller_leading_status`, `kubevirt_virt_controller_ready_status`,
+//! `kubevirt_vmi_non_evictable`; and
 //! microvirt's own reconcile timings and errors under the `kubevirt_virt_controller_` prefix.
 //! Phase counts are taken from the controllers' caches when scraped, as KubeVirt does.
 
@@ -9,8 +10,10 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+use api::migratability::EvictionStrategy;
 use api::{MigrationPhase, VirtualMachineInstance, VirtualMachineInstanceMigration};
 use kube::runtime::reflector::Store;
+use kube::ResourceExt;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -35,7 +38,8 @@ pub struct Metrics {
     migration_phase: BTreeMap<&'static str, Gauge>,
     migration_succeeded: Gauge,
     migration_failed: Gauge,
-    vmis: OnceLock<Store<VirtualMachineInstance>>,
+    non_evictable: Family<Labels, Gauge>,
+    vmis: OnceLock<(Store<VirtualMachineInstance>, EvictionStrategy)>,
     migrations: OnceLock<Store<VirtualMachineInstanceMigration>>,
 }
 
@@ -53,6 +57,7 @@ impl Metrics {
         let leading = Gauge::default();
         let ready = Gauge::default();
         let vmi_phase = Family::<Labels, Gauge>::default();
+        let non_evictable = Family::<Labels, Gauge>::default();
         let migration_succeeded = Gauge::default();
         let migration_failed = Gauge::default();
         r.register(
@@ -81,6 +86,12 @@ impl Metrics {
             "VirtualMachineInstances per phase and node",
             vmi_phase.clone(),
         );
+        r.register(
+            "kubevirt_vmi_non_evictable",
+            "1 for a VMI whose evictionStrategy is LiveMigrate but which cannot be live-migrated \
+             (it blocks the drain of its node)",
+            non_evictable.clone(),
+        );
         let mut migration_phase = BTreeMap::new();
         for phase in ["pending", "scheduling", "running", "unset"] {
             let g = Gauge::default();
@@ -108,6 +119,7 @@ impl Metrics {
             leading,
             ready,
             vmi_phase,
+            non_evictable,
             migration_phase,
             migration_succeeded,
             migration_failed,
@@ -151,8 +163,14 @@ impl Metrics {
         self.ready.set(ready as i64);
     }
 
-    pub fn watch_vmis(&self, store: Store<VirtualMachineInstance>) {
-        let _ = self.vmis.set(store);
+    /// VMI metrics come from this cache; `default_strategy` is the cluster's eviction
+    /// strategy for VMIs that set none.
+    pub fn watch_vmis(
+        &self,
+        store: Store<VirtualMachineInstance>,
+        default_strategy: EvictionStrategy,
+    ) {
+        let _ = self.vmis.set((store, default_strategy));
     }
 
     pub fn watch_migrations(&self, store: Store<VirtualMachineInstanceMigration>) {
@@ -160,10 +178,26 @@ impl Metrics {
     }
 
     fn refresh(&self) {
-        if let Some(store) = self.vmis.get() {
+        if let Some((store, default_strategy)) = self.vmis.get() {
             self.vmi_phase.clear();
+            self.non_evictable.clear();
             for vmi in store.state() {
                 let status = vmi.status.clone().unwrap_or_default();
+                let stuck = EvictionStrategy::of(&vmi.spec, *default_strategy)
+                    == EvictionStrategy::LiveMigrate
+                    && matches!(
+                        crate::evacuation::published_migratability(&status),
+                        Some(Err(_))
+                    );
+                if stuck {
+                    self.non_evictable
+                        .get_or_create(&vec![
+                            ("node".into(), status.node_name.clone().unwrap_or_default()),
+                            ("namespace".into(), vmi.namespace().unwrap_or_default()),
+                            ("name".into(), vmi.name_any()),
+                        ])
+                        .set(1);
+                }
                 let phase = status
                     .phase
                     .map(|p| format!("{p:?}").to_lowercase())

@@ -58,7 +58,8 @@ pub async fn run_controllers(
                     })
             },
         );
-    ctx.metrics.watch_vmis(vmi_controller.store());
+    ctx.metrics
+        .watch_vmis(vmi_controller.store(), ctx.config.default_eviction_strategy);
     let vmi = vmi_controller
         .graceful_shutdown_on(stop(&tx))
         .run(crate::vmi::reconcile, crate::vmi::error_policy, ctx.clone())

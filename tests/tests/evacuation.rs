@@ -307,6 +307,17 @@ async fn eviction_follows_the_strategy_table_with_budgets_behind_it() {
             );
         }
     }
+    // The VMI that blocks the drain is the one metric alerting would page about.
+    let text = r.metrics.render();
+    let stuck: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("kubevirt_vmi_non_evictable{"))
+        .collect();
+    assert_eq!(
+        stuck,
+        ["kubevirt_vmi_non_evictable{node=\"node-a\",namespace=\"default\",name=\"lm-stuck\"} 1"],
+        "{text}"
+    );
     r.stop().await;
 }
 
