@@ -182,7 +182,21 @@ struct Inner {
     requests: AtomicU64,
     request_log: Mutex<Vec<(Method, String, u16)>>,
     auth: Mutex<Authentication>,
+    eviction_admission: Mutex<Option<EvictionAdmission>>,
 }
+
+/// A validating admission webhook on `pods/eviction`, as the API server calls it: given the
+/// Pod's namespace and name, `Some((code, message))` refuses the eviction, `None` admits it
+/// (also what an unreachable webhook with failurePolicy Ignore amounts to).
+pub type EvictionAdmission = Arc<
+    dyn Fn(
+            String,
+            String,
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<(u16, String)>> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Bearer token → user, and the RBAC rules such users are held to. Requests without a token
 /// are the cluster admin's (the test itself).
@@ -551,6 +565,7 @@ impl ApiServer {
             requests: AtomicU64::new(0),
             request_log: Mutex::new(vec![]),
             auth: Mutex::new(Authentication::default()),
+            eviction_admission: Mutex::new(None),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -575,6 +590,12 @@ impl ApiServer {
     pub fn client(&self) -> kube::Client {
         let config = kube::Config::new(self.url().parse().unwrap());
         kube::Client::try_from(config).unwrap()
+    }
+
+    /// Calls `hook` for every `pods/eviction` before the disruption budgets are checked (see
+    /// [`EvictionAdmission`]); `None` removes it.
+    pub fn set_eviction_admission(&self, hook: Option<EvictionAdmission>) {
+        *self.inner.eviction_admission.lock().unwrap() = hook;
     }
 
     /// Holds every request made with a token (see [`ApiServer::client_as`]) to these RBAC
@@ -853,6 +874,10 @@ impl Inner {
                 }
             }
             (&Method::POST, None, None) => Ok(json_response(201, &self.create(&t, body_json()?)?)),
+            (&Method::POST, Some(name), Some("eviction")) if t.rtype.plural == "pods" => {
+                let eviction = body_json()?;
+                self.evict(&t, name, &eviction).await
+            }
             (&Method::GET, Some(name), None | Some("status")) => {
                 Ok(json_response(200, &self.get(&t, name)?))
             }
@@ -909,6 +934,121 @@ impl Inner {
                 format!("{method} {path} is not supported"),
             )),
         }
+    }
+
+    /// The Eviction API: admission webhooks first, then PodDisruptionBudgets (a budget whose
+    /// selector matches the Pod must still have a disruption to spare counting the Pods that are
+    /// Running and Ready), then a graceful delete. A Pod that is not Running is not protected.
+    async fn evict(&self, t: &Target, name: &str, eviction: &Value) -> ApiResult<Response<Body>> {
+        let pod = self.get(t, name)?;
+        let ns = t.namespace.clone().unwrap_or_default();
+        let hook = self.eviction_admission.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            if let Some((code, message)) = hook(ns.clone(), name.to_string()).await {
+                let reason = if code == 429 {
+                    "TooManyRequests"
+                } else {
+                    "Forbidden"
+                };
+                return Err(ApiError::new(
+                    code,
+                    reason,
+                    format!(
+                        "admission webhook \"eviction.microvirt.kubevirt.io\" denied the request: {message}"
+                    ),
+                ));
+            }
+        }
+        let running = pod.pointer("/status/phase").and_then(Value::as_str) == Some("Running");
+        if running {
+            self.check_disruption_budgets(&ns, &pod)?;
+        }
+        let grace = eviction
+            .pointer("/deleteOptions/gracePeriodSeconds")
+            .and_then(Value::as_i64);
+        let target = Target {
+            rtype: t.rtype.clone(),
+            namespace: t.namespace.clone(),
+            name: Some(name.to_string()),
+            subresource: None,
+        };
+        self.delete(&target, name, grace, None)?;
+        Ok(json_response(
+            201,
+            &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+        ))
+    }
+
+    fn check_disruption_budgets(&self, ns: &str, pod: &Value) -> ApiResult<()> {
+        let st = self.state.lock().unwrap();
+        let in_ns = |plural: &str| -> Vec<Value> {
+            st.objects
+                .iter()
+                .filter(|(k, _)| k.ends_with(&format!("/{plural}")))
+                .flat_map(|(_, m)| m.iter())
+                .filter(|((n, _), _)| n == ns)
+                .map(|(_, v)| v.clone())
+                .collect()
+        };
+        let selects = |budget: &Value, obj: &Value| {
+            let want = budget
+                .pointer("/spec/selector/matchLabels")
+                .and_then(Value::as_object)
+                .cloned()
+                .unwrap_or_default();
+            !want.is_empty()
+                && want.iter().all(|(k, v)| {
+                    meta(obj)
+                        .get("labels")
+                        .and_then(|l| l.get(k))
+                        .is_some_and(|x| x == v)
+                })
+        };
+        let healthy = |p: &Value| {
+            p.pointer("/status/phase").and_then(Value::as_str) == Some("Running")
+                && meta(p).get("deletionTimestamp").is_none()
+                && p.pointer("/status/conditions")
+                    .and_then(Value::as_array)
+                    .is_some_and(|c| {
+                        c.iter()
+                            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                    })
+        };
+        let pods = in_ns("pods");
+        for budget in in_ns("poddisruptionbudgets") {
+            if !selects(&budget, pod) {
+                continue;
+            }
+            let covered: Vec<&Value> = pods.iter().filter(|p| selects(&budget, p)).collect();
+            let ready = covered.iter().filter(|p| healthy(p)).count() as i64;
+            let spare = match (
+                budget.pointer("/spec/minAvailable").and_then(Value::as_i64),
+                budget
+                    .pointer("/spec/maxUnavailable")
+                    .and_then(Value::as_i64),
+            ) {
+                (Some(min), _) => ready - min,
+                (None, Some(max)) => max - (covered.len() as i64 - ready),
+                (None, None) => {
+                    return Err(ApiError::new(
+                        500,
+                        "InternalError",
+                        "this test server supports integer minAvailable/maxUnavailable only",
+                    ))
+                }
+            };
+            if spare < 1 {
+                return Err(ApiError::new(
+                    429,
+                    "TooManyRequests",
+                    format!(
+                        "Cannot evict pod as it would violate the pod's disruption budget. (budget {}: {ready} healthy, {spare} disruptions allowed)",
+                        meta_str(&budget, "name").unwrap_or_default()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn ns_key(&self, t: &Target) -> String {

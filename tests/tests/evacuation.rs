@@ -4,6 +4,7 @@
 //! budgets that back it; and evacuation through the drain taint, with pauses between failed
 //! attempts.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use api::migratability::EvictionStrategy;
@@ -560,5 +561,105 @@ async fn drain_taint_evacuates_and_failed_attempts_pause_before_retrying() {
     assert_eq!(s.evacuation_node_name, None);
     assert!(migrations_of(&c, "bystander").await.is_empty());
     assert_eq!(migrations_of(&c, "tenant").await.len(), 3);
+    r.stop().await;
+}
+
+/// `kubectl drain` as it happens: the Eviction API on the launcher Pods, with the webhook
+/// called by the API server first and the disruption budgets after. While the webhook is
+/// unreachable (failurePolicy Ignore), the budget alone keeps a LiveMigrate VM's Pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_through_the_eviction_api_with_and_without_the_webhook() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    let w = std::sync::Arc::new(
+        start_webhook(Some(c.controller_client()), EvictionStrategy::None).await,
+    );
+    let webhook_up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (hook_w, up) = (w.clone(), webhook_up.clone());
+    c.api
+        .set_eviction_admission(Some(std::sync::Arc::new(move |_ns, pod| {
+            let (w, up) = (hook_w.clone(), up.clone());
+            Box::pin(async move {
+                if !up.load(std::sync::atomic::Ordering::SeqCst) {
+                    return None; // unreachable: failurePolicy Ignore admits
+                }
+                let resp = w.post("/eviction", &eviction(&pod)).await;
+                denial(&resp).map(|m| {
+                    (
+                        resp["response"]["status"]["code"].as_u64().unwrap_or(403) as u16,
+                        m,
+                    )
+                })
+            })
+        })));
+    let disk = "containerDisk: {image: quay.io/containerdisks/alpine:3.20}";
+    let mut pods = BTreeMap::new();
+    for (name, strategy) in [
+        ("mover", Some("LiveMigrate")),
+        ("plain", None),
+        ("guarded", Some("LiveMigrate")),
+    ] {
+        c.apply_yaml::<VirtualMachine>(&vm(name, strategy, disk))
+            .await;
+        let vmi = c.bring_up(name, "node-a").await;
+        if strategy.is_some() {
+            eventually(&format!("{name}'s budget"), T, || budget(&c, &vmi)).await;
+        }
+        pods.insert(name, c.pods_of(&vmi).await.remove(0).metadata.name.unwrap());
+    }
+    let api_pods = c.api::<Pod>();
+    // `kubectl drain` sees each 429 and retries on its own schedule; kube's client would
+    // retry it silently.
+    let mut config = kube::Config::new(c.api.url().parse().unwrap());
+    config.default_retry = false;
+    let drain_pods: Api<Pod> = Api::namespaced(kube::Client::try_from(config).unwrap(), "default");
+    let evict = |pod: String| {
+        let api_pods = drain_pods.clone();
+        let api_pods = api_pods.clone();
+        async move { api_pods.evict(&pod, &Default::default()).await }
+    };
+
+    // The plain VM's Pod goes (graceful deletion starts).
+    evict(pods["plain"].clone())
+        .await
+        .expect("plain Pod evicted");
+    let p = api_pods.get(&pods["plain"]).await.unwrap();
+    assert!(p.metadata.deletion_timestamp.is_some());
+
+    // The LiveMigrate VM's Pod: the webhook refuses with 429 and the VM migrates.
+    match evict(pods["mover"].clone()).await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 429, "{s:?}");
+            assert!(s.message.contains("triggered evacuation"), "{}", s.message);
+        }
+        other => panic!("mover's eviction: {other:?}"),
+    }
+    eventually("mover's evacuation migration", T, || async {
+        migrations_of(&c, "mover").await.into_iter().next()
+    })
+    .await;
+
+    // With the webhook down, the budget refuses: the Pod stays, nothing is marked.
+    webhook_up.store(false, std::sync::atomic::Ordering::SeqCst);
+    match evict(pods["guarded"].clone()).await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 429, "{s:?}");
+            assert!(s.message.contains("disruption budget"), "{}", s.message);
+        }
+        other => panic!("guarded's eviction: {other:?}"),
+    }
+    let p = api_pods.get(&pods["guarded"]).await.unwrap();
+    assert!(
+        p.metadata.deletion_timestamp.is_none(),
+        "guarded's Pod kept"
+    );
+    let s = c
+        .api::<VirtualMachineInstance>()
+        .get("guarded")
+        .await
+        .unwrap()
+        .status
+        .unwrap();
+    assert_eq!(s.evacuation_node_name, None);
     r.stop().await;
 }
