@@ -97,10 +97,17 @@ impl VcpuControl {
             .collect()
     }
 
-    /// Called by a vCPU thread: parks while paused. Returns false when the vCPU must stop.
-    fn park_if_paused(&self) -> bool {
+    /// Called by a vCPU thread: parks while paused, first recording where vCPU `id` stopped
+    /// (`rip`), so that whoever waits for the vCPUs to park sees every RIP. Returns false when
+    /// the vCPU must stop.
+    fn park_if_paused(&self, id: u8, rip: impl FnOnce() -> Option<u64>) -> bool {
         let mut g = self.state.lock().unwrap();
         if g.0 == RunState::Paused {
+            // Recorded under the state lock, before this vCPU counts as parked: a pause that
+            // lands between a check and the park can no longer lose the RIP.
+            if let Some(rip) = rip() {
+                self.parked_at.lock().unwrap().insert(id, rip);
+            }
             g.1 += 1;
             self.changed.notify_all();
             while g.0 == RunState::Paused {
@@ -201,12 +208,11 @@ pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>
 fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
     let id = vcpu.id;
     loop {
-        if ctx.control.state() == RunState::Paused {
-            if let Ok(r) = vcpu.fd.get_regs() {
-                ctx.control.parked_at.lock().unwrap().insert(id, r.rip);
-            }
-        }
-        if !ctx.control.park_if_paused() {
+        let fd = &vcpu.fd;
+        if !ctx
+            .control
+            .park_if_paused(id, || fd.get_regs().ok().map(|r| r.rip))
+        {
             return None;
         }
         if ctx.first_run.get().is_none() {
