@@ -87,6 +87,17 @@ pub fn published_migratability(
     })
 }
 
+/// What evicting this VMI's Pod does now, judged by its strategy (else `cluster_default`) and
+/// its published `LiveMigratable` condition (not yet published counts as not migratable).
+pub fn eviction_outcome(
+    spec: &api::VirtualMachineInstanceSpec,
+    status: &VirtualMachineInstanceStatus,
+    cluster_default: EvictionStrategy,
+) -> EvictionOutcome {
+    let migratable = published_migratability(status).is_some_and(|r| r.is_ok());
+    EvictionStrategy::of(spec, cluster_default).on_eviction(migratable)
+}
+
 /// Whether the VMI can migrate: its published condition, else decided now.
 async fn is_migratable(client: &Client, vmi: &VirtualMachineInstance) -> Result<bool, kube::Error> {
     if let Some(published) = vmi.status.as_ref().and_then(published_migratability) {
@@ -174,13 +185,6 @@ fn is_evacuation_of(m: &VirtualMachineInstanceMigration, vmi: &str, node: &str) 
             == Some(node)
 }
 
-fn is_final(m: &VirtualMachineInstanceMigration) -> bool {
-    matches!(
-        m.status.as_ref().and_then(|s| s.phase),
-        Some(MigrationPhase::Succeeded | MigrationPhase::Failed)
-    )
-}
-
 /// When the last failed migration ended, in unix seconds.
 fn failed_at(m: &VirtualMachineInstanceMigration) -> Option<i64> {
     let s = m.status.as_ref()?;
@@ -217,16 +221,16 @@ pub async fn evacuate(
     if evac != node {
         return Ok(None);
     }
-    let migratable = published_migratability(status).is_some_and(|r| r.is_ok());
-    let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
-    if strategy.on_eviction(migratable) != EvictionOutcome::Migrate {
+    if eviction_outcome(&vmi.spec, status, ctx.config.default_eviction_strategy)
+        != EvictionOutcome::Migrate
+    {
         return Ok(None);
     }
     let ns = vmi.namespace().unwrap_or_default();
     let name = vmi.name_any();
     let migrations: Api<VirtualMachineInstanceMigration> = Api::namespaced(ctx.client.clone(), &ns);
     let all = migrations.list(&ListParams::default()).await?.items;
-    if all.iter().any(|m| m.spec.vmi_name == name && !is_final(m)) {
+    if crate::migration::unfinished_of(&all, &name).is_some() {
         return Ok(None);
     }
     // The VMI this round started from may be a cached copy from before a migration that has
@@ -314,10 +318,8 @@ pub async fn reconcile_node(node: Arc<Node>, ctx: Arc<Context>) -> Result<Action
         {
             continue;
         }
-        let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
-        let migratable = published_migratability(&status).is_some_and(|r| r.is_ok());
         if !matches!(
-            strategy.on_eviction(migratable),
+            eviction_outcome(&vmi.spec, &status, ctx.config.default_eviction_strategy),
             EvictionOutcome::Migrate | EvictionOutcome::MarkOnly
         ) {
             continue;

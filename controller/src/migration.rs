@@ -171,6 +171,15 @@ fn is_final(p: Option<MigrationPhase>) -> bool {
     matches!(p, Some(MigrationPhase::Succeeded | MigrationPhase::Failed))
 }
 
+/// The unfinished migration of VMI `vmi` among `all` (one namespace's migrations), if any.
+pub fn unfinished_of<'a>(
+    all: &'a [VirtualMachineInstanceMigration],
+    vmi: &str,
+) -> Option<&'a VirtualMachineInstanceMigration> {
+    all.iter()
+        .find(|m| m.spec.vmi_name == vmi && !is_final(m.status.as_ref().and_then(|s| s.phase)))
+}
+
 struct Apis {
     migrations: Api<VirtualMachineInstanceMigration>,
     vmis: Api<VirtualMachineInstance>,

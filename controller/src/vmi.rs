@@ -284,8 +284,9 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
     if strategy != EvictionStrategy::None {
         // Strategy None never has a budget, so those VMIs cost no request here.
-        let migratable = evacuation::published_migratability(&status).is_some_and(|r| r.is_ok());
-        let protect = placed && strategy.on_eviction(migratable).protects_pod();
+        let outcome =
+            evacuation::eviction_outcome(&vmi.spec, &status, ctx.config.default_eviction_strategy);
+        let protect = placed && outcome.protects_pod();
         crate::disruption::sync(&ctx.client, vmi, &status, protect).await?;
     }
     let mut action = Action::await_change();

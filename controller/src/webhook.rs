@@ -119,13 +119,7 @@ pub async fn admit_migration(client: &Client, obj: &DynamicObject) -> Result<(),
         .list(&Default::default())
         .await
         .map_err(|e| format!("cannot list migrations: {e}"))?;
-    if let Some(busy) = others.items.iter().find(|o| {
-        o.spec.vmi_name == *vmi_name
-            && !matches!(
-                o.status.as_ref().and_then(|s| s.phase),
-                Some(api::MigrationPhase::Succeeded | api::MigrationPhase::Failed)
-            )
-    }) {
+    if let Some(busy) = crate::migration::unfinished_of(&others.items, vmi_name) {
         return Err(format!(
             "spec.vmiName: VirtualMachineInstance {vmi_name:?} is already being migrated by {:?}",
             busy.name_any()
