@@ -604,16 +604,18 @@ impl ApiServer {
         self.inner.auth.lock().unwrap().rbac = Some(Arc::new(authorizer));
     }
 
+    /// A new bearer token that authenticates as `user`.
+    fn issue_token(&self, user: &str) -> String {
+        let token = format!("token-{}", random_suffix(16));
+        let mut auth = self.inner.auth.lock().unwrap();
+        auth.users.insert(token.clone(), user.to_string());
+        token
+    }
+
     /// A client authenticated as `user` (a bearer token the server maps to that user), as a
     /// component running under its service account would be.
     pub fn client_as(&self, user: &str) -> kube::Client {
-        let token = format!("token-{}", random_suffix(16));
-        self.inner
-            .auth
-            .lock()
-            .unwrap()
-            .users
-            .insert(token.clone(), user.to_string());
+        let token = self.issue_token(user);
         let mut config = kube::Config::new(self.url().parse().unwrap());
         config.auth_info.token = Some(secrecy::SecretString::from(token));
         kube::Client::try_from(config).unwrap()
@@ -623,16 +625,7 @@ impl ApiServer {
     /// admin, or as `user` (with a token, see [`ApiServer::client_as`]).
     pub fn write_kubeconfig(&self, path: &std::path::Path, user: Option<&str>) {
         let credentials = match user {
-            Some(u) => {
-                let token = format!("token-{}", random_suffix(16));
-                self.inner
-                    .auth
-                    .lock()
-                    .unwrap()
-                    .users
-                    .insert(token.clone(), u.to_string());
-                format!("{{token: {token}}}")
-            }
+            Some(u) => format!("{{token: {}}}", self.issue_token(u)),
             None => "{}".into(),
         };
         let text = format!(

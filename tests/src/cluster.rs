@@ -285,6 +285,46 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// The target Pod the controller made for the migration with this uid, once it exists.
+    pub async fn target_pod(&self, migration_uid: &str) -> Pod {
+        let lp =
+            ListParams::default().labels(&format!("kubevirt.io/migrationJobUID={migration_uid}"));
+        eventually(
+            "the migration's target Pod",
+            Duration::from_secs(20),
+            || async {
+                self.api::<Pod>()
+                    .list(&lp)
+                    .await
+                    .unwrap()
+                    .items
+                    .into_iter()
+                    .next()
+            },
+        )
+        .await
+    }
+
+    /// virt-handler on both nodes: once the controller has handed VMI `vmi` over for the
+    /// migration with this uid, the target reports its address and the source reports the
+    /// migration started and completed.
+    pub async fn handler_complete_migration(&self, vmi: &str, migration_uid: &str) {
+        let vmis = self.api::<VirtualMachineInstance>();
+        eventually("the hand-off", Duration::from_secs(20), || async {
+            let ms = vmis.get(vmi).await.unwrap().status?.migration_state?;
+            (ms.migration_uid.as_deref() == Some(migration_uid)).then_some(())
+        })
+        .await;
+        self.handler_migration(vmi, |m| {
+            m.target_node_address = Some("10.0.0.2:4444".into());
+            m.start_timestamp = Some("2026-11-30T08:00:00Z".into());
+            m.completed = Some(true);
+        })
+        .await;
+    }
+}
+
 /// Polls `f` until it returns Some, or panics with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
 where

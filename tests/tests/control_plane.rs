@@ -510,16 +510,7 @@ async fn target_pod(c: &Cluster, migration: &str) -> Pod {
         .metadata
         .uid
         .unwrap();
-    eventually("the target Pod", T, || async {
-        c.api::<Pod>()
-            .list(&ListParams::default().labels(&format!("kubevirt.io/migrationJobUID={uid}")))
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .next()
-    })
-    .await
+    c.target_pod(&uid).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -226,22 +226,6 @@ async fn only_the_leader_acts_and_a_follower_takes_over() {
     assert_eq!(holder(&c).await, None);
 }
 
-async fn target_pod_of(
-    c: &Cluster,
-    migration_uid: &str,
-) -> Option<k8s_openapi::api::core::v1::Pod> {
-    c.api::<k8s_openapi::api::core::v1::Pod>()
-        .list(
-            &kube::api::ListParams::default()
-                .labels(&format!("kubevirt.io/migrationJobUID={migration_uid}")),
-        )
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .next()
-}
-
 async fn start_migration(c: &Cluster, name: &str, vmi: &str) -> String {
     let m: api::VirtualMachineInstanceMigration = serde_json::from_value(serde_json::json!({
         "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
@@ -268,10 +252,7 @@ async fn a_hung_migration_does_not_hold_up_another() {
         c.bring_up(name, "node-a").await;
     }
     let slow = start_migration(&c, "slow", "m-slow").await;
-    let target = eventually("the slow migration's target Pod", T, || {
-        target_pod_of(&c, &slow)
-    })
-    .await;
+    let target = c.target_pod(&slow).await;
     // Every request about the slow migration now hangs for 5 s; binding its target Pod makes
     // the controller write its status (and wait).
     c.api.delay_requests(
@@ -285,10 +266,7 @@ async fn a_hung_migration_does_not_hold_up_another() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t = std::time::Instant::now();
     let fast = start_migration(&c, "fast", "m-fast").await;
-    let fast_target = eventually("the fast migration's target Pod", T, || {
-        target_pod_of(&c, &fast)
-    })
-    .await;
+    let fast_target = c.target_pod(&fast).await;
     c.kubelet_run(fast_target.metadata.name.as_deref().unwrap(), "node-c")
         .await;
     eventually("the fast migration preparing its target", T, || async {

@@ -380,16 +380,7 @@ async fn budget_covers_both_pods_during_a_migration_and_goes_with_the_guest() {
         .await
         .unwrap();
     let muid = m.metadata.uid.unwrap();
-    let target = eventually("the target Pod", T, || async {
-        c.api::<Pod>()
-            .list(&ListParams::default().labels(&format!("kubevirt.io/migrationJobUID={muid}")))
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .next()
-    })
-    .await;
+    let target = c.target_pod(&muid).await;
     c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
         .await;
     eventually("minAvailable 2 while both Pods exist", T, || async {
@@ -397,12 +388,7 @@ async fn budget_covers_both_pods_during_a_migration_and_goes_with_the_guest() {
         (min_available(&b) == Some(2)).then_some(())
     })
     .await;
-    c.handler_migration("guarded", |m| {
-        m.target_node_address = Some("10.0.0.2:4444".into());
-        m.start_timestamp = Some("2026-11-30T08:00:00Z".into());
-        m.completed = Some(true);
-    })
-    .await;
+    c.handler_complete_migration("guarded", &muid).await;
     eventually("minAvailable 1 after the hand-off", T, || async {
         let b = budget(&c, &vmi).await?;
         (min_available(&b) == Some(1)).then_some(())
@@ -495,36 +481,12 @@ async fn drain_taint_evacuates_and_failed_attempts_pause_before_retrying() {
             );
         }
         let muid = m.metadata.uid.clone().unwrap();
-        let target = eventually("the target Pod", T, || async {
-            c.api::<Pod>()
-                .list(&ListParams::default().labels(&format!("kubevirt.io/migrationJobUID={muid}")))
-                .await
-                .unwrap()
-                .items
-                .into_iter()
-                .next()
-        })
-        .await;
+        let target = c.target_pod(&muid).await;
         let tname = target.metadata.name.clone().unwrap();
         if attempt == 2 {
             // The third attempt works.
             c.kubelet_run(&tname, "node-b").await;
-            eventually("the hand-off", T, || async {
-                let v = c
-                    .api::<VirtualMachineInstance>()
-                    .get("tenant")
-                    .await
-                    .unwrap();
-                let ms = v.status?.migration_state?;
-                (ms.migration_uid.as_deref() == Some(muid.as_str())).then_some(())
-            })
-            .await;
-            c.handler_migration("tenant", |m| {
-                m.target_node_address = Some("10.0.0.2:4444".into());
-                m.start_timestamp = Some("2026-11-30T08:00:00Z".into());
-                m.completed = Some(true);
-            })
-            .await;
+            c.handler_complete_migration("tenant", &muid).await;
             break;
         }
         c.kubelet_run(&tname, "node-b").await;

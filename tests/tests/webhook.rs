@@ -198,34 +198,10 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
     // The migration runs (the test plays scheduler, kubelet and virt-handler); once the VMI is
     // on node-b the evacuation mark is cleared and the old Pod goes, so the drain can finish.
     let muid = m.metadata.uid.clone().unwrap();
-    let target = eventually("the target Pod", T, || async {
-        c.api::<k8s_openapi::api::core::v1::Pod>()
-            .list(&ListParams::default().labels(&format!("kubevirt.io/migrationJobUID={muid}")))
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .next()
-    })
-    .await;
+    let target = c.target_pod(&muid).await;
     c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
         .await;
-    eventually("the hand-off", T, || async {
-        let v = c
-            .api::<VirtualMachineInstance>()
-            .get("drain-me")
-            .await
-            .unwrap();
-        let ms = v.status?.migration_state?;
-        (ms.migration_uid.as_deref() == Some(muid.as_str())).then_some(())
-    })
-    .await;
-    c.handler_migration("drain-me", |m| {
-        m.target_node_address = Some("10.0.0.2:4444".into());
-        m.start_timestamp = Some("2026-11-30T08:00:00Z".into());
-        m.completed = Some(true);
-    })
-    .await;
+    c.handler_complete_migration("drain-me", &muid).await;
     eventually("the VMI on node-b, evacuation cleared", T, || async {
         let s = c
             .api::<VirtualMachineInstance>()
