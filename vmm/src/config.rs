@@ -195,6 +195,22 @@ pub enum ConfigError {
 impl VmConfig {
     /// Checks everything that can be checked without KVM. `max_vcpus` is KVM's limit when known.
     pub fn validate(&self, kvm_max_vcpus: Option<usize>) -> Result<(), ConfigError> {
+        self.validate_devices(kvm_max_vcpus)?;
+        check_readable_file(&self.kernel).map_err(|reason| ConfigError::Kernel {
+            path: self.kernel.display().to_string(),
+            reason,
+        })?;
+        if let Some(initrd) = &self.initrd {
+            check_readable_file(initrd).map_err(|reason| ConfigError::Initrd {
+                path: initrd.display().to_string(),
+                reason,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Everything `validate` checks except the kernel and initrd, which a restore does not load.
+    pub fn validate_devices(&self, kvm_max_vcpus: Option<usize>) -> Result<(), ConfigError> {
         let max_vcpus =
             kvm_max_vcpus.map_or(MAX_VCPUS as u64, |m| (m as u64).min(MAX_VCPUS as u64));
         if self.vcpus == 0 || self.vcpus as u64 > max_vcpus {
@@ -226,9 +242,10 @@ impl VmConfig {
                 "character {bad:?} is not accepted; only printable ASCII is"
             )));
         }
-        if self.disks.len() > MAX_VIRTIO_DEVICES {
+        // Disks and NICs share the virtio window and its IRQs.
+        if self.disks.len() + self.nets.len() > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices {
-                given: self.disks.len(),
+                given: self.disks.len() + self.nets.len(),
                 max: MAX_VIRTIO_DEVICES,
             });
         }
@@ -254,16 +271,6 @@ impl VmConfig {
                     });
                 }
             }
-        }
-        check_readable_file(&self.kernel).map_err(|reason| ConfigError::Kernel {
-            path: self.kernel.display().to_string(),
-            reason,
-        })?;
-        if let Some(initrd) = &self.initrd {
-            check_readable_file(initrd).map_err(|reason| ConfigError::Initrd {
-                path: initrd.display().to_string(),
-                reason,
-            })?;
         }
         Ok(())
     }

@@ -5,14 +5,19 @@
 
 pub mod arch;
 pub mod boot;
+pub mod builder;
 pub mod bus;
 pub mod config;
 pub mod devices;
+pub mod end;
 pub mod kvm;
 pub mod layout;
+pub mod memory;
+pub mod persist;
 pub mod vcpu;
 pub mod vm;
 
 pub use config::{ConfigError, SerialConfig, SerialInput, SerialOutput, VmConfig};
 pub use kvm::{KvmAcceleration, KvmContext, KvmError};
-pub use vm::{Vm, VmEnd, VmEndSignal, VmError, VmInfo};
+pub use persist::SnapshotPaths;
+pub use vm::{SnapshotStats, Vm, VmEnd, VmEndSignal, VmError, VmInfo};

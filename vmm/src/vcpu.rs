@@ -2,6 +2,8 @@
 //! signal so a vCPU inside KVM_RUN returns promptly.
 
 use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -12,7 +14,9 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 use crate::arch::{cpuid, regs};
 use crate::boot::{read_guest_bytes, BootEntry};
 use crate::bus::Bus;
-use crate::vm::{GuestMemory, VmEnd, VmEndSignal};
+use crate::end::{VmEnd, VmEndSignal};
+use crate::memory::GuestMemory;
+use crate::persist::vcpu::{self as vcpu_state, VcpuState, VcpuStateSupport};
 
 /// The real-time signal that kicks a vCPU out of KVM_RUN.
 pub fn vcpu_kick_signal() -> i32 {
@@ -52,18 +56,34 @@ pub enum RunState {
     Stopping,
 }
 
-/// Shared run state of all vCPUs.
+/// What a parked vCPU is asked to do on its own thread (KVM wants vCPU ioctls there).
+pub enum VcpuRequest {
+    SaveState(Sender<Result<VcpuState, String>>),
+    RestoreState(Box<VcpuState>, Sender<Result<(), String>>),
+}
+
+struct ControlState {
+    run: RunState,
+    parked: usize,
+    requests: BTreeMap<u8, VcpuRequest>,
+}
+
+/// Shared run state of all vCPUs, and the command channel to parked vCPUs.
 pub struct VcpuControl {
-    state: Mutex<(RunState, usize /* vCPUs parked */)>,
+    state: Mutex<ControlState>,
     changed: Condvar,
     /// Where each vCPU was when it last parked (vCPU id → RIP), for diagnosing stuck guests.
-    parked_at: Mutex<std::collections::BTreeMap<u8, u64>>,
+    parked_at: Mutex<BTreeMap<u8, u64>>,
 }
 
 impl VcpuControl {
-    pub fn new() -> Arc<Self> {
+    pub fn new(initial: RunState) -> Arc<Self> {
         Arc::new(VcpuControl {
-            state: Mutex::new((RunState::Running, 0)),
+            state: Mutex::new(ControlState {
+                run: initial,
+                parked: 0,
+                requests: BTreeMap::new(),
+            }),
             changed: Condvar::new(),
             parked_at: Mutex::default(),
         })
@@ -71,20 +91,31 @@ impl VcpuControl {
 
     pub fn set(&self, s: RunState) {
         let mut g = self.state.lock().unwrap();
-        g.0 = s;
+        g.run = s;
+        if s == RunState::Stopping {
+            // Nobody will serve them: their senders drop and the askers see an error.
+            g.requests.clear();
+        }
         self.changed.notify_all();
     }
 
     pub fn state(&self) -> RunState {
-        self.state.lock().unwrap().0
+        self.state.lock().unwrap().run
     }
 
     /// Waits until `n` vCPUs are parked (paused) or the state leaves Paused.
     pub fn wait_parked(&self, n: usize) {
         let mut g = self.state.lock().unwrap();
-        while g.0 == RunState::Paused && g.1 < n {
+        while g.run == RunState::Paused && g.parked < n {
             g = self.changed.wait(g).unwrap();
         }
+    }
+
+    /// Hands `req` to parked vCPU `id`; it runs on that vCPU's thread.
+    pub fn request(&self, id: u8, req: VcpuRequest) {
+        let mut g = self.state.lock().unwrap();
+        g.requests.insert(id, req);
+        self.changed.notify_all();
     }
 
     /// RIP of every vCPU at its last park.
@@ -98,24 +129,35 @@ impl VcpuControl {
     }
 
     /// Called by a vCPU thread: parks while paused, first recording where vCPU `id` stopped
-    /// (`rip`), so that whoever waits for the vCPUs to park sees every RIP. Returns false when
-    /// the vCPU must stop.
-    fn park_if_paused(&self, id: u8, rip: impl FnOnce() -> Option<u64>) -> bool {
+    /// (`rip`), so that whoever waits for the vCPUs to park sees every RIP, and serves requests
+    /// while parked. Returns false when the vCPU must stop.
+    fn park_if_paused(
+        &self,
+        id: u8,
+        rip: impl FnOnce() -> Option<u64>,
+        mut serve: impl FnMut(VcpuRequest),
+    ) -> bool {
         let mut g = self.state.lock().unwrap();
-        if g.0 == RunState::Paused {
+        if g.run == RunState::Paused {
             // Recorded under the state lock, before this vCPU counts as parked: a pause that
             // lands between a check and the park can no longer lose the RIP.
             if let Some(rip) = rip() {
                 self.parked_at.lock().unwrap().insert(id, rip);
             }
-            g.1 += 1;
+            g.parked += 1;
             self.changed.notify_all();
-            while g.0 == RunState::Paused {
+            while g.run == RunState::Paused {
+                if let Some(req) = g.requests.remove(&id) {
+                    drop(g);
+                    serve(req);
+                    g = self.state.lock().unwrap();
+                    continue;
+                }
                 g = self.changed.wait(g).unwrap();
             }
-            g.1 -= 1;
+            g.parked -= 1;
         }
-        g.0 != RunState::Stopping
+        g.run != RunState::Stopping
     }
 }
 
@@ -190,6 +232,7 @@ pub struct VcpuContext {
     pub end: VmEndSignal,
     pub first_run: Arc<std::sync::OnceLock<std::time::SystemTime>>,
     pub boot_timer: bool,
+    pub state_support: Arc<VcpuStateSupport>,
 }
 
 pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>> {
@@ -209,9 +252,19 @@ fn run_loop(vcpu: &mut Vcpu, ctx: &VcpuContext) -> Option<VmEnd> {
     let id = vcpu.id;
     loop {
         let fd = &vcpu.fd;
+        let serve = |req| match req {
+            VcpuRequest::SaveState(reply) => {
+                let _ = reply.send(vcpu_state::save(fd, id, &ctx.state_support));
+            }
+            VcpuRequest::RestoreState(state, reply) => {
+                let r = vcpu_state::restore_identity(fd, &state, &ctx.state_support)
+                    .and_then(|()| vcpu_state::restore(fd, &state));
+                let _ = reply.send(r);
+            }
+        };
         if !ctx
             .control
-            .park_if_paused(id, || fd.get_regs().ok().map(|r| r.rip))
+            .park_if_paused(id, || fd.get_regs().ok().map(|r| r.rip), serve)
         {
             return None;
         }

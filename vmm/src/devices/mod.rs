@@ -1,5 +1,6 @@
 //! Legacy devices. Each device keeps its logic and its event handler side by side.
 pub mod i8042;
+pub mod manager;
 pub mod power;
 pub mod serial;
 pub mod virtio;

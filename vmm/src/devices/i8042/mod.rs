@@ -6,6 +6,8 @@
 //! command: Ctrl-Alt-Del needs the controller's self-test, command byte and output buffer and
 //! the keyboard's reset/identify/LED/enable commands that Linux's i8042 and atkbd drivers use.
 
+pub mod persist;
+
 use std::collections::VecDeque;
 
 use vm_superio::Trigger;
@@ -36,8 +38,8 @@ const CTRL_ALT_DEL_SET2: &[u8] = &[
 ];
 
 /// What the next byte written to the data port means.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Expect {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Expect {
     KeyboardCommand,
     CommandByte,
     OutputPort,

@@ -1,8 +1,8 @@
 //! The shutdown port (see `layout::POWER_PORT`): how a guest without ACPI powers off or resets.
 
 use crate::bus::BusDevice;
+use crate::end::{VmEnd, VmEndSignal};
 use crate::layout::{POWER_OFF_VALUE, POWER_RESET_VALUE};
-use crate::vm::{VmEnd, VmEndSignal};
 
 pub struct PowerPort {
     end: VmEndSignal,

@@ -1,5 +1,6 @@
 //! COM1: a 16550 UART from vm-superio on port 0x3f8, IRQ 4 through an irqfd.
 mod event_handler;
+pub mod persist;
 
 pub use event_handler::{InputSource, SerialInputHandler};
 

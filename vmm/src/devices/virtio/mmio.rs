@@ -8,7 +8,7 @@ use virtio_queue::{Queue, QueueT};
 
 use super::{status, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::bus::BusDevice;
-use crate::vm::GuestMemory;
+use crate::memory::GuestMemory;
 
 pub const MMIO_MAGIC: u32 = 0x7472_6976; // "virt"
 pub const MMIO_VERSION: u32 = 2;
@@ -19,16 +19,16 @@ pub const QUEUE_NOTIFY_OFFSET: u64 = 0x50;
 const CONFIG_SPACE_OFFSET: u64 = 0x100;
 
 pub struct MmioTransport {
-    device: Arc<Mutex<dyn VirtioDevice>>,
-    mem: GuestMemory,
-    interrupt: Arc<VirtioInterrupt>,
-    queues: Vec<Queue>,
-    queue_select: u32,
-    device_features_select: u32,
-    driver_features_select: u32,
-    driver_features: u64,
-    status: u32,
-    config_generation: u32,
+    pub(super) device: Arc<Mutex<dyn VirtioDevice>>,
+    pub(super) mem: GuestMemory,
+    pub(super) interrupt: Arc<VirtioInterrupt>,
+    pub(super) queues: Vec<Queue>,
+    pub(super) queue_select: u32,
+    pub(super) device_features_select: u32,
+    pub(super) driver_features_select: u32,
+    pub(super) driver_features: u64,
+    pub(super) status: u32,
+    pub(super) config_generation: u32,
 }
 
 impl MmioTransport {
@@ -62,7 +62,7 @@ impl MmioTransport {
         self.status
     }
 
-    fn dev(&self) -> std::sync::MutexGuard<'_, dyn VirtioDevice + 'static> {
+    pub(super) fn dev(&self) -> std::sync::MutexGuard<'_, dyn VirtioDevice + 'static> {
         self.device.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -345,6 +345,12 @@ mod tests {
         }
         fn is_activated(&self) -> bool {
             self.active
+        }
+        fn acked_features(&self) -> u64 {
+            self.acked
+        }
+        fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+            Vec::new()
         }
     }
 

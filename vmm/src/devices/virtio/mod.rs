@@ -5,6 +5,7 @@
 pub mod block;
 pub mod mmio;
 pub mod net;
+pub mod persist;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use std::sync::Arc;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::vm::GuestMemory;
+use crate::memory::GuestMemory;
 
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 pub const VIRTIO_F_RING_EVENT_IDX: u64 = 1 << 29;
@@ -99,6 +100,11 @@ pub trait VirtioDevice: Send {
     /// Returns to the state before activation (the driver wrote 0 to Status).
     fn reset(&mut self);
     fn is_activated(&self) -> bool;
+    /// The features the driver acked (valid once FEATURES_OK was accepted).
+    fn acked_features(&self) -> u64;
+    /// The live state of the device's queues while activated (empty before): what a snapshot
+    /// records, since the device, not the transport, advances the indices.
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState>;
 }
 
 /// Reads `data.len()` bytes at `offset` of a config space, zero beyond its end.

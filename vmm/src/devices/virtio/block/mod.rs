@@ -3,6 +3,7 @@
 
 pub mod disk;
 mod event_handler;
+pub mod persist;
 pub mod request;
 
 use std::os::fd::AsRawFd;
@@ -20,7 +21,7 @@ use super::{
     read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_BLOCK,
     VIRTIO_F_VERSION_1,
 };
-use crate::vm::GuestMemory;
+use crate::memory::GuestMemory;
 
 pub const VIRTIO_BLK_F_SIZE_MAX: u64 = 1 << 1;
 pub const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
@@ -39,7 +40,7 @@ const DIRECT_ALIGN: usize = 4096;
 const MAX_DISCARD_SECTORS: u32 = u32::MAX >> SECTOR_SHIFT;
 
 /// Per-device counters for status reporting.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockCounters {
     pub requests: u64,
     pub read_bytes: u64,
@@ -487,6 +488,12 @@ impl VirtioDevice for Block {
     }
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+    fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        self.active.iter().map(|a| a.queue.state()).collect()
     }
 }
 

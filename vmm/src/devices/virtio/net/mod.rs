@@ -6,6 +6,7 @@
 //! re-arms the queue notification; a refill notification resumes reception. No polling.
 
 mod event_handler;
+pub mod persist;
 pub mod tap;
 
 use std::sync::atomic::Ordering;
@@ -21,7 +22,7 @@ use super::{
     read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_NET,
     VIRTIO_F_VERSION_1,
 };
-use crate::vm::GuestMemory;
+use crate::memory::GuestMemory;
 
 pub const VIRTIO_NET_F_CSUM: u64 = 1 << 0;
 pub const VIRTIO_NET_F_GUEST_CSUM: u64 = 1 << 1;
@@ -41,7 +42,7 @@ const TX: usize = 1;
 pub const MAX_FRAME: usize = VNET_HDR_LEN + 65_535 + 14 + 4;
 
 /// A MAC address; only unicast addresses are accepted for a NIC.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MacAddr(pub [u8; 6]);
 
 impl std::str::FromStr for MacAddr {
@@ -88,7 +89,7 @@ impl std::fmt::Display for MacAddr {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetCounters {
     pub rx_frames: u64,
     pub rx_bytes: u64,
@@ -454,6 +455,15 @@ impl VirtioDevice for Net {
     }
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+    fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        self.active
+            .iter()
+            .flat_map(|a| [a.rx.state(), a.tx.state()])
+            .collect()
     }
 }
 

@@ -1,0 +1,353 @@
+//! Turning a `VmConfig` into a running VM, as named steps that a fresh boot and a restore from
+//! a snapshot share: open the backends, create the KVM VM, map and register RAM, build the
+//! devices, create the vCPUs, start the threads. Boot adds loading the kernel and the vCPUs'
+//! boot registers; restore adds injecting the recorded state instead.
+
+use std::os::fd::FromRawFd;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
+use kvm_ioctls::VmFd;
+
+use crate::boot::{self, BootSpec};
+use crate::config::{ConfigError, TapSource, VmConfig};
+use crate::devices::manager::{Backends, DeviceManager, EventLoop};
+use crate::devices::virtio::block::{Disk, DiskError};
+use crate::devices::virtio::net::{Tap, TapError};
+use crate::end::VmEndSignal;
+use crate::kvm::KvmContext;
+use crate::layout::*;
+use crate::memory::{file_layout, GuestRam};
+use crate::persist::vcpu::VcpuStateSupport;
+use crate::persist::{read_state_file, MachineState, SnapshotPaths};
+use crate::vcpu::{self, RunState, Vcpu, VcpuContext, VcpuControl, VcpuRequest};
+use crate::vm::{kvm_err, Vm, VmError, VmInfo};
+
+fn tap_reason(e: TapError) -> String {
+    match e {
+        TapError::NotFound { name } => format!(
+            "no TAP device named {name} (create it first, e.g. `ip tuntap add {name} mode tap`)"
+        ),
+        TapError::Busy { .. } => "busy (another process has it open)".into(),
+        TapError::Other { reason, .. } => reason,
+    }
+}
+
+/// Step 1: disks and TAPs. A missing or locked image is the user's to fix, before anything
+/// starts.
+fn open_backends(config: &VmConfig) -> Result<Backends, VmError> {
+    let mut disks = Vec::with_capacity(config.disks.len());
+    for d in &config.disks {
+        let disk = Disk::open(&d.path, d.read_only, d.cache).map_err(|e| {
+            let reason = match e {
+                DiskError::Open { reason, .. } => reason,
+                DiskError::Locked { .. } => "locked by another VM (advisory lock held)".to_string(),
+            };
+            ConfigError::Disk {
+                path: d.path.display().to_string(),
+                reason,
+            }
+        })?;
+        disks.push((disk, d.clone()));
+    }
+    let mut taps = Vec::with_capacity(config.nets.len());
+    for n in &config.nets {
+        let tap = match &n.tap {
+            TapSource::Name(name) => Tap::open(name),
+            // SAFETY: the config hands the descriptor's ownership to the VM.
+            TapSource::Fd(fd) => Tap::from_fd(unsafe { std::os::fd::OwnedFd::from_raw_fd(*fd) }),
+        }
+        .map_err(|e| ConfigError::Net {
+            tap: n.tap.to_string(),
+            reason: tap_reason(e),
+        })?;
+        taps.push((tap, n.clone()));
+    }
+    if !taps.is_empty() {
+        if std::path::Path::new("/dev/vhost-net").exists() {
+            tracing::info!("virtio-net: /dev/vhost-net present, but this build runs the in-process virtio-net device");
+        } else {
+            tracing::info!("virtio-net: no /dev/vhost-net; using the in-process virtio-net device");
+        }
+    }
+    Ok(Backends { disks, taps })
+}
+
+/// Step 2: the KVM VM with its in-kernel irqchip and PIT, TSS and identity map in the MMIO gap.
+fn create_vm(kvm: &KvmContext) -> Result<VmFd, VmError> {
+    let vm_fd = kvm.kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    vm_fd
+        .set_tss_address(KVM_TSS_ADDRESS as usize)
+        .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+    vm_fd
+        .set_identity_map_address(KVM_IDENTITY_MAP_ADDRESS)
+        .map_err(kvm_err("KVM_SET_IDENTITY_MAP_ADDR"))?;
+    vm_fd
+        .create_irq_chip()
+        .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm_fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+    Ok(vm_fd)
+}
+
+/// Step 3: RAM registered as KVM slots (manual dirty-log protection first, when KVM has it).
+fn register_memory(vm_fd: &VmFd, ram: &mut GuestRam, boot_timer: bool) -> Result<(), VmError> {
+    ram.use_manual_protect(vm_fd);
+    let started = std::time::Instant::now();
+    ram.register(vm_fd)?;
+    if boot_timer {
+        // On some hosts (software-emulated KVM) registering memory costs milliseconds that
+        // are the host's, not the VMM's; the benchmark reports them apart.
+        eprintln!(
+            "microvirt boot-timer: memory slots ns={}",
+            started.elapsed().as_nanos()
+        );
+    }
+    Ok(())
+}
+
+/// Step 5: one KVM vCPU per configured vCPU (configured later by boot or restore).
+fn create_vcpus(vm_fd: &VmFd, count: u8) -> Result<Vec<Vcpu>, VmError> {
+    (0..count)
+        .map(|id| {
+            Vcpu::new(vm_fd, id).map_err(|e| VmError::Vcpu(format!("KVM_CREATE_VCPU {id}: {e}")))
+        })
+        .collect()
+}
+
+/// What the steps produced, before any thread runs.
+struct Parts {
+    kvm: KvmContext,
+    vm_fd: VmFd,
+    ram: GuestRam,
+    devices: DeviceManager,
+    em: crate::devices::manager::Subscribers,
+    wake: vmm_sys_util::eventfd::EventFd,
+    vcpus: Vec<Vcpu>,
+    end: VmEndSignal,
+    memory_mib: u64,
+    cmdline: String,
+    boot_timer: bool,
+}
+
+/// Step 6: the event thread and one thread per vCPU; with `paused` they park before doing
+/// anything (a restore injects the state first).
+fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
+    let state_support =
+        Arc::new(VcpuStateSupport::probe(&p.kvm.kvm, &p.vm_fd).map_err(VmError::Vcpu)?);
+    vcpu::register_kick_handler().map_err(VmError::Vcpu)?;
+    let events = EventLoop::start(p.em, p.wake, paused)
+        .map_err(|e| VmError::Device(format!("event thread: {e}")))?;
+    let control = VcpuControl::new(if paused {
+        RunState::Paused
+    } else {
+        RunState::Running
+    });
+    let first_run = Arc::new(OnceLock::new());
+    let vcpus = p.vcpus.len() as u8;
+    let memory = p.ram.memory().clone();
+    let mut vcpu_threads = Vec::new();
+    for v in p.vcpus {
+        let ctx = VcpuContext {
+            pio: p.devices.pio.clone(),
+            mmio: p.devices.mmio.clone(),
+            memory: memory.clone(),
+            control: control.clone(),
+            end: p.end.clone(),
+            first_run: first_run.clone(),
+            boot_timer: p.boot_timer,
+            state_support: state_support.clone(),
+        };
+        match vcpu::spawn(v, ctx) {
+            Ok(t) => vcpu_threads.push(t),
+            Err(e) => {
+                control.set(RunState::Stopping);
+                events.stop();
+                return Err(VmError::Vcpu(format!("thread: {e}")));
+            }
+        }
+    }
+    Ok(Vm {
+        info: VmInfo {
+            vcpus,
+            memory_mib: p.memory_mib,
+            acceleration: p.kvm.acceleration,
+        },
+        vm_fd: Arc::new(p.vm_fd),
+        ram: p.ram,
+        blocks: p.devices.blocks(),
+        nets: p.devices.nets(),
+        devices: p.devices,
+        events,
+        control,
+        end: p.end,
+        vcpu_threads: Mutex::new(vcpu_threads),
+        first_run,
+        cmdline: p.cmdline,
+        lifecycle: Mutex::new(()),
+    })
+}
+
+impl Vm {
+    /// Validates `config`, builds the VM and starts its vCPUs.
+    pub fn build(config: &VmConfig) -> Result<Vm, VmError> {
+        let kvm = KvmContext::open()?;
+        config.validate(Some(kvm.max_vcpus))?;
+        boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
+        let mem_size = config.memory_mib * MIB;
+        let backends = open_backends(config)?;
+        let vm_fd = create_vm(&kvm)?;
+        let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
+        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        let end = VmEndSignal::default();
+        let (devices, em, wake) =
+            DeviceManager::build(&vm_fd, ram.memory(), &config.serial, &end, backends, None)
+                .map_err(VmError::Device)?;
+        let cmdline = format!("{}{}", config.cmdline, devices.cmdline_entries);
+        if cmdline.len() >= CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong {
+                len: cmdline.len(),
+                max: CMDLINE_MAX_SIZE - 1,
+            }
+            .into());
+        }
+        let entry = boot::load(
+            ram.memory(),
+            &BootSpec {
+                mem_size,
+                vcpus: config.vcpus,
+                kernel: &config.kernel,
+                initrd: config.initrd.as_deref(),
+                cmdline: &cmdline,
+            },
+        )?;
+        let vcpus = create_vcpus(&vm_fd, config.vcpus)?;
+        for v in &vcpus {
+            v.configure(&kvm.kvm, config.vcpus, &entry)
+                .map_err(|e| VmError::Vcpu(format!("vCPU {}: {e}", v.id)))?;
+        }
+        start(
+            Parts {
+                kvm,
+                vm_fd,
+                ram,
+                devices,
+                em,
+                wake,
+                vcpus,
+                end,
+                memory_mib: config.memory_mib,
+                cmdline,
+                boot_timer: config.boot_timer,
+            },
+            false,
+        )
+    }
+
+    /// Builds the machine a snapshot recorded and lets it continue where it was. `config` says
+    /// what the caller expects (vCPUs, memory) and where the host resources are (disks, TAPs,
+    /// console); its kernel is not used. Every mismatch is refused before anything runs.
+    pub fn restore(config: &VmConfig, paths: &SnapshotPaths) -> Result<Vm, VmError> {
+        let state = read_state_file(&paths.state)?;
+        Self::restore_state(config, state, paths)
+    }
+
+    /// As `restore`, with the state already read (a migration receiver decodes it itself).
+    pub fn restore_state(
+        config: &VmConfig,
+        state: MachineState,
+        paths: &SnapshotPaths,
+    ) -> Result<Vm, VmError> {
+        let kvm = KvmContext::open()?;
+        check_matches(config, &state)?;
+        config.validate_devices(Some(kvm.max_vcpus))?;
+        let backends = open_backends(config)?;
+        let vm_fd = create_vm(&kvm)?;
+        let mut ram = GuestRam::from_file(&paths.memory, &state.memory)?;
+        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        let end = VmEndSignal::default();
+        let (devices, em, wake) = DeviceManager::build(
+            &vm_fd,
+            ram.memory(),
+            &config.serial,
+            &end,
+            backends,
+            Some(&state.devices),
+        )
+        .map_err(VmError::Restore)?;
+        let vcpus = create_vcpus(&vm_fd, state.vcpus)?;
+        state.vm.restore(&vm_fd).map_err(VmError::Restore)?;
+        let vm = start(
+            Parts {
+                kvm,
+                vm_fd,
+                ram,
+                devices,
+                em,
+                wake,
+                vcpus,
+                end,
+                memory_mib: state.memory_mib,
+                cmdline: state.cmdline.clone(),
+                boot_timer: config.boot_timer,
+            },
+            true,
+        )?;
+        let mut replies = Vec::new();
+        for s in state.vcpu_states {
+            let (tx, rx) = std::sync::mpsc::channel();
+            vm.control
+                .request(s.id, VcpuRequest::RestoreState(Box::new(s), tx));
+            replies.push(rx);
+        }
+        for (id, rx) in replies.into_iter().enumerate() {
+            let r = rx
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|_| format!("vCPU {id} did not answer"))
+                .and_then(|r| r);
+            if let Err(e) = r {
+                vm.stop();
+                return Err(VmError::Restore(format!("vCPU {id}: {e}")));
+            }
+        }
+        vm.resume();
+        Ok(vm)
+    }
+}
+
+/// The snapshot must be of the machine the caller asked for.
+fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError> {
+    let mismatch = |what: String| Err(VmError::StateMismatch(what));
+    if config.vcpus != state.vcpus {
+        return mismatch(format!(
+            "the snapshot has {} vCPU(s), {} were asked for",
+            state.vcpus, config.vcpus
+        ));
+    }
+    if config.memory_mib != state.memory_mib {
+        return mismatch(format!(
+            "the snapshot has {} MiB of memory, {} MiB were asked for",
+            state.memory_mib, config.memory_mib
+        ));
+    }
+    if state.vcpu_states.len() != state.vcpus as usize
+        || state
+            .vcpu_states
+            .iter()
+            .enumerate()
+            .any(|(i, v)| v.id as usize != i)
+    {
+        return mismatch("the snapshot's vCPU states do not match its vCPU count".into());
+    }
+    if state.memory != file_layout(&ram_regions(state.memory_mib * MIB)) {
+        return mismatch(format!(
+            "the snapshot's memory layout is not the one this VMM gives a {} MiB guest",
+            state.memory_mib
+        ));
+    }
+    Ok(())
+}

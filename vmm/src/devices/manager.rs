@@ -1,0 +1,622 @@
+//! The device manager: owns the port and MMIO buses, every device by id, where each virtio
+//! device sits (MMIO window and GSI) and the event-manager thread that runs device I/O. Pausing
+//! it parks that thread, so a paused machine neither writes guest memory nor interrupts.
+
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::{IoEventAddress, VmFd};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::bus::Bus;
+use crate::config::{DiskConfig, MacAddr, NetConfig, SerialConfig, SerialInput, TapSource};
+use crate::devices::i8042::persist::I8042Args;
+use crate::devices::i8042::I8042;
+use crate::devices::power::PowerPort;
+use crate::devices::serial::persist::SerialArgs;
+use crate::devices::serial::{open_output, SerialDevice, SerialInputHandler};
+use crate::devices::virtio::block::persist::BlockArgs;
+use crate::devices::virtio::block::{Block, Disk};
+use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
+use crate::devices::virtio::net::persist::NetArgs;
+use crate::devices::virtio::net::{Net, Tap};
+use crate::devices::virtio::persist::TransportArgs;
+use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use crate::devices::EventFdTrigger;
+use crate::end::{VmEnd, VmEndSignal};
+use crate::layout::*;
+use crate::memory::GuestMemory;
+use crate::persist::{
+    DevicesState, DiskRecord, Persist, SlotState, VirtioDeviceState, VirtioKindState,
+};
+
+/// First legacy IRQ for virtio devices (0-4 are the PIT, keyboard, cascade and COM ports).
+pub const VIRTIO_FIRST_IRQ: u32 = 5;
+
+/// Where a virtio-mmio device lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VirtioSlot {
+    pub base: u64,
+    pub irq: u32,
+}
+
+impl VirtioSlot {
+    /// The i-th slot of the virtio window: the one allocation rule, used for a fresh boot (a
+    /// restore takes the slots its state recorded).
+    pub fn at(i: usize) -> VirtioSlot {
+        VirtioSlot {
+            base: VIRTIO_MMIO_START + i as u64 * VIRTIO_MMIO_SIZE,
+            irq: VIRTIO_FIRST_IRQ + i as u32,
+        }
+    }
+
+    /// ` virtio_mmio.device=4K@0xd0000000:5`
+    pub fn cmdline_entry(&self) -> String {
+        format!(" virtio_mmio.device=4K@{:#x}:{}", self.base, self.irq)
+    }
+
+    /// A slot read from a state file must be one this VMM could have allocated.
+    fn check(s: SlotState) -> Result<VirtioSlot, String> {
+        let max = crate::config::MAX_VIRTIO_DEVICES as u64;
+        let i = s.base.wrapping_sub(VIRTIO_MMIO_START) / VIRTIO_MMIO_SIZE;
+        if s.base < VIRTIO_MMIO_START || i >= max || !s.base.is_multiple_of(VIRTIO_MMIO_SIZE) {
+            return Err(format!(
+                "virtio slot at {:#x} is outside the virtio window",
+                s.base
+            ));
+        }
+        if !(VIRTIO_FIRST_IRQ..VIRTIO_FIRST_IRQ + max as u32).contains(&s.irq) {
+            return Err(format!("virtio IRQ {} is not one the IOAPIC routes", s.irq));
+        }
+        Ok(VirtioSlot {
+            base: s.base,
+            irq: s.irq,
+        })
+    }
+}
+
+/// A locally administered unicast MAC (52:54:00 like QEMU/KubeVirt) derived from `seed`: the
+/// same seed gives the same MAC in every process, so a NIC keeps its address across restarts,
+/// snapshots and migrations. FNV-1a: no cryptographic need, only spread.
+pub fn derived_mac(seed: &str) -> MacAddr {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in seed.bytes() {
+        h ^= b as u32;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    MacAddr([0x52, 0x54, 0x00, (h >> 16) as u8, (h >> 8) as u8, h as u8])
+}
+
+pub type Subscribers = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LoopState {
+    Running,
+    PauseRequested,
+    Paused,
+    Stopping,
+}
+
+type LoopShared = Arc<(Mutex<LoopState>, Condvar)>;
+
+/// The event-manager thread and the switch that parks it between event batches.
+pub struct EventLoop {
+    shared: LoopShared,
+    wake: EventFd,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// Watches the reset and wake eventfds on the event-manager thread.
+struct Lifecycle {
+    reset: EventFd,
+    wake: EventFd,
+    end: VmEndSignal,
+}
+
+impl MutEventSubscriber for Lifecycle {
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [&self.reset, &self.wake] {
+            if let Err(e) = ops.add(Events::new(fd, EventSet::IN)) {
+                tracing::error!("event loop: {e:?}");
+            }
+        }
+    }
+
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        if events.fd() == self.reset.as_raw_fd() {
+            let _ = self.reset.read();
+            self.end.signal(VmEnd::Reset);
+        } else if events.fd() == self.wake.as_raw_fd() {
+            // Only wakes the loop; its state says what to do.
+            let _ = self.wake.read();
+        }
+    }
+}
+
+impl EventLoop {
+    /// Starts the thread; with `paused` it parks before handling any event.
+    pub fn start(mut em: Subscribers, wake: EventFd, paused: bool) -> std::io::Result<EventLoop> {
+        let initial = if paused {
+            LoopState::PauseRequested
+        } else {
+            LoopState::Running
+        };
+        let shared: LoopShared = Arc::new((Mutex::new(initial), Condvar::new()));
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("vmm-events".into())
+            .spawn(move || loop {
+                {
+                    let (lock, cv) = &*s;
+                    let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+                    if *g == LoopState::PauseRequested {
+                        *g = LoopState::Paused;
+                        cv.notify_all();
+                        while *g == LoopState::Paused {
+                            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                        }
+                    }
+                    if *g == LoopState::Stopping {
+                        return;
+                    }
+                }
+                if let Err(e) = em.run() {
+                    tracing::error!("event loop: {e:?}");
+                    return;
+                }
+            })?;
+        Ok(EventLoop {
+            shared,
+            wake,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Returns once the thread is parked: every event handler has returned, so no device
+    /// request is in flight and none starts until `resume`.
+    pub fn pause(&self) {
+        let (lock, cv) = &*self.shared;
+        let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if *g == LoopState::Running {
+            *g = LoopState::PauseRequested;
+            let _ = self.wake.write(1);
+        }
+        let alive = || {
+            self.thread
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_some_and(|t| !t.is_finished())
+        };
+        while *g == LoopState::PauseRequested && alive() {
+            let (ng, _) = cv
+                .wait_timeout(g, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner());
+            g = ng;
+        }
+    }
+
+    pub fn resume(&self) {
+        let (lock, cv) = &*self.shared;
+        let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(*g, LoopState::Paused | LoopState::PauseRequested) {
+            *g = LoopState::Running;
+            cv.notify_all();
+        }
+    }
+
+    pub fn is_paused(&self) -> bool {
+        *self.shared.0.lock().unwrap_or_else(|p| p.into_inner()) == LoopState::Paused
+    }
+
+    /// Stops and joins the thread. Idempotent.
+    pub fn stop(&self) {
+        {
+            let (lock, cv) = &*self.shared;
+            *lock.lock().unwrap_or_else(|p| p.into_inner()) = LoopState::Stopping;
+            cv.notify_all();
+        }
+        let _ = self.wake.write(1);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A virtio device with its place on the bus.
+pub struct VirtioEntry {
+    pub id: String,
+    pub slot: VirtioSlot,
+    pub transport: Arc<Mutex<MmioTransport>>,
+    pub kind: VirtioKind,
+}
+
+pub enum VirtioKind {
+    Block {
+        device: Arc<Mutex<Block>>,
+        record: DiskRecord,
+    },
+    Net {
+        device: Arc<Mutex<Net>>,
+        tap: Option<String>,
+    },
+}
+
+/// The host side of the devices, opened before anything is created (a missing disk or busy
+/// TAP is the user's to fix, before a VM exists).
+pub struct Backends {
+    pub disks: Vec<(Disk, DiskConfig)>,
+    pub taps: Vec<(Tap, NetConfig)>,
+}
+
+pub struct DeviceManager {
+    pub pio: Arc<Bus>,
+    pub mmio: Arc<Bus>,
+    pub serial: Arc<Mutex<SerialDevice>>,
+    pub i8042: Arc<Mutex<I8042>>,
+    pub virtio: Vec<VirtioEntry>,
+    /// The command-line entries that announce the virtio devices to the guest.
+    pub cmdline_entries: String,
+}
+
+fn dev_err(what: &'static str) -> impl Fn(std::io::Error) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+fn irqfd(vm_fd: &VmFd, gsi: u32, what: &str) -> Result<EventFd, String> {
+    let fd = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+    vm_fd
+        .register_irqfd(&fd, gsi)
+        .map_err(|e| format!("KVM_IRQFD {what}: {e}"))?;
+    Ok(fd)
+}
+
+impl DeviceManager {
+    /// Creates every device, fresh (`state` None) or as `state` recorded them, and the event
+    /// manager that will run them; returns both plus the eventfd that wakes the event loop.
+    pub fn build(
+        vm_fd: &VmFd,
+        memory: &GuestMemory,
+        serial_cfg: &SerialConfig,
+        end: &VmEndSignal,
+        backends: Backends,
+        state: Option<&DevicesState>,
+    ) -> Result<(DeviceManager, Subscribers, EventFd), String> {
+        let mut pio = Bus::new();
+        let mut mmio = Bus::new();
+        let mut em: Subscribers =
+            EventManager::new().map_err(|e| format!("event manager: {e:?}"))?;
+
+        let serial_irq = EventFdTrigger(irqfd(vm_fd, SERIAL_COM1_IRQ, "serial")?);
+        let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        let out = open_output(&serial_cfg.output).map_err(dev_err("serial output"))?;
+        let drained2 = drained.try_clone().map_err(dev_err("eventfd"))?;
+        let serial = match state {
+            None => SerialDevice::new(serial_irq, drained2, out),
+            Some(s) => SerialDevice::restore(
+                SerialArgs {
+                    irq: serial_irq,
+                    drained: drained2,
+                    out,
+                },
+                &s.serial,
+            )?,
+        };
+        let serial = Arc::new(Mutex::new(serial));
+        pio.insert(SERIAL_COM1_PORT as u64, 8, serial.clone())
+            .map_err(|e| e.to_string())?;
+
+        let reset = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        let args = I8042Args {
+            reset_evt: EventFdTrigger(reset.try_clone().map_err(dev_err("eventfd"))?),
+            irq: EventFdTrigger(irqfd(vm_fd, KEYBOARD_IRQ, "i8042")?),
+        };
+        let i8042 = match state {
+            None => I8042::new(args.reset_evt, args.irq),
+            Some(s) => I8042::restore(args, &s.i8042)?,
+        };
+        let i8042 = Arc::new(Mutex::new(i8042));
+        pio.insert(I8042_PORT as u64, 5, i8042.clone())
+            .map_err(|e| e.to_string())?;
+        pio.insert(
+            POWER_PORT as u64,
+            1,
+            Arc::new(Mutex::new(PowerPort::new(end.clone()))),
+        )
+        .map_err(|e| e.to_string())?;
+
+        let wake = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
+        em.add_subscriber(Arc::new(Mutex::new(Lifecycle {
+            reset,
+            wake: wake.try_clone().map_err(dev_err("eventfd"))?,
+            end: end.clone(),
+        })));
+        let input: Option<Box<dyn crate::devices::serial::InputSource>> = match &serial_cfg.input {
+            SerialInput::None => None,
+            SerialInput::Stdin => Some(Box::new(std::io::stdin())),
+            SerialInput::UnixSocket(p) => Some(Box::new(
+                std::os::unix::net::UnixStream::connect(p)
+                    .map_err(dev_err("serial input socket"))?,
+            )),
+            // SAFETY: the config hands the descriptor's ownership to the VM.
+            SerialInput::Fd(fd) => Some(Box::new(std::fs::File::from(unsafe {
+                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(*fd)
+            }))),
+        };
+        if let Some(input) = input {
+            em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(
+                serial.clone(),
+                input,
+                drained,
+            ))));
+        }
+
+        let mut dm = DeviceManager {
+            pio: Arc::new(Bus::new()),
+            mmio: Arc::new(Bus::new()),
+            serial,
+            i8042,
+            virtio: Vec::new(),
+            cmdline_entries: String::new(),
+        };
+        let recorded = state.map(|s| s.virtio.as_slice());
+        let (mut blocks, mut nets) = (Vec::new(), Vec::new());
+        if let Some(r) = recorded {
+            for d in r {
+                match &d.kind {
+                    VirtioKindState::Block { .. } => blocks.push(d),
+                    VirtioKindState::Net { .. } => nets.push(d),
+                }
+            }
+            if blocks.len() != backends.disks.len() || nets.len() != backends.taps.len() {
+                return Err(format!(
+                    "the snapshot has {} disk(s) and {} NIC(s), the configuration {} and {}",
+                    blocks.len(),
+                    nets.len(),
+                    backends.disks.len(),
+                    backends.taps.len()
+                ));
+            }
+        }
+        // virtio-mmio devices: one 4 KiB window and one legacy IRQ each, announced on the
+        // kernel command line the way a guest without ACPI finds them.
+        for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
+            let id = crate::config::disk_name(i);
+            let record = DiskRecord {
+                path: dcfg.path.clone(),
+                read_only: dcfg.read_only,
+                serial: dcfg.serial.clone(),
+                cache: dcfg.cache,
+            };
+            let args = BlockArgs {
+                id: id.clone(),
+                disk,
+                serial: dcfg.serial.clone(),
+            };
+            let (block, saved) = match blocks.get(i) {
+                None => (
+                    Block::new(args.id, args.disk, args.serial.as_deref())
+                        .map_err(dev_err("virtio-blk"))?,
+                    None,
+                ),
+                Some(d) => {
+                    let VirtioKindState::Block { state, .. } = &d.kind else {
+                        unreachable!("sorted above")
+                    };
+                    (Block::restore(args, state)?, Some(*d))
+                }
+            };
+            let block = Arc::new(Mutex::new(block));
+            let slot = match saved {
+                Some(d) => VirtioSlot::check(d.slot)?,
+                None => VirtioSlot::at(dm.virtio.len()),
+            };
+            let transport = attach_virtio(
+                vm_fd,
+                memory,
+                &mut mmio,
+                &mut em,
+                slot,
+                block.clone(),
+                block.clone(),
+                saved,
+            )
+            .map_err(|e| format!("{id}: {e}"))?;
+            dm.cmdline_entries.push_str(&slot.cmdline_entry());
+            dm.virtio.push(VirtioEntry {
+                id,
+                slot,
+                transport,
+                kind: VirtioKind::Block {
+                    device: block,
+                    record,
+                },
+            });
+        }
+        for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
+            let id = format!("eth{i}");
+            let tap_name = match &ncfg.tap {
+                TapSource::Name(n) => Some(n.clone()),
+                TapSource::Fd(_) => None,
+            };
+            let saved = nets.get(i).copied();
+            let mac = match saved.map(|d| &d.kind) {
+                Some(VirtioKindState::Net { mac, .. }) => *mac,
+                _ => ncfg
+                    .mac
+                    .unwrap_or_else(|| derived_mac(&format!("{}/{id}", tap.name))),
+            };
+            let args = NetArgs {
+                id: id.clone(),
+                tap,
+                mac,
+            };
+            let net = match saved.map(|d| &d.kind) {
+                Some(VirtioKindState::Net { state, .. }) => Net::restore(args, state)?,
+                _ => Net::new(args.id, args.tap, args.mac).map_err(dev_err("virtio-net"))?,
+            };
+            let net = Arc::new(Mutex::new(net));
+            let slot = match saved {
+                Some(d) => VirtioSlot::check(d.slot)?,
+                None => VirtioSlot::at(dm.virtio.len()),
+            };
+            let transport = attach_virtio(
+                vm_fd,
+                memory,
+                &mut mmio,
+                &mut em,
+                slot,
+                net.clone(),
+                net.clone(),
+                saved,
+            )
+            .map_err(|e| format!("{id}: {e}"))?;
+            dm.cmdline_entries.push_str(&slot.cmdline_entry());
+            dm.virtio.push(VirtioEntry {
+                id,
+                slot,
+                transport,
+                kind: VirtioKind::Net {
+                    device: net,
+                    tap: tap_name,
+                },
+            });
+        }
+        dm.pio = Arc::new(pio);
+        dm.mmio = Arc::new(mmio);
+        Ok((dm, em, wake))
+    }
+
+    pub fn blocks(&self) -> Vec<Arc<Mutex<Block>>> {
+        self.virtio
+            .iter()
+            .filter_map(|v| match &v.kind {
+                VirtioKind::Block { device, .. } => Some(device.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    pub fn nets(&self) -> Vec<Arc<Mutex<Net>>> {
+        self.virtio
+            .iter()
+            .filter_map(|v| match &v.kind {
+                VirtioKind::Net { device, .. } => Some(device.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every device's state. The caller has paused the vCPUs and the event loop.
+    pub fn save(&self) -> DevicesState {
+        let lock =
+            |m: &Arc<Mutex<MmioTransport>>| m.lock().unwrap_or_else(|p| p.into_inner()).save();
+        DevicesState {
+            serial: self.serial.lock().unwrap_or_else(|p| p.into_inner()).save(),
+            i8042: self.i8042.lock().unwrap_or_else(|p| p.into_inner()).save(),
+            virtio: self
+                .virtio
+                .iter()
+                .map(|v| VirtioDeviceState {
+                    id: v.id.clone(),
+                    slot: SlotState {
+                        base: v.slot.base,
+                        irq: v.slot.irq,
+                    },
+                    transport: lock(&v.transport),
+                    kind: match &v.kind {
+                        VirtioKind::Block { device, record } => VirtioKindState::Block {
+                            disk: record.clone(),
+                            state: device.lock().unwrap_or_else(|p| p.into_inner()).save(),
+                        },
+                        VirtioKind::Net { device, tap } => {
+                            let d = device.lock().unwrap_or_else(|p| p.into_inner());
+                            VirtioKindState::Net {
+                                tap: tap.clone(),
+                                mac: d.mac(),
+                                state: d.save(),
+                            }
+                        }
+                    },
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
+/// event manager; with `saved`, the transport (and the device's activation) is restored.
+#[allow(clippy::too_many_arguments)]
+fn attach_virtio(
+    vm_fd: &VmFd,
+    memory: &GuestMemory,
+    mmio: &mut Bus,
+    em: &mut Subscribers,
+    slot: VirtioSlot,
+    device: Arc<Mutex<dyn VirtioDevice>>,
+    subscriber: Arc<Mutex<dyn MutEventSubscriber + Send>>,
+    saved: Option<&VirtioDeviceState>,
+) -> Result<Arc<Mutex<MmioTransport>>, String> {
+    let irq = irqfd(vm_fd, slot.irq, "virtio")?;
+    {
+        let d = device.lock().unwrap_or_else(|p| p.into_inner());
+        for (q, evt) in d.queue_events().iter().enumerate() {
+            let addr = IoEventAddress::Mmio(slot.base + QUEUE_NOTIFY_OFFSET);
+            vm_fd
+                .register_ioevent(evt, &addr, q as u32)
+                .map_err(|e| format!("KVM_IOEVENTFD virtio: {e}"))?;
+        }
+    }
+    let interrupt = VirtioInterrupt::new(irq);
+    let transport = match saved {
+        None => MmioTransport::new(device, memory.clone(), interrupt),
+        Some(s) => MmioTransport::restore(
+            TransportArgs {
+                device,
+                mem: memory.clone(),
+                interrupt,
+            },
+            &s.transport,
+        )?,
+    };
+    let transport = Arc::new(Mutex::new(transport));
+    mmio.insert(slot.base, VIRTIO_MMIO_SIZE, transport.clone())
+        .map_err(|e| e.to_string())?;
+    em.add_subscriber(subscriber);
+    Ok(transport)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_macs_are_stable_local_unicast_and_spread() {
+        let a = derived_mac("default/vm1/default");
+        assert_eq!(a, derived_mac("default/vm1/default"));
+        assert_ne!(a, derived_mac("default/vm2/default"));
+        assert_eq!(a.0[..3], [0x52, 0x54, 0x00]);
+    }
+
+    #[test]
+    fn recorded_slots_are_checked() {
+        assert!(VirtioSlot::check(SlotState {
+            base: VIRTIO_MMIO_START,
+            irq: 5
+        })
+        .is_ok());
+        assert!(VirtioSlot::check(SlotState {
+            base: 0x1000,
+            irq: 5
+        })
+        .is_err());
+        assert!(VirtioSlot::check(SlotState {
+            base: VIRTIO_MMIO_START,
+            irq: 24
+        })
+        .is_err());
+    }
+}

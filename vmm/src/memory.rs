@@ -1,0 +1,492 @@
+//! Guest RAM and its KVM memory slots: who maps it (anonymous for a boot, `MAP_PRIVATE` of a
+//! memory file for a restore), which slot each region is, and the dirty log that snapshot and
+//! migration read (KVM's log of guest writes OR vm-memory's bitmap of the VMM's own writes).
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::VmFd;
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::mmap::MmapRegionBuilder;
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap,
+    MemoryRegionAddress,
+};
+
+/// Guest RAM. The dirty bitmap tracks writes the VMM itself makes (device DMA), which KVM's
+/// dirty log cannot see; the dirty log ORs both.
+pub type GuestMemory = vm_memory::GuestMemoryMmap<AtomicBitmap>;
+
+pub const PAGE_SIZE: u64 = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("guest memory: {0}")]
+    Map(String),
+    #[error("KVM_SET_USER_MEMORY_REGION slot {slot}: {source}")]
+    Slot {
+        slot: u32,
+        source: kvm_ioctls::Error,
+    },
+    #[error("KVM_GET_DIRTY_LOG slot {slot}: {source}")]
+    DirtyLog {
+        slot: u32,
+        source: kvm_ioctls::Error,
+    },
+    #[error("KVM_CLEAR_DIRTY_LOG slot {slot}: {source}")]
+    ClearDirtyLog { slot: u32, source: std::io::Error },
+    #[error("memory file {path}: {source}")]
+    File {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// One RAM region as the state file records it: where the guest sees it and where its bytes
+/// are in the memory file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RegionLayout {
+    pub guest_addr: u64,
+    pub size: u64,
+    pub file_offset: u64,
+}
+
+/// The regions of `ram_regions`, laid end to end in a memory file.
+pub fn file_layout(regions: &[(GuestAddress, usize)]) -> Vec<RegionLayout> {
+    let mut off = 0;
+    regions
+        .iter()
+        .map(|(a, s)| {
+            let r = RegionLayout {
+                guest_addr: a.0,
+                size: *s as u64,
+                file_offset: off,
+            };
+            off += *s as u64;
+            r
+        })
+        .collect()
+}
+
+/// What writing a memory file cost and produced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryFileStats {
+    /// Size of the file as `ls` shows it (all of guest RAM).
+    pub logical_bytes: u64,
+    /// Bytes actually written (non-zero pages).
+    pub written_bytes: u64,
+}
+
+/// Guest RAM plus the KVM slots it is registered as.
+pub struct GuestRam {
+    memory: GuestMemory,
+    layout: Vec<RegionLayout>,
+    /// Dirty logging on (slots carry KVM_MEM_LOG_DIRTY_PAGES).
+    logging: AtomicBool,
+    /// KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 enabled on this VM: reading the log does not re-protect
+    /// pages, KVM_CLEAR_DIRTY_LOG does (for only the pages read).
+    manual_protect: bool,
+}
+
+fn map_err(e: impl std::fmt::Display) -> MemoryError {
+    MemoryError::Map(e.to_string())
+}
+
+impl GuestRam {
+    /// Anonymous RAM for a fresh boot.
+    pub fn anonymous(regions: &[(GuestAddress, usize)]) -> Result<GuestRam, MemoryError> {
+        let memory = GuestMemory::from_ranges(regions).map_err(map_err)?;
+        Ok(GuestRam {
+            memory,
+            layout: file_layout(regions),
+            logging: AtomicBool::new(false),
+            manual_protect: false,
+        })
+    }
+
+    /// RAM mapped `MAP_PRIVATE` from a memory file: pages are read from the file when the guest
+    /// first touches them and copied on its first write, so this costs the same for any size and
+    /// never writes to the file.
+    pub fn from_file(path: &Path, layout: &[RegionLayout]) -> Result<GuestRam, MemoryError> {
+        let file_err = |source| MemoryError::File {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = Arc::new(File::open(path).map_err(file_err)?);
+        let len = file.metadata().map_err(file_err)?.len();
+        let mut regions = Vec::with_capacity(layout.len());
+        for r in layout {
+            let end = r.file_offset.checked_add(r.size);
+            if end.is_none_or(|e| e > len) {
+                return Err(file_err(std::io::Error::other(format!(
+                    "is {len} bytes, too short for guest RAM at {:#x} ({} bytes at file offset {})",
+                    r.guest_addr, r.size, r.file_offset
+                ))));
+            }
+            let size = r.size as usize;
+            let mapping = MmapRegionBuilder::new_with_bitmap(
+                size,
+                AtomicBitmap::new(
+                    size,
+                    std::num::NonZeroUsize::new(PAGE_SIZE as usize).unwrap(),
+                ),
+            )
+            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(map_err)?;
+            regions.push(
+                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
+                    .ok_or_else(|| map_err("region wraps the address space"))?,
+            );
+        }
+        let memory = GuestMemory::from_regions(regions).map_err(map_err)?;
+        Ok(GuestRam {
+            memory,
+            layout: layout.to_vec(),
+            logging: AtomicBool::new(false),
+            manual_protect: false,
+        })
+    }
+
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
+    pub fn layout(&self) -> &[RegionLayout] {
+        &self.layout
+    }
+
+    pub fn size(&self) -> u64 {
+        self.layout.iter().map(|r| r.size).sum()
+    }
+
+    /// Turns on manual dirty-log protection when KVM has it (must precede any dirty logging).
+    pub fn use_manual_protect(&mut self, vm_fd: &VmFd) {
+        const KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE: u64 = 1;
+        let cap = kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2;
+        let supported = vm_fd.check_extension_raw(cap as libc::c_ulong) as u64;
+        if supported & KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE == 0 {
+            return;
+        }
+        let mut enable = kvm_bindings::kvm_enable_cap {
+            cap,
+            ..Default::default()
+        };
+        enable.args[0] = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE;
+        match vm_fd.enable_cap(&enable) {
+            Ok(()) => self.manual_protect = true,
+            Err(e) => tracing::debug!("KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2: {e}"),
+        }
+    }
+
+    /// Registers (or re-registers with new flags) every region as KVM slot = its index.
+    fn set_slots(&self, vm_fd: &VmFd, log_dirty: bool) -> Result<(), MemoryError> {
+        for (slot, region) in self.memory.iter().enumerate() {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(map_err)?;
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                flags: if log_dirty {
+                    KVM_MEM_LOG_DIRTY_PAGES
+                } else {
+                    0
+                },
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: host as u64,
+            };
+            // SAFETY: the mapping lives in `memory`, which outlives the VM fd's use of it (the
+            // Vm owns both and joins the vCPU threads before dropping memory).
+            unsafe { vm_fd.set_user_memory_region(r) }.map_err(|source| MemoryError::Slot {
+                slot: slot as u32,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    pub fn register(&self, vm_fd: &VmFd) -> Result<(), MemoryError> {
+        self.set_slots(vm_fd, self.logging.load(Ordering::SeqCst))
+    }
+
+    /// Starts dirty logging: from now on every guest write is logged. Clears what the VMM's own
+    /// bitmap collected before, so the first `dirty_log` reports writes since this call.
+    pub fn start_dirty_log(&self, vm_fd: &VmFd) -> Result<(), MemoryError> {
+        self.set_slots(vm_fd, true)?;
+        self.logging.store(true, Ordering::SeqCst);
+        for region in self.memory.iter() {
+            own_bitmap(region).reset();
+        }
+        Ok(())
+    }
+
+    /// Stops dirty logging and restores the slots to how they were.
+    pub fn stop_dirty_log(&self, vm_fd: &VmFd) -> Result<(), MemoryError> {
+        self.logging.store(false, Ordering::SeqCst);
+        self.set_slots(vm_fd, false)
+    }
+
+    pub fn is_logging(&self) -> bool {
+        self.logging.load(Ordering::SeqCst)
+    }
+
+    /// The pages written since dirty logging started or since the last call, by the guest
+    /// (KVM's log) or by the VMM (vm-memory's bitmap); reading resets both.
+    pub fn dirty_log(&self, vm_fd: &VmFd) -> Result<DirtyLog, MemoryError> {
+        let mut regions = Vec::with_capacity(self.layout.len());
+        for (slot, (region, r)) in self.memory.iter().zip(&self.layout).enumerate() {
+            let slot = slot as u32;
+            let mut bits = vm_fd
+                .get_dirty_log(slot, r.size as usize)
+                .map_err(|source| MemoryError::DirtyLog { slot, source })?;
+            if self.manual_protect {
+                clear_dirty_log(vm_fd, slot, &bits, r.size / PAGE_SIZE)
+                    .map_err(|source| MemoryError::ClearDirtyLog { slot, source })?;
+            }
+            let own = own_bitmap(region).get_and_reset();
+            for (b, o) in bits.iter_mut().zip(own) {
+                *b |= o;
+            }
+            regions.push(DirtyRegion {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                bitmap: bits,
+            });
+        }
+        Ok(DirtyLog { regions })
+    }
+
+    /// Writes all of RAM to `path` in the file layout, sparsely: zero pages are holes, never
+    /// written. `path` is created anew (never an existing mapped file rewritten in place).
+    pub fn write_file(&self, path: &Path) -> Result<MemoryFileStats, MemoryError> {
+        let err = |source| MemoryError::File {
+            path: path.display().to_string(),
+            source,
+        };
+        let _ = std::fs::remove_file(path);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(err)?;
+        let total = self.size();
+        file.set_len(total).map_err(err)?;
+        let mut written = 0;
+        for (region, r) in self.memory.iter().zip(&self.layout) {
+            let host = region
+                .get_host_address(MemoryRegionAddress(0))
+                .map_err(map_err)?;
+            // SAFETY: the region maps `r.size` bytes at `host` for the lifetime of `self`; the
+            // VM is paused, so nothing writes them while we read.
+            let bytes = unsafe { std::slice::from_raw_parts(host as *const u8, r.size as usize) };
+            written += write_nonzero_runs(&file, bytes, r.file_offset).map_err(err)?;
+        }
+        file.sync_all().map_err(err)?;
+        Ok(MemoryFileStats {
+            logical_bytes: total,
+            written_bytes: written,
+        })
+    }
+}
+
+/// The region's whole bitmap (vm-memory's `bitmap()` on a region gives a slice view).
+fn own_bitmap(region: &GuestRegionMmap<AtomicBitmap>) -> &AtomicBitmap {
+    let mapping: &vm_memory::mmap::MmapRegion<AtomicBitmap> = region;
+    mapping.bitmap()
+}
+
+/// Writes the non-zero pages of `bytes` at `base` (+ their offset); returns bytes written.
+fn write_nonzero_runs(file: &File, bytes: &[u8], base: u64) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let page = PAGE_SIZE as usize;
+    let mut written = 0u64;
+    let mut run_start: Option<usize> = None;
+    let mut flush = |start: usize, end: usize| -> std::io::Result<()> {
+        file.write_all_at(&bytes[start..end], base + start as u64)?;
+        written += (end - start) as u64;
+        Ok(())
+    };
+    let mut off = 0;
+    while off < bytes.len() {
+        let end = (off + page).min(bytes.len());
+        let zero = is_zero(&bytes[off..end]);
+        match (zero, run_start) {
+            (false, None) => run_start = Some(off),
+            (true, Some(s)) => {
+                flush(s, off)?;
+                run_start = None;
+            }
+            _ => {}
+        }
+        // Runs are capped so one write never needs more than 64 MiB at a time.
+        if let Some(s) = run_start {
+            if end - s >= 64 << 20 {
+                flush(s, end)?;
+                run_start = None;
+            }
+        }
+        off = end;
+    }
+    if let Some(s) = run_start {
+        flush(s, bytes.len())?;
+    }
+    Ok(written)
+}
+
+fn is_zero(b: &[u8]) -> bool {
+    // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets the aligned middle.
+    let (head, mid, tail) = unsafe { b.align_to::<u64>() };
+    head.iter().all(|&x| x == 0) && mid.iter().all(|&x| x == 0) && tail.iter().all(|&x| x == 0)
+}
+
+/// KVM_CLEAR_DIRTY_LOG: written here because kvm-ioctls 0.25 has no wrapper for it.
+fn clear_dirty_log(vm_fd: &VmFd, slot: u32, bits: &[u64], pages: u64) -> std::io::Result<()> {
+    vmm_sys_util::ioctl_iowr_nr!(
+        KVM_CLEAR_DIRTY_LOG,
+        kvm_bindings::KVMIO,
+        0xc0,
+        kvm_bindings::kvm_clear_dirty_log
+    );
+    if pages == 0 {
+        return Ok(());
+    }
+    // The kernel wants num_pages a multiple of 64 unless the range ends at the slot's end.
+    let mut copy = bits.to_vec();
+    let arg = kvm_bindings::kvm_clear_dirty_log {
+        slot,
+        num_pages: pages as u32,
+        first_page: 0,
+        __bindgen_anon_1: kvm_bindings::kvm_clear_dirty_log__bindgen_ty_1 {
+            dirty_bitmap: copy.as_mut_ptr() as *mut libc::c_void,
+        },
+    };
+    // SAFETY: a VM fd, a correctly sized kvm_clear_dirty_log whose bitmap covers `pages` bits.
+    let r = unsafe { vmm_sys_util::ioctl::ioctl_with_ref(vm_fd, KVM_CLEAR_DIRTY_LOG(), &arg) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Dirty pages of one RAM region: bit i of the bitmap is the page at guest_addr + i * 4 KiB.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirtyRegion {
+    pub guest_addr: u64,
+    pub size: u64,
+    pub bitmap: Vec<u64>,
+}
+
+/// The set of guest pages written in an interval.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DirtyLog {
+    pub regions: Vec<DirtyRegion>,
+}
+
+impl DirtyLog {
+    pub fn page_count(&self) -> u64 {
+        self.regions
+            .iter()
+            .flat_map(|r| &r.bitmap)
+            .map(|w| w.count_ones() as u64)
+            .sum()
+    }
+
+    pub fn contains(&self, gpa: u64) -> bool {
+        self.regions.iter().any(|r| {
+            gpa >= r.guest_addr && gpa - r.guest_addr < r.size && {
+                let page = ((gpa - r.guest_addr) / PAGE_SIZE) as usize;
+                r.bitmap
+                    .get(page / 64)
+                    .is_some_and(|w| w & (1 << (page % 64)) != 0)
+            }
+        })
+    }
+
+    /// Guest-physical addresses of the dirty pages, in order.
+    pub fn pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.regions.iter().flat_map(|r| {
+            r.bitmap.iter().enumerate().flat_map(move |(i, &w)| {
+                (0..64)
+                    .filter(move |b| w & (1u64 << b) != 0)
+                    .map(move |b| r.guest_addr + (i as u64 * 64 + b) * PAGE_SIZE)
+                    .filter(move |&a| a < r.guest_addr + r.size)
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::Bytes;
+
+    #[test]
+    fn memory_file_is_sparse_and_maps_back_privately() {
+        let regions = [(GuestAddress(0), 4 << 20), (GuestAddress(1 << 30), 2 << 20)];
+        let ram = GuestRam::anonymous(&regions).unwrap();
+        let m = ram.memory();
+        m.write_obj(0xdead_beefu64, GuestAddress(0x1000)).unwrap();
+        m.write_obj(0x1234u32, GuestAddress((1 << 30) + 0x1f_fffc))
+            .unwrap();
+        let path = std::env::temp_dir().join(format!("mv-memfile-{}", std::process::id()));
+        let stats = ram.write_file(&path).unwrap();
+        assert_eq!(stats.logical_bytes, 6 << 20);
+        assert_eq!(stats.written_bytes, 2 * PAGE_SIZE, "only non-zero pages");
+        let back = GuestRam::from_file(&path, ram.layout()).unwrap();
+        let bm = back.memory();
+        assert_eq!(
+            bm.read_obj::<u64>(GuestAddress(0x1000)).unwrap(),
+            0xdead_beef
+        );
+        assert_eq!(
+            bm.read_obj::<u32>(GuestAddress((1 << 30) + 0x1f_fffc))
+                .unwrap(),
+            0x1234
+        );
+        // Private: writing the restored RAM leaves the file as it was.
+        bm.write_obj(7u64, GuestAddress(0x1000)).unwrap();
+        let again = GuestRam::from_file(&path, ram.layout()).unwrap();
+        assert_eq!(
+            again
+                .memory()
+                .read_obj::<u64>(GuestAddress(0x1000))
+                .unwrap(),
+            0xdead_beef
+        );
+        // A file shorter than the layout is refused.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(5 << 20)
+            .unwrap();
+        let e = GuestRam::from_file(&path, ram.layout()).err().unwrap();
+        assert!(e.to_string().contains("too short"), "{e}");
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn dirty_log_page_iteration() {
+        let log = DirtyLog {
+            regions: vec![DirtyRegion {
+                guest_addr: 0x10_0000,
+                size: 70 * PAGE_SIZE,
+                bitmap: vec![0b101, 1 << 5],
+            }],
+        };
+        assert_eq!(log.page_count(), 3);
+        let pages: Vec<u64> = log.pages().collect();
+        assert_eq!(
+            pages,
+            vec![0x10_0000, 0x10_2000, 0x10_0000 + 69 * PAGE_SIZE]
+        );
+        assert!(log.contains(0x10_2fff));
+        assert!(!log.contains(0x10_1000));
+    }
+}

@@ -1,0 +1,228 @@
+//! The machine's state as one versioned value, the `Persist` trait each stateful object
+//! implements next to its own code, and the state file that carries it.
+//!
+//! State file: `magic (8) | format version (u32 LE) | VMM version (u16 LE length + UTF-8) |
+//! payload length (u64 LE) | payload (postcard) | CRC-32 of everything before it (u32 LE)`.
+//! Guest memory is not in it: it goes to a separate, sparse memory file (see `memory.rs`).
+
+pub mod vcpu;
+pub mod vm;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{CacheMode, MacAddr};
+use crate::devices::i8042::persist::I8042State;
+use crate::devices::serial::persist::SerialDeviceState;
+use crate::devices::virtio::block::persist::BlockState;
+use crate::devices::virtio::net::persist::NetState;
+use crate::devices::virtio::persist::TransportState;
+use crate::memory::RegionLayout;
+pub use vcpu::VcpuState;
+pub use vm::KvmVmState;
+
+/// Saves an object's state and builds the object again from it. `Args` is what the state does
+/// not hold: host resources (files, eventfds, sinks) the new object is connected to.
+pub trait Persist: Sized {
+    type State;
+    type Args;
+    fn save(&self) -> Self::State;
+    fn restore(args: Self::Args, state: &Self::State) -> Result<Self, String>;
+}
+
+pub const STATE_MAGIC: [u8; 8] = *b"MVRTSTAT";
+/// Bumped whenever `MachineState`'s encoding changes; a restore refuses any other version.
+pub const FORMAT_VERSION: u32 = 1;
+pub const VMM_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// Far above any real state (a few KiB per vCPU): a length beyond it is corruption.
+const MAX_PAYLOAD: u64 = 64 << 20;
+
+/// Where a virtio-mmio device lives: recorded so a restored guest finds each device where its
+/// drivers left it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotState {
+    pub base: u64,
+    pub irq: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskRecord {
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub serial: Option<String>,
+    pub cache: CacheMode,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum VirtioKindState {
+    Block {
+        disk: DiskRecord,
+        state: BlockState,
+    },
+    Net {
+        /// The TAP's name when the VM opened it by name (a restore without a config reopens it).
+        tap: Option<String>,
+        mac: MacAddr,
+        state: NetState,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VirtioDeviceState {
+    pub id: String,
+    pub slot: SlotState,
+    pub transport: TransportState,
+    pub kind: VirtioKindState,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DevicesState {
+    pub serial: SerialDeviceState,
+    pub i8042: I8042State,
+    pub virtio: Vec<VirtioDeviceState>,
+}
+
+/// Everything but guest memory's contents.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MachineState {
+    pub vcpus: u8,
+    pub memory_mib: u64,
+    /// The command line the guest booted with (devices' entries included), for the record.
+    pub cmdline: String,
+    pub memory: Vec<RegionLayout>,
+    pub vm: KvmVmState,
+    pub vcpu_states: Vec<VcpuState>,
+    pub devices: DevicesState,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateFileError {
+    #[error("state file {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("state file {path}: not a microvirt state file (bad magic)")]
+    Magic { path: String },
+    #[error("state file {path}: format version {found} (written by microvirt {vmm}); this microvirt ({VMM_VERSION}) reads format version {FORMAT_VERSION} only")]
+    Version {
+        path: String,
+        found: u32,
+        vmm: String,
+    },
+    #[error("state file {path}: truncated ({len} bytes; the header says {expected})")]
+    Truncated {
+        path: String,
+        len: u64,
+        expected: u64,
+    },
+    #[error("state file {path}: checksum mismatch (the file is corrupted)")]
+    Checksum { path: String },
+    #[error("state file {path}: cannot decode the machine state: {reason}")]
+    Decode { path: String, reason: String },
+}
+
+/// The two files of a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotPaths {
+    pub state: PathBuf,
+    pub memory: PathBuf,
+}
+
+impl SnapshotPaths {
+    /// `DIR/state` and `DIR/memory`, the layout `virt-launcher snapshot --to DIR` writes.
+    pub fn in_dir(dir: &Path) -> SnapshotPaths {
+        SnapshotPaths {
+            state: dir.join("state"),
+            memory: dir.join("memory"),
+        }
+    }
+}
+
+/// Encodes the state with header and checksum.
+pub fn encode(state: &MachineState) -> Vec<u8> {
+    let payload = postcard::to_stdvec(state).expect("machine state serializes");
+    let mut out = Vec::with_capacity(payload.len() + 64);
+    out.extend_from_slice(&STATE_MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(VMM_VERSION.len() as u16).to_le_bytes());
+    out.extend_from_slice(VMM_VERSION.as_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&payload);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Checks header, length and checksum, then decodes. `path` names the file in errors.
+pub fn decode(bytes: &[u8], path: &Path) -> Result<MachineState, StateFileError> {
+    let p = path.display().to_string();
+    let len = bytes.len() as u64;
+    if bytes.len() < 8 || bytes[..8] != STATE_MAGIC {
+        return Err(StateFileError::Magic { path: p });
+    }
+    let truncated = |expected: u64| StateFileError::Truncated {
+        path: p.clone(),
+        len,
+        expected,
+    };
+    let rd = |at: usize, n: usize| {
+        bytes
+            .get(at..at + n)
+            .ok_or_else(|| truncated(at as u64 + n as u64))
+    };
+    let version = u32::from_le_bytes(rd(8, 4)?.try_into().unwrap());
+    let vlen = u16::from_le_bytes(rd(12, 2)?.try_into().unwrap()) as usize;
+    let vmm = String::from_utf8_lossy(rd(14, vlen)?).into_owned();
+    if version != FORMAT_VERSION {
+        return Err(StateFileError::Version {
+            path: p,
+            found: version,
+            vmm,
+        });
+    }
+    let at = 14 + vlen;
+    let plen = u64::from_le_bytes(rd(at, 8)?.try_into().unwrap());
+    if plen > MAX_PAYLOAD {
+        return Err(StateFileError::Checksum { path: p });
+    }
+    let expected = at as u64 + 8 + plen + 4;
+    if len < expected {
+        return Err(truncated(expected));
+    }
+    let body_end = at + 8 + plen as usize;
+    let crc = u32::from_le_bytes(bytes[body_end..body_end + 4].try_into().unwrap());
+    if crc32fast::hash(&bytes[..body_end]) != crc || len != expected {
+        return Err(StateFileError::Checksum { path: p });
+    }
+    postcard::from_bytes(&bytes[at + 8..body_end]).map_err(|e| StateFileError::Decode {
+        path: p,
+        reason: e.to_string(),
+    })
+}
+
+/// Writes the state file atomically: a temporary file, fsync, rename. A crash mid-write leaves
+/// the previous snapshot (if any) intact.
+pub fn write_state_file(path: &Path, state: &MachineState) -> Result<u64, StateFileError> {
+    let err = |source| StateFileError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let bytes = encode(state);
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(&bytes).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
+    Ok(bytes.len() as u64)
+}
+
+pub fn read_state_file(path: &Path) -> Result<MachineState, StateFileError> {
+    let bytes = std::fs::read(path).map_err(|source| StateFileError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    decode(&bytes, path)
+}
