@@ -20,7 +20,7 @@ use crate::kvm::KvmContext;
 use crate::layout::*;
 use crate::memory::{file_layout, GuestRam};
 use crate::persist::vcpu::VcpuStateSupport;
-use crate::persist::{read_state_file, MachineState, SnapshotPaths};
+use crate::persist::{read_state_file, MachineState, SnapshotPaths, VirtioKindState};
 use crate::vcpu::{self, RunState, Vcpu, VcpuContext, VcpuControl, VcpuRequest};
 use crate::vm::{kvm_err, Vm, VmError, VmInfo};
 
@@ -342,6 +342,20 @@ fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError>
             .any(|(i, v)| v.id as usize != i)
     {
         return mismatch("the snapshot's vCPU states do not match its vCPU count".into());
+    }
+    let disks = state
+        .devices
+        .virtio
+        .iter()
+        .filter(|d| matches!(d.kind, VirtioKindState::Block { .. }))
+        .count();
+    let nics = state.devices.virtio.len() - disks;
+    if disks != config.disks.len() || nics != config.nets.len() {
+        return mismatch(format!(
+            "the snapshot has {disks} disk(s) and {nics} NIC(s), the configuration {} and {}",
+            config.disks.len(),
+            config.nets.len()
+        ));
     }
     if state.memory != file_layout(&ram_regions(state.memory_mib * MIB)) {
         return mismatch(format!(

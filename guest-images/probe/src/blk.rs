@@ -187,3 +187,78 @@ pub fn run(cmdline: &str) -> ! {
     }
     result(disks > 0, format_args!("disks={disks}{}", out.as_str()))
 }
+
+/// `probe.test=blkstream`: writes `probe.writes` 4 KiB requests (default 256) to consecutive
+/// sectors of the first read-write disk, flushing every 16, printing progress every 32, then
+/// reads everything back and verifies it. A workload that is mid-I/O whenever the host
+/// snapshots or migrates the VM; the host then checks the image holds exactly what was written.
+pub fn stream(boot: &crate::BootInfo) -> ! {
+    let writes: u64 = boot
+        .param("probe.writes")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(256);
+    let mut bases = [0u64; 8];
+    let n = crate::virtio::devices(boot.cmdline, &mut bases);
+    let Some((i, &base)) = bases[..n]
+        .iter()
+        .enumerate()
+        .find(|(_, &b)| (Device { base: b }).device_id() == 2)
+    else {
+        result(false, format_args!("no virtio-blk device"))
+    };
+    match stream_on(i, base, writes) {
+        Ok(()) => result(
+            true,
+            format_args!("written={writes} sectors={}", writes * 8),
+        ),
+        Err(e) => result(false, format_args!("{e}")),
+    }
+}
+
+fn stream_on(i: usize, base: u64, writes: u64) -> Result<(), &'static str> {
+    use crate::hw::Serial;
+    let dev = Device { base };
+    dev.init(F_FLUSH)?;
+    let rings = unsafe { &mut (*core::ptr::addr_of_mut!(RINGS))[i] };
+    let q = dev.setup_queue(0, rings)?;
+    dev.driver_ok();
+    if dev.config_u64(0) < writes * 8 {
+        return Err("disk too small for probe.writes");
+    }
+    let mut d = Disk { dev, q };
+    let page = unsafe { core::slice::from_raw_parts_mut(data_ptr(), 4096) };
+    for j in 0..writes {
+        for s in 0..8 {
+            pattern(
+                j * 8 + s,
+                &mut page[s as usize * 512..(s as usize + 1) * 512],
+            );
+        }
+        if d.request(T_OUT, j * 8, &[(data_ptr() as u64, 4096, false)])? != 0 {
+            return Err("write failed");
+        }
+        if (j + 1) % 16 == 0 && d.request(T_FLUSH, 0, &[])? != 0 {
+            return Err("flush failed");
+        }
+        if (j + 1) % 32 == 0 {
+            let _ = writeln!(Serial, "PROBE PROGRESS blkstream writes={}", j + 1);
+        }
+    }
+    if d.request(T_FLUSH, 0, &[])? != 0 {
+        return Err("flush failed");
+    }
+    let mut expect = [0u8; 512];
+    for j in 0..writes {
+        unsafe { core::ptr::write_bytes(data_ptr(), 0, 4096) };
+        if d.request(T_IN, j * 8, &[(data_ptr() as u64, 4096, true)])? != 0 {
+            return Err("read failed");
+        }
+        for s in 0..8 {
+            pattern(j * 8 + s, &mut expect);
+            if page[s as usize * 512..(s as usize + 1) * 512] != expect {
+                return Err("read back differs from what was written");
+            }
+        }
+    }
+    Ok(())
+}

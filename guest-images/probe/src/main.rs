@@ -11,9 +11,11 @@
 #![no_main]
 
 mod blk;
+mod dirty;
 mod hw;
 mod net;
 mod smp;
+mod timer;
 mod virtio;
 
 use core::fmt::Write;
@@ -213,6 +215,8 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         ),
         "memory" => memory_test(boot),
         "smp" => smp::run(),
+        "dirty" => dirty::run(boot),
+        "timer" => timer::run(boot),
         "triplefault" => hw::triple_fault(),
         "popcnt" => {
             let n = hw::popcnt(0xf0f0);
@@ -222,6 +226,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "console" => console_test(),
         "keyboard" => keyboard_test(),
         "blk" => blk::run(boot.cmdline),
+        "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
     }

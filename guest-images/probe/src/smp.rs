@@ -85,18 +85,16 @@ extern "C" {
     static tramp_entry: u8;
 }
 
-fn lapic_read(reg: u64) -> u32 {
+pub fn lapic_read(reg: u64) -> u32 {
     unsafe { core::ptr::read_volatile((LAPIC + reg) as *const u32) }
 }
 
-fn lapic_write(reg: u64, v: u32) {
+pub fn lapic_write(reg: u64, v: u32) {
     unsafe { core::ptr::write_volatile((LAPIC + reg) as *mut u32, v) }
 }
 
 extern "C" fn ap_main() -> ! {
-    let id = lapic_read(LAPIC_ID) >> 24;
-    SEEN.fetch_or(1 << (id & 63), Ordering::SeqCst);
-    CHECKED_IN.fetch_add(1, Ordering::SeqCst);
+    check_in();
     loop {
         unsafe { core::arch::asm!("cli", "hlt") };
     }
@@ -165,7 +163,10 @@ fn mp_processors(ids: &mut [u8; MAX_CPUS]) -> Result<(usize, u8), &'static str> 
     Ok((n, bsp))
 }
 
-pub fn run() -> ! {
+/// Wakes every application processor in the MP table with INIT + SIPI; each runs `entry` on
+/// its own stack and must increment `CHECKED_IN` (through `check_in`) when it arrives.
+/// Returns the number of processors (the BSP included).
+pub fn start_aps(entry: extern "C" fn() -> !) -> usize {
     let mut ids = [0u8; MAX_CPUS];
     let (n, bsp) = match mp_processors(&mut ids) {
         Ok(v) => v,
@@ -178,8 +179,7 @@ pub fn run() -> ! {
             format_args!("BSP APIC ID {my_id} but MP table says {bsp}"),
         );
     }
-    SEEN.fetch_or(1 << (bsp & 63), Ordering::SeqCst);
-    CHECKED_IN.fetch_add(1, Ordering::SeqCst);
+    check_in();
     lapic_write(LAPIC_SVR, 0x1ff); // software-enable the LAPIC
 
     unsafe {
@@ -197,7 +197,7 @@ pub fn run() -> ! {
     );
     unsafe {
         core::ptr::write_volatile(cr3_at as *mut u64, crate::hw::paging::cr3());
-        core::ptr::write_volatile(entry_at as *mut u64, ap_main as *const () as u64);
+        core::ptr::write_volatile(entry_at as *mut u64, entry as *const () as u64);
     }
 
     for (slot, &id) in ids[..n].iter().enumerate() {
@@ -234,6 +234,18 @@ pub fn run() -> ! {
             );
         }
     }
+    n
+}
+
+/// Records that the calling processor is up; returns its index in check-in order (BSP 0).
+pub fn check_in() -> u32 {
+    let id = lapic_read(LAPIC_ID) >> 24;
+    SEEN.fetch_or(1 << (id & 63), Ordering::SeqCst);
+    CHECKED_IN.fetch_add(1, Ordering::SeqCst)
+}
+
+pub fn run() -> ! {
+    let n = start_aps(ap_main);
     let seen = SEEN.load(Ordering::SeqCst);
     let cpus = CHECKED_IN.load(Ordering::SeqCst);
     result(

@@ -226,3 +226,134 @@ pub fn read_state_file(path: &Path) -> Result<MachineState, StateFileError> {
     })?;
     decode(&bytes, path)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::persist::{QueueSnapshot, TransportState};
+    use proptest::prelude::*;
+
+    fn sample() -> MachineState {
+        let vcpu = VcpuState {
+            id: 0,
+            cpuid: vec![Default::default(); 3],
+            mp_state: Default::default(),
+            regs: Default::default(),
+            sregs: Default::default(),
+            xsave: vec![7; 1024],
+            xsave_extra: vec![],
+            xcrs: Some(Default::default()),
+            debug_regs: Default::default(),
+            lapic: Default::default(),
+            msrs: vec![Default::default(); 40],
+            vcpu_events: Default::default(),
+            tsc_khz: Some(2_000_000),
+        };
+        let q = QueueSnapshot {
+            max_size: 256,
+            next_avail: 3,
+            next_used: 3,
+            event_idx_enabled: false,
+            size: 256,
+            ready: true,
+            desc_table: 0x1000,
+            avail_ring: 0x2000,
+            used_ring: 0x3000,
+        };
+        MachineState {
+            vcpus: 1,
+            memory_mib: 64,
+            cmdline: "console=ttyS0".into(),
+            memory: crate::memory::file_layout(&crate::layout::ram_regions(64 << 20)),
+            vm: KvmVmState {
+                pic_master: Default::default(),
+                pic_slave: Default::default(),
+                ioapic: Default::default(),
+                pit: Default::default(),
+                clock: Default::default(),
+            },
+            vcpu_states: vec![vcpu],
+            devices: DevicesState {
+                serial: SerialDeviceState {
+                    baud_divisor_low: 12,
+                    baud_divisor_high: 0,
+                    interrupt_enable: 0,
+                    interrupt_identification: 1,
+                    line_control: 3,
+                    line_status: 0x60,
+                    modem_control: 8,
+                    modem_status: 0xb0,
+                    scratch: 0,
+                    in_buffer: b"x".to_vec(),
+                },
+                i8042: I8042State {
+                    status: 4,
+                    command_byte: 0x45,
+                    out: vec![],
+                    expect: crate::devices::i8042::Expect::KeyboardCommand,
+                    last_read: 0,
+                },
+                virtio: vec![VirtioDeviceState {
+                    id: "vda".into(),
+                    slot: SlotState {
+                        base: crate::layout::VIRTIO_MMIO_START,
+                        irq: 5,
+                    },
+                    transport: TransportState {
+                        queue_select: 0,
+                        device_features_select: 1,
+                        driver_features_select: 1,
+                        driver_features: 1 << 32,
+                        status: 15,
+                        config_generation: 0,
+                        interrupt_status: 1,
+                        needs_reset: false,
+                        queues: vec![q],
+                        activated: Some(1 << 32),
+                    },
+                    kind: VirtioKindState::Block {
+                        disk: DiskRecord {
+                            path: "/d.img".into(),
+                            read_only: false,
+                            serial: None,
+                            cache: CacheMode::Writeback,
+                        },
+                        state: BlockState {
+                            counters: Default::default(),
+                        },
+                    },
+                }],
+            },
+        }
+    }
+
+    #[test]
+    fn round_trips_and_fits_the_budget() {
+        let bytes = encode(&sample());
+        assert!(bytes.len() < 64 << 10, "{} bytes", bytes.len());
+        let back = decode(&bytes, Path::new("s")).unwrap();
+        assert_eq!(back.devices, sample().devices);
+        assert_eq!(back.vcpu_states[0].xsave, vec![7; 1024]);
+    }
+
+    proptest! {
+        /// A state file is input: any corruption is an error, never a panic or a wrong state.
+        #[test]
+        fn corrupted_files_are_refused(at in 0usize..4096, xor in 1u8..=255, cut in 0usize..4096) {
+            let good = encode(&sample());
+            let mut bad = good.clone();
+            let i = at % bad.len();
+            bad[i] ^= xor;
+            prop_assert!(decode(&bad, Path::new("s")).is_err());
+            let n = cut % good.len();
+            prop_assert!(decode(&good[..n], Path::new("s")).is_err());
+        }
+
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let mut b = STATE_MAGIC.to_vec();
+            b.extend_from_slice(&bytes);
+            let _ = decode(&b, Path::new("s"));
+        }
+    }
+}

@@ -1,0 +1,445 @@
+//! Quiesce, snapshot and restore on /dev/kvm, judged by the probe guest: the `dirty` test
+//! verifies every page of its working set each pass, so a lost or torn page fails it; the
+//! `timer` test shows interrupts keep coming after a restore.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tests::*;
+use vmm::{SnapshotPaths, Vm, VmConfig, VmEnd};
+
+const T: Duration = Duration::from_secs(120);
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mv-snap-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn dirty_config(vcpus: u8, mib: u64, passes: u32, console: &Console) -> VmConfig {
+    let mut c = probe_config("dirty", vcpus, mib, console);
+    c.cmdline.push_str(&format!(" probe.passes={passes}"));
+    c
+}
+
+fn progress(console: &Console, test: &str, what: &str, timeout: Duration) {
+    let needle = format!("PROBE PROGRESS {test} {what}\n");
+    assert!(
+        console.wait_for(&needle, timeout),
+        "no {needle:?} within {timeout:?}; console:\n{}",
+        console.text()
+    );
+}
+
+fn expect_ok(run: &ProbeRun, test: &str) -> ProbeResult {
+    let r = run
+        .result
+        .clone()
+        .unwrap_or_else(|| panic!("no result; end={:?}; console:\n{}", run.end, run.console));
+    assert_eq!(r.test, test);
+    assert!(r.ok, "probe failed: {}\n{}", r.details, run.console);
+    assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
+    r
+}
+
+/// Snapshots `vm` into `dir`, then ends it (as if the process had been killed).
+fn snapshot_and_drop(vm: Vm, dir: &std::path::Path) -> vmm::SnapshotStats {
+    let stats = vm
+        .snapshot(&SnapshotPaths::in_dir(dir), true)
+        .expect("snapshot");
+    vm.stop();
+    drop(vm);
+    stats
+}
+
+#[test]
+fn pause_stops_device_io_and_leaves_memory_bit_identical() {
+    require_kvm();
+    let console = Console::default();
+    let vm = Vm::build(&dirty_config(2, 256, 1000, &console)).unwrap();
+    progress(&console, "dirty", "pass=1", T);
+    vm.pause();
+    assert!(vm.is_paused());
+    let snap = |vm: &Vm| {
+        use vm_memory::{Bytes, GuestAddress};
+        let mut buf = vec![0u8; 256 << 20];
+        vm.memory().read_slice(&mut buf, GuestAddress(0)).unwrap();
+        buf
+    };
+    let before = snap(&vm);
+    let printed = console.len();
+    std::thread::sleep(Duration::from_millis(500));
+    let after = snap(&vm);
+    assert!(before == after, "guest memory changed while paused");
+    assert_eq!(console.len(), printed, "the guest printed while paused");
+    vm.resume();
+    progress(&console, "dirty", "pass=3", T);
+    vm.stop();
+}
+
+#[test]
+fn dirty_probe_survives_snapshot_kill_restore() {
+    require_kvm();
+    // 4.5 GiB: RAM on both sides of the MMIO gap.
+    for (vcpus, mib) in [(1u8, 256u64), (2, 256), (2, 4608)] {
+        let dir = scratch(&format!("dirty-{vcpus}-{mib}"));
+        let console = Console::default();
+        let config = dirty_config(vcpus, mib, 12, &console);
+        let vm = Vm::build(&config).unwrap();
+        progress(&console, "dirty", "pass=3", T);
+        let stats = snapshot_and_drop(vm, &dir);
+        assert!(
+            stats.state_bytes > 0 && stats.state_bytes <= 64 << 10,
+            "{stats:?}"
+        );
+        assert_eq!(stats.memory_bytes, mib << 20);
+        assert!(
+            stats.memory_written_bytes < stats.memory_bytes / 4,
+            "{stats:?}"
+        );
+        let console2 = Console::default();
+        let mut config2 = config.clone();
+        config2.serial.output = console2.output();
+        let vm = Vm::restore(&config2, &SnapshotPaths::in_dir(&dir)).expect("restore");
+        let run = run_to_end(vm, &console2, T);
+        let r = expect_ok(&run, "dirty");
+        assert_eq!(r.field("passes"), Some("12"));
+        assert_eq!(r.field("cpus"), Some(vcpus.to_string().as_str()));
+        assert!(
+            !run.console.contains("PROBE PROGRESS dirty pass=1\n"),
+            "restarted from scratch:\n{}",
+            run.console
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// Restores `dir` with `config` (its console replaced) and waits for the probe's result.
+fn restore_to_end(config: &VmConfig, dir: &std::path::Path) -> ProbeRun {
+    let console = Console::default();
+    let mut c = config.clone();
+    c.serial.output = console.output();
+    let vm = Vm::restore(&c, &SnapshotPaths::in_dir(dir)).expect("restore");
+    run_to_end(vm, &console, T)
+}
+
+#[test]
+fn three_snapshot_restore_cycles_in_a_row() {
+    require_kvm();
+    let dir = scratch("thrice");
+    let console = Console::default();
+    let config = dirty_config(2, 256, 40, &console);
+    let mut vm = Vm::build(&config).unwrap();
+    let mut console = console;
+    for round in 1..=3 {
+        progress(&console, "dirty", &format!("pass={}", round * 8), T);
+        snapshot_and_drop(vm, &dir);
+        console = Console::default();
+        let mut c = config.clone();
+        c.serial.output = console.output();
+        vm = Vm::restore(&c, &SnapshotPaths::in_dir(&dir)).expect("restore");
+    }
+    let run = run_to_end(vm, &console, T);
+    assert_eq!(expect_ok(&run, "dirty").field("passes"), Some("40"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn snapshot_without_stop_keeps_the_source_running() {
+    require_kvm();
+    let dir = scratch("live");
+    let console = Console::default();
+    let vm = Vm::build(&dirty_config(1, 128, 30, &console)).unwrap();
+    progress(&console, "dirty", "pass=2", T);
+    let stats = vm.snapshot(&SnapshotPaths::in_dir(&dir), false).unwrap();
+    assert!(!vm.is_paused());
+    assert!(stats.paused_for < Duration::from_secs(10), "{stats:?}");
+    let run = run_to_end(vm, &console, T);
+    expect_ok(&run, "dirty");
+    // The snapshot taken along the way restores too.
+    let run = restore_to_end(&dirty_config(1, 128, 30, &Console::default()), &dir);
+    expect_ok(&run, "dirty");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_corrupted_page_in_the_memory_file_fails_the_dirty_probe() {
+    // The negative control: the dirty probe does notice a page that came back wrong.
+    require_kvm();
+    let dir = scratch("badpage");
+    let console = Console::default();
+    let config = dirty_config(1, 256, 12, &console);
+    let vm = Vm::build(&config).unwrap();
+    progress(&console, "dirty", "pass=3", T);
+    snapshot_and_drop(vm, &dir);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("memory"))
+            .unwrap();
+        f.write_all_at(&vec![0x5a; 16 << 20], 64 << 20).unwrap();
+    }
+    let run = restore_to_end(&config, &dir);
+    let r = run.result.clone().expect("a result line");
+    assert!(!r.ok, "{}", run.console);
+    let bad =
+        u64::from_str_radix(r.field("first_bad").unwrap().trim_start_matches("0x"), 16).unwrap();
+    assert!((64 << 20..80 << 20).contains(&bad), "{}", r.details);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn timer_interrupts_keep_coming_after_restore() {
+    require_kvm();
+    let dir = scratch("timer");
+    let console = Console::default();
+    let mut config = probe_config("timer", 1, 64, &console);
+    config.cmdline.push_str(" probe.ticks=80");
+    let vm = Vm::build(&config).unwrap();
+    progress(&console, "timer", "ticks=20", T);
+    snapshot_and_drop(vm, &dir);
+    let run = restore_to_end(&config, &dir);
+    let r = expect_ok(&run, "timer");
+    assert!(r.field("ticks").unwrap().parse::<u64>().unwrap() >= 80);
+    assert!(
+        run.console.contains("PROBE PROGRESS timer ticks=70"),
+        "{}",
+        run.console
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn disk_being_written_holds_exactly_what_the_guest_wrote() {
+    require_kvm();
+    let dir = scratch("blk");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let console = Console::default();
+    let mut config = probe_config("blkstream", 1, 64, &console);
+    config.cmdline.push_str(" probe.writes=512");
+    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    let vm = Vm::build(&config).unwrap();
+    progress(&console, "blkstream", "writes=128", T);
+    snapshot_and_drop(vm, &dir);
+    let run = restore_to_end(&config, &dir);
+    let r = expect_ok(&run, "blkstream");
+    assert_eq!(r.field("written"), Some("512"));
+    let bytes = std::fs::read(&image).unwrap();
+    for s in 0..512 * 8u64 {
+        let sector = &bytes[s as usize * 512..(s as usize + 1) * 512];
+        let tag = format!("MVPROBE sector {s}");
+        assert_eq!(&sector[..tag.len()], tag.as_bytes(), "sector {s}");
+        for (i, &b) in sector.iter().enumerate().skip(tag.len() + 20) {
+            assert_eq!(
+                b,
+                (s as u8).wrapping_mul(31).wrapping_add(i as u8),
+                "sector {s} byte {i}"
+            );
+        }
+    }
+    assert!(
+        bytes[512 * 8 * 512..].iter().all(|&b| b == 0),
+        "written beyond what the guest wrote"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn nic_keeps_echoing_across_restore() {
+    use vmm::config::{MacAddr, NetConfig, TapSource};
+    const ETHERTYPE: [u8; 2] = [0x88, 0xb5];
+    const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+    require_kvm();
+    let ns = NetNs::new("snapnet");
+    ns.exec(&["ip", "tuntap", "add", "mvsnap0", "mode", "tap", "vnet_hdr"]);
+    ns.exec(&["sysctl", "-q", "-w", "net.ipv6.conf.mvsnap0.disable_ipv6=1"]);
+    ns.exec(&["ip", "link", "set", "mvsnap0", "up"]);
+    let ns_name = ns.name.clone();
+    let dir = scratch("net");
+    let d = dir.clone();
+    std::thread::spawn(move || {
+        let dir = d;
+        let ns = NetNs { name: ns_name };
+        ns.enter();
+        std::mem::forget(ns);
+        let wire = PacketSocket::bind("mvsnap0");
+        let console = Console::default();
+        let mut config = probe_config("net", 1, 64, &console);
+        // No MAC given: the derived one must be the same after the restore.
+        config.nets = vec![NetConfig {
+            tap: TapSource::Name("mvsnap0".into()),
+            mac: None,
+        }];
+        let vm = Vm::build(&config).unwrap();
+        let mac = vm.nets()[0].lock().unwrap().mac();
+        let t = Duration::from_secs(60);
+        let ping = |wire: &PacketSocket, i: usize, mac: MacAddr| {
+            let mut f = mac.0.to_vec();
+            f.extend_from_slice(&HOST_MAC);
+            f.extend_from_slice(&ETHERTYPE);
+            f.extend_from_slice(format!("PING {i}").as_bytes());
+            f.resize(100, 0x11);
+            wire.send(&f);
+            wire.recv_matching(t, |f| {
+                f.len() > 18
+                    && f[12..14] == ETHERTYPE
+                    && &f[14..18] == b"PONG"
+                    && f[18..] == f[18..]
+            })
+            .unwrap_or_else(|| panic!("no PONG {i}"))
+        };
+        // The probe's three greeting frames, then echoes.
+        for _ in 0..3 {
+            wire.recv_matching(t, |f| f.len() > 14 && f[12..14] == ETHERTYPE)
+                .expect("greeting");
+        }
+        for i in 0..3 {
+            assert_eq!(&ping(&wire, i, mac)[18..20], format!(" {i}").as_bytes());
+        }
+        let counters = vm.nets()[0].lock().unwrap().counters;
+        snapshot_and_drop(vm, &dir);
+        let console = Console::default();
+        let mut c = config.clone();
+        c.serial.output = console.output();
+        let vm = Vm::restore(&c, &SnapshotPaths::in_dir(&dir)).expect("restore");
+        assert_eq!(vm.nets()[0].lock().unwrap().mac(), mac, "the MAC survived");
+        assert_eq!(
+            vm.nets()[0].lock().unwrap().counters,
+            counters,
+            "counters survived"
+        );
+        for i in 3..6 {
+            assert_eq!(&ping(&wire, i, mac)[18..20], format!(" {i}").as_bytes());
+        }
+        let mut done = mac.0.to_vec();
+        done.extend_from_slice(&HOST_MAC);
+        done.extend_from_slice(&ETHERTYPE);
+        done.extend_from_slice(b"DONE");
+        done.resize(60, 0);
+        wire.send(&done);
+        let run = run_to_end(vm, &console, t);
+        let r = expect_ok(&run, "net");
+        assert_eq!(r.field("echoed"), Some("6"));
+    })
+    .join()
+    .unwrap();
+    drop(ns);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Each bad input is refused with one clear error before anything starts.
+#[test]
+fn bad_snapshots_are_refused_with_a_clear_error() {
+    require_kvm();
+    let dir = scratch("bad");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let console = Console::default();
+    let mut config = dirty_config(1, 128, 1000, &console);
+    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    let vm = Vm::build(&config).unwrap();
+    progress(&console, "dirty", "pass=1", T);
+    snapshot_and_drop(vm, &dir);
+    let paths = SnapshotPaths::in_dir(&dir);
+    let good = std::fs::read(&paths.state).unwrap();
+    let refuse = |c: &VmConfig, expect: &str| {
+        let e = Vm::restore(c, &paths).err().expect("must be refused");
+        assert!(e.is_config_error(), "{e}");
+        assert!(
+            e.to_string().contains(expect),
+            "{e:?} does not say {expect:?}"
+        );
+    };
+    let mut two = config.clone();
+    two.vcpus = 2;
+    refuse(&two, "the snapshot has 1 vCPU(s), 2 were asked for");
+    let mut more = config.clone();
+    more.memory_mib = 256;
+    refuse(
+        &more,
+        "the snapshot has 128 MiB of memory, 256 MiB were asked for",
+    );
+
+    let mut v = good.clone();
+    v[8..12].copy_from_slice(&7u32.to_le_bytes());
+    std::fs::write(&paths.state, &v).unwrap();
+    refuse(&config, "format version 7");
+    std::fs::write(&paths.state, &good[..good.len() / 2]).unwrap();
+    refuse(&config, "truncated");
+    let mut c = good.clone();
+    let mid = c.len() / 2;
+    c[mid] ^= 0x40;
+    std::fs::write(&paths.state, &c).unwrap();
+    refuse(&config, "checksum mismatch");
+    std::fs::write(&paths.state, b"not a state file at all").unwrap();
+    refuse(&config, "bad magic");
+    std::fs::write(&paths.state, &good).unwrap();
+
+    let mem = std::fs::read(&paths.memory).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths.memory)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    refuse(&config, "too short for guest RAM");
+    std::fs::write(&paths.memory, &mem).unwrap();
+
+    std::fs::remove_file(&image).unwrap();
+    refuse(&config, "no such file");
+    let mut no_disk = config.clone();
+    no_disk.disks.clear();
+    refuse(&no_disk, "the snapshot has 1 disk(s)");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn dirty_log_covers_every_page_the_guest_changed() {
+    require_kvm();
+    let console = Console::default();
+    let vm = Vm::build(&dirty_config(2, 256, 100_000, &console)).unwrap();
+    progress(&console, "dirty", "pass=1", T);
+    let copy = |vm: &Vm| {
+        use vm_memory::{Bytes, GuestAddress};
+        let mut buf = vec![0u8; 256 << 20];
+        vm.memory().read_slice(&mut buf, GuestAddress(0)).unwrap();
+        buf
+    };
+    vm.start_dirty_log().unwrap();
+    vm.pause();
+    let _ = vm.dirty_log().unwrap();
+    let a = copy(&vm);
+    vm.resume();
+    progress(&console, "dirty", "pass=4", T);
+    vm.pause();
+    let b = copy(&vm);
+    let log = vm.dirty_log().unwrap();
+    let mut changed = 0;
+    for (i, (pa, pb)) in a.chunks(4096).zip(b.chunks(4096)).enumerate() {
+        if pa != pb {
+            changed += 1;
+            assert!(
+                log.contains(i as u64 * 4096),
+                "page {:#x} changed but is not in the dirty log",
+                i * 4096
+            );
+        }
+    }
+    assert!(changed >= 2048, "the guest changed {changed} pages");
+    assert!(log.page_count() >= changed);
+    // Nothing ran since: nothing is dirty.
+    assert_eq!(vm.dirty_log().unwrap().page_count(), 0);
+    vm.stop_dirty_log().unwrap();
+    vm.resume();
+    progress(&console, "dirty", "pass=6", T);
+    vm.stop();
+}
