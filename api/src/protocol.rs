@@ -7,13 +7,21 @@
 //!   client bytes to the guest's console input (several clients may attach);
 //! - `Events` turns it into a stream of `Event` lines.
 //!
-//! Migration commands come in a later protocol version.
+//! Versions: 1 is the lifecycle above. 2 adds `Snapshot`, answered by zero or more
+//! `Event(SnapshotProgress)` lines on the same connection and then `Snapshot` (or `Error`). A
+//! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
+//! `Hello` with the version the client asked for; a version-1 client sees version 1 exactly.
 
 use serde::{Deserialize, Serialize};
 
 use crate::VirtualMachineInstance;
 
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The oldest version a launcher still serves.
+pub const MIN_PROTOCOL_VERSION: u32 = 1;
+/// The version that introduced each request beyond version 1.
+pub const SNAPSHOT_SINCE: u32 = 2;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "request", rename_all = "camelCase")]
@@ -42,6 +50,15 @@ pub enum Request {
     Console,
     Events,
     Ping,
+    /// Pause, write the machine state and guest memory to these paths (on the launcher's
+    /// host), then resume unless `stop` (the VM stays paused). Since version 2.
+    #[serde(rename_all = "camelCase")]
+    Snapshot {
+        memory_path: String,
+        state_path: String,
+        #[serde(default)]
+        stop: bool,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -53,6 +70,19 @@ pub enum Response {
     Error { message: String },
     Status(Box<StatusReport>),
     Event(Event),
+    Snapshot(SnapshotReport),
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotReport {
+    pub state_bytes: u64,
+    /// Guest RAM size: the memory file's apparent size.
+    pub memory_bytes: u64,
+    /// What was actually written (zero pages are holes).
+    pub memory_written_bytes: u64,
+    /// How long the guest was stopped for the snapshot.
+    pub paused_ms: u64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -122,6 +152,12 @@ pub enum Event {
     Crashed {
         reason: String,
     },
+    /// A snapshot's progress: guest memory written so far (`done` of `total` bytes).
+    #[serde(rename_all = "camelCase")]
+    SnapshotProgress {
+        done: u64,
+        total: u64,
+    },
 }
 
 #[cfg(test)]
@@ -152,5 +188,17 @@ mod tests {
             }
         );
         assert!(serde_json::from_str::<Request>(r#"{"request":"reboot"}"#).is_err());
+        let r: Request = serde_json::from_str(
+            r#"{"request":"snapshot","memoryPath":"/s/memory","statePath":"/s/state"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            Request::Snapshot {
+                memory_path: "/s/memory".into(),
+                state_path: "/s/state".into(),
+                stop: false
+            }
+        );
     }
 }

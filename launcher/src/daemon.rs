@@ -74,6 +74,11 @@ impl Daemon {
         })
     }
 
+    /// The console fan-out that `Console` clients attach to.
+    pub fn console(&self) -> Arc<Mutex<ConsoleHub>> {
+        self.console.clone()
+    }
+
     fn emit(&self, e: Event) {
         self.events
             .lock()
@@ -124,6 +129,29 @@ impl Daemon {
                 return Err(e.to_string());
             }
         };
+        let grace = vmi
+            .spec
+            .termination_grace_period_seconds
+            .unwrap_or(30)
+            .max(0) as u64;
+        self.install(vm, name, grace, Some(input), ephemeral);
+        Ok(())
+    }
+
+    /// Takes charge of a VM built elsewhere (`virt-launcher run --socket` and `restore
+    /// --socket`): the control protocol then drives it as if a client had Synced it.
+    pub fn adopt(self: &Arc<Self>, vm: Arc<Vm>, name: String, grace_seconds: u64) {
+        self.install(vm, name, grace_seconds, None, Vec::new());
+    }
+
+    fn install(
+        self: &Arc<Self>,
+        vm: Arc<Vm>,
+        name: String,
+        grace_seconds: u64,
+        console_input: Option<std::fs::File>,
+        ephemeral: Vec<PathBuf>,
+    ) {
         {
             let mut g = self.inner.lock().unwrap();
             g.name = Some(name);
@@ -131,19 +159,53 @@ impl Daemon {
             g.vcpus = vm.info.vcpus as u32;
             g.memory_mib = vm.info.memory_mib;
             g.software_emulated = vm.info.acceleration.is_software_emulated();
-            g.grace_seconds = vmi
-                .spec
-                .termination_grace_period_seconds
-                .unwrap_or(30)
-                .max(0) as u64;
-            g.console_input = Some(input);
+            g.grace_seconds = grace_seconds;
+            g.console_input = console_input;
             g.ephemeral = ephemeral;
             g.vm = Some(vm.clone());
         }
         self.emit(Event::Started);
         let me = self.clone();
         std::thread::spawn(move || me.watch(vm));
-        Ok(())
+    }
+
+    /// Snapshot into the two paths, streaming progress to `progress` and to event listeners.
+    fn snapshot(
+        &self,
+        memory_path: &str,
+        state_path: &str,
+        stop: bool,
+        progress: &mut dyn FnMut(Event),
+    ) -> Result<SnapshotReport, String> {
+        let vm = self.vm()?;
+        let paths = vmm::SnapshotPaths {
+            state: PathBuf::from(state_path),
+            memory: PathBuf::from(memory_path),
+        };
+        let mut last = 0;
+        let stats = vm
+            .snapshot_with_progress(&paths, stop, &mut |p| {
+                if let vmm::SnapshotProgress::Memory { done, total } = p {
+                    // At most one event per 1/16 of memory (and the last one).
+                    if done == total || done - last >= total / 16 {
+                        last = done;
+                        let e = Event::SnapshotProgress { done, total };
+                        self.emit(e.clone());
+                        progress(e);
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        if stop {
+            self.inner.lock().unwrap().paused = true;
+            self.emit(Event::Paused);
+        }
+        Ok(SnapshotReport {
+            state_bytes: stats.state_bytes,
+            memory_bytes: stats.memory_bytes,
+            memory_written_bytes: stats.memory_written_bytes,
+            paused_ms: stats.paused_for.as_millis() as u64,
+        })
     }
 
     /// Waits for the VM's end, then records it, cleans up and tells event listeners.
@@ -268,7 +330,7 @@ impl Daemon {
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
-            Request::Console | Request::Events => Response::Error {
+            Request::Console | Request::Events | Request::Snapshot { .. } => Response::Error {
                 message: "handled by the connection".into(),
             },
         }
@@ -284,30 +346,36 @@ impl Daemon {
             s.push('\n');
             out.write_all(s.as_bytes())
         };
-        // Greeting: the client's protocol version must match.
+        // Greeting: the client names its protocol version; every version this launcher
+        // speaks is answered in that version.
         if reader.read_line(&mut line)? == 0 {
             return Ok(());
         }
-        match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Hello { version }) if version == PROTOCOL_VERSION => send(
-                &mut out,
-                &Response::Hello {
-                    version: PROTOCOL_VERSION,
-                    launcher: env!("CARGO_PKG_VERSION").into(),
-                },
-            )?,
+        let version = match serde_json::from_str::<Request>(&line) {
+            Ok(Request::Hello { version })
+                if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) =>
+            {
+                send(
+                    &mut out,
+                    &Response::Hello {
+                        version,
+                        launcher: env!("CARGO_PKG_VERSION").into(),
+                    },
+                )?;
+                version
+            }
             Ok(Request::Hello { version }) => {
-                return send(&mut out, &Response::Error { message: format!("protocol version {version} is not supported; this launcher speaks version {PROTOCOL_VERSION}") });
+                return send(&mut out, &Response::Error { message: format!("protocol version {version} is not supported; this launcher speaks versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}") });
             }
             _ => {
                 return send(
                     &mut out,
                     &Response::Error {
-                        message: format!("expected hello with protocol version {PROTOCOL_VERSION}"),
+                        message: format!("expected hello with a protocol version from {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"),
                     },
                 )
             }
-        }
+        };
         loop {
             line.clear();
             if reader.read_line(&mut line)? == 0 {
@@ -355,6 +423,28 @@ impl Daemon {
                         send(&mut out, &Response::Event(e))?;
                     }
                     return Ok(());
+                }
+                Request::Snapshot { .. } if version < SNAPSHOT_SINCE => {
+                    send(
+                        &mut out,
+                        &Response::Error {
+                            message: format!("snapshot needs protocol version {SNAPSHOT_SINCE}; this connection speaks version {version}"),
+                        },
+                    )?;
+                }
+                Request::Snapshot {
+                    memory_path,
+                    state_path,
+                    stop,
+                } => {
+                    let mut sink = out.try_clone()?;
+                    let r = self.snapshot(&memory_path, &state_path, stop, &mut |e| {
+                        let _ = send(&mut sink, &Response::Event(e));
+                    });
+                    send(
+                        &mut out,
+                        &r.map_or_else(|message| Response::Error { message }, Response::Snapshot),
+                    )?;
                 }
                 other => {
                     let r = self.handle(other);

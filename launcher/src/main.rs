@@ -30,6 +30,35 @@ enum Command {
     /// Serve the control protocol on a unix socket and run the VM a client Syncs (the mode of a
     /// VM Pod). SIGTERM shuts the VM down gracefully.
     Daemon(DaemonArgs),
+    /// Snapshot the VM of a launcher serving --socket: writes DIR/state and DIR/memory, then
+    /// the VM resumes (or stays paused with --stop).
+    Snapshot(SnapshotArgs),
+    /// Restore a VM from DIR (written by `snapshot`) and run it with the console on this
+    /// terminal; the machine continues where it was. The snapshot's own record of disks and
+    /// NICs is used unless -f, --kernel, --disk or --net say otherwise.
+    Restore(RestoreArgs),
+}
+
+#[derive(Args)]
+struct SnapshotArgs {
+    /// The control socket of the launcher running the VM.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Directory for the snapshot (created if missing).
+    #[arg(long, value_name = "DIR")]
+    to: PathBuf,
+    /// Leave the VM paused after the snapshot.
+    #[arg(long)]
+    stop: bool,
+}
+
+#[derive(Args)]
+struct RestoreArgs {
+    /// Directory written by `virt-launcher snapshot --to DIR`.
+    #[arg(long, value_name = "DIR")]
+    from: PathBuf,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Args)]
@@ -123,7 +152,7 @@ struct RunArgs {
     #[arg(short = 'f', long = "filename", value_name = "MANIFEST", conflicts_with_all = ["kernel", "initrd", "disks", "nets"])]
     manifest: Option<PathBuf>,
     /// Guest kernel: an ELF vmlinux (PVH entry if it has the note) or a bzImage.
-    #[arg(long, required_unless_present = "manifest")]
+    #[arg(long)]
     kernel: Option<PathBuf>,
     /// Initial ramdisk loaded high in guest RAM.
     #[arg(long)]
@@ -131,12 +160,13 @@ struct RunArgs {
     /// Kernel command line (at most 2047 bytes).
     #[arg(long, default_value = "console=ttyS0 reboot=k panic=1")]
     cmdline: String,
-    /// Number of vCPUs (1 up to what KVM allows, at most 254).
-    #[arg(long, default_value_t = 1)]
-    vcpus: u64,
-    /// Guest memory in MiB (8 to 1048576).
-    #[arg(long, default_value_t = 128)]
-    memory: u64,
+    /// Number of vCPUs (1 up to what KVM allows, at most 254) [default: 1; restore: the
+    /// snapshot's].
+    #[arg(long)]
+    vcpus: Option<u64>,
+    /// Guest memory in MiB (8 to 1048576) [default: 128; restore: the snapshot's].
+    #[arg(long)]
+    memory: Option<u64>,
     /// Write the console to this file instead of stdout.
     #[arg(long)]
     console_log: Option<PathBuf>,
@@ -157,6 +187,10 @@ struct RunArgs {
     /// 10.0.2.1); `none` attaches no NICs (the manifest's interfaces are listed and dropped).
     #[arg(long, value_enum, default_value = "nat")]
     network: NetworkMode,
+    /// Also serve the control protocol on this unix socket while the VM runs in the
+    /// foreground (status, pause/resume, snapshot, shutdown).
+    #[arg(long)]
+    socket: Option<PathBuf>,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
@@ -171,8 +205,13 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => run(args),
+        Command::Run(args) => launch(&args, None),
         Command::Daemon(args) => daemon(args),
+        Command::Snapshot(args) => snapshot(args),
+        Command::Restore(args) => {
+            let paths = vmm::SnapshotPaths::in_dir(&args.from);
+            launch(&args.run, Some(paths))
+        }
     }
 }
 
@@ -189,53 +228,174 @@ fn bad_config(msg: impl std::fmt::Display) -> ExitCode {
     ExitCode::from(EXIT_BAD_CONFIG)
 }
 
-/// `run -f`: manifest → defaults and validation → translation → files → boot.
-fn run_manifest(path: &std::path::Path, args: &RunArgs) -> ExitCode {
-    let manifest = match launcher::manifest::read(&path.display().to_string()) {
-        Ok(m) => m,
-        Err(e) => return bad_config(e),
-    };
+/// A config ready to boot or restore, and what must live as long as the VM.
+struct Prepared {
+    config: VmConfig,
+    name: String,
+    _network: Option<launcher::network::PodNetwork>,
+    ephemeral: Vec<PathBuf>,
+}
+
+/// `-f`: manifest → defaults and validation → translation → files. On a restore the disk
+/// files are the snapshot's: they are used as they are, never created afresh.
+fn manifest_config(
+    path: &std::path::Path,
+    args: &RunArgs,
+    restoring: bool,
+) -> Result<Prepared, ExitCode> {
+    let manifest = launcher::manifest::read(&path.display().to_string()).map_err(bad_config)?;
     let env = args.host.environment();
     let name = manifest.name();
-    let plan = match launcher::translate::translate(&name, manifest.vmi_spec(), &env) {
-        Ok(p) => p,
-        Err(e) => return bad_config(format!("{}: {e}", path.display())),
-    };
-    let mut plan = plan;
-    let mut _network = None;
+    let mut plan = launcher::translate::translate(&name, manifest.vmi_spec(), &env)
+        .map_err(|e| bad_config(format!("{}: {e}", path.display())))?;
+    let mut network = None;
     if !plan.nics.is_empty() {
         match args.network {
             NetworkMode::None => {
                 let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
                 eprintln!("virt-launcher: --network none: interfaces {names:?} are not attached");
             }
-            NetworkMode::Nat => match launcher::network::PodNetwork::setup(&name, &plan.nics) {
-                Ok((net, nics, ip)) => {
-                    eprintln!(
-                        "virt-launcher: {} on bridge {} (NAT), guest {}",
-                        plan.nics[0].interface,
-                        net.bridge(),
-                        launcher::network::GUEST
-                    );
-                    plan.config.nets = nics;
-                    if !plan.config.cmdline.contains("ip=") {
-                        plan.config.cmdline.push(' ');
-                        plan.config.cmdline.push_str(&ip);
-                    }
-                    _network = Some(net);
+            NetworkMode::Nat => {
+                let (net, nics, ip) = launcher::network::PodNetwork::setup(&name, &plan.nics)
+                    .map_err(|e| bad_config(format!("{}: network: {e}", path.display())))?;
+                eprintln!(
+                    "virt-launcher: {} on bridge {} (NAT), guest {}",
+                    plan.nics[0].interface,
+                    net.bridge(),
+                    launcher::network::GUEST
+                );
+                plan.config.nets = nics;
+                if !plan.config.cmdline.contains("ip=") {
+                    plan.config.cmdline.push(' ');
+                    plan.config.cmdline.push_str(&ip);
                 }
-                Err(e) => return bad_config(format!("{}: network: {e}", path.display())),
+                network = Some(net);
+            }
+        }
+    }
+    let ephemeral = if restoring {
+        Vec::new()
+    } else {
+        plan.prepare().map_err(bad_config)?
+    };
+    Ok(Prepared {
+        config: plan.config,
+        name,
+        _network: network,
+        ephemeral,
+    })
+}
+
+/// `--kernel ...`: the VM from flags.
+fn flags_config(kernel: PathBuf, args: &RunArgs) -> Result<VmConfig, ExitCode> {
+    let mut config = VmConfig::new(kernel);
+    config.disks = parse_specs(&args.disks, parse_disk)?;
+    config.nets = parse_specs(&args.nets, parse_net)?;
+    config.initrd = args.initrd.clone();
+    config.cmdline = args.cmdline.clone();
+    config.vcpus = vcpus_arg(args.vcpus.unwrap_or(1))?;
+    config.memory_mib = args.memory.unwrap_or(128);
+    Ok(config)
+}
+
+fn parse_specs<T>(specs: &[String], f: fn(&str) -> Result<T, String>) -> Result<Vec<T>, ExitCode> {
+    specs.iter().map(|s| f(s).map_err(bad_config)).collect()
+}
+
+fn vcpus_arg(v: u64) -> Result<u8, ExitCode> {
+    u8::try_from(v).map_err(|_| {
+        bad_config(vmm::ConfigError::Vcpus {
+            given: v,
+            max: vmm::config::MAX_VCPUS as u64,
+        })
+    })
+}
+
+/// A restore without -f or --kernel: the machine the snapshot recorded, with the disks and
+/// TAPs it used (or those --disk / --net give), checked against --vcpus / --memory if given.
+fn recorded_config(paths: &vmm::SnapshotPaths, args: &RunArgs) -> Result<VmConfig, ExitCode> {
+    let state = vmm::persist::read_state_file(&paths.state).map_err(bad_config)?;
+    let mut config = VmConfig::new(PathBuf::new());
+    config.vcpus = match args.vcpus {
+        Some(v) => vcpus_arg(v)?,
+        None => state.vcpus,
+    };
+    config.memory_mib = args.memory.unwrap_or(state.memory_mib);
+    config.cmdline = state.cmdline.clone();
+    let mut disks = Vec::new();
+    let mut nets = Vec::new();
+    for d in &state.devices.virtio {
+        match &d.kind {
+            vmm::persist::VirtioKindState::Block { disk, .. } => disks.push(DiskConfig {
+                path: disk.path.clone(),
+                read_only: disk.read_only,
+                serial: disk.serial.clone(),
+                cache: disk.cache,
+            }),
+            vmm::persist::VirtioKindState::Net { tap, mac, .. } => match tap {
+                Some(name) => nets.push(NetConfig {
+                    tap: TapSource::Name(name.clone()),
+                    mac: Some(*mac),
+                }),
+                None if args.nets.is_empty() => {
+                    return Err(bad_config(format!(
+                        "restore: the snapshot's {} was attached by file descriptor; give --net tap=NAME for it",
+                        d.id
+                    )))
+                }
+                None => {}
             },
         }
     }
-    let ephemeral = match plan.prepare() {
-        Ok(e) => e,
-        Err(e) => return bad_config(e),
+    config.disks = if args.disks.is_empty() {
+        disks
+    } else {
+        parse_specs(&args.disks, parse_disk)?
     };
-    let mut config = plan.config;
+    config.nets = if args.nets.is_empty() {
+        nets
+    } else {
+        parse_specs(&args.nets, parse_net)?
+    };
+    Ok(config)
+}
+
+/// `run` and `restore`: the config from -f, from flags or (restore only) from the snapshot,
+/// then the VM with its console on this terminal.
+fn launch(args: &RunArgs, snapshot: Option<vmm::SnapshotPaths>) -> ExitCode {
+    let restoring = snapshot.is_some();
+    let prepared = if let Some(path) = &args.manifest {
+        match manifest_config(path, args, restoring) {
+            Ok(p) => p,
+            Err(code) => return code,
+        }
+    } else {
+        let config = match (&args.kernel, &snapshot) {
+            (Some(kernel), _) => flags_config(kernel.clone(), args),
+            (None, Some(paths)) => recorded_config(paths, args),
+            (None, None) => return bad_config("run: give -f MANIFEST or --kernel PATH"),
+        };
+        match config {
+            Ok(config) => Prepared {
+                config,
+                name: "vm".into(),
+                _network: None,
+                ephemeral: Vec::new(),
+            },
+            Err(code) => return code,
+        }
+    };
+    let mut config = prepared.config.clone();
     config.boot_timer = args.boot_timer;
-    let code = boot_with_console(config, args.console_log.clone(), !args.no_console_input);
-    for f in ephemeral {
+    let console = Console {
+        log: args.console_log.clone(),
+        input: !args.no_console_input,
+        socket: args.socket.clone(),
+        host: args.host.environment(),
+        name: prepared.name.clone(),
+    };
+    let code = boot_with_console(config, console, snapshot.as_ref());
+    for f in &prepared.ephemeral {
         let _ = std::fs::remove_file(f);
     }
     code
@@ -244,20 +404,66 @@ fn run_manifest(path: &std::path::Path, args: &RunArgs) -> ExitCode {
 /// Ctrl-]: detach from the console and stop the VM.
 const DETACH_KEY: u8 = 0x1d;
 
-/// Boots `config` with the console on this terminal (or `console_log`) and waits for the end.
+/// Where the console goes and who else may drive the VM.
+struct Console {
+    log: Option<PathBuf>,
+    input: bool,
+    socket: Option<PathBuf>,
+    host: launcher::translate::Environment,
+    name: String,
+}
+
+/// Writes to two sinks: the terminal (or log) and the control socket's console clients.
+struct Tee(
+    Box<dyn std::io::Write + Send>,
+    std::sync::Arc<std::sync::Mutex<launcher::daemon::ConsoleHub>>,
+);
+
+impl std::io::Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.1.lock().map(|mut h| h.write(buf));
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+/// Boots (or restores) `config` with the console on this terminal (or the log file) and
+/// waits for the end; with a socket, the control protocol drives the VM meanwhile.
 fn boot_with_console(
     mut config: VmConfig,
-    console_log: Option<PathBuf>,
-    console_input: bool,
+    console: Console,
+    snapshot: Option<&vmm::SnapshotPaths>,
 ) -> ExitCode {
-    config.serial.output = match console_log {
-        Some(p) => SerialOutput::File(p),
+    config.serial.output = match &console.log {
+        Some(p) => SerialOutput::File(p.clone()),
         None => SerialOutput::Stdout,
     };
+    let daemon = console
+        .socket
+        .as_ref()
+        .map(|_| launcher::daemon::Daemon::new(console.host.clone()));
+    if let Some(d) = &daemon {
+        let sink: Box<dyn std::io::Write + Send> = match &console.log {
+            Some(p) => match std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+            {
+                Ok(f) => Box::new(f),
+                Err(e) => return bad_config(format!("--console-log {}: {e}", p.display())),
+            },
+            None => Box::new(std::io::stdout()),
+        };
+        config.serial.output = SerialOutput::Writer(std::sync::Arc::new(std::sync::Mutex::new(
+            Tee(sink, d.console()),
+        )));
+    }
     // Input goes through a pipe so the launcher sees the detach key first.
     let mut forward = None;
     config.serial.input = SerialInput::None;
-    if console_input {
+    if console.input {
         let mut fds = [0i32; 2];
         // SAFETY: pipe2 fills two descriptors we then own.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
@@ -265,8 +471,12 @@ fn boot_with_console(
             forward = Some(fds[1]);
         }
     }
-    let vm = match Vm::build(&config) {
-        Ok(vm) => vm,
+    let built = match snapshot {
+        None => Vm::build(&config),
+        Some(paths) => Vm::restore(&config, paths),
+    };
+    let vm = match built {
+        Ok(vm) => std::sync::Arc::new(vm),
         Err(e) => {
             if let Some(w) = forward {
                 // SAFETY: our write end; the read end went to (and was dropped with) the config.
@@ -280,6 +490,13 @@ fn boot_with_console(
             });
         }
     };
+    if let (Some(d), Some(socket)) = (&daemon, &console.socket) {
+        d.adopt(vm.clone(), console.name.clone(), 30);
+        if let Err(e) = launcher::daemon::listen(d.clone(), socket) {
+            vm.stop();
+            return bad_config(format!("--socket {}: {e}", socket.display()));
+        }
+    }
     let _raw = forward.map(|w| {
         eprintln!("virt-launcher: console attached; press Ctrl-] to stop the VM");
         let end = vm.end_signal();
@@ -306,10 +523,111 @@ fn boot_with_console(
         });
         raw
     });
-    let end = vm.wait();
+    let end = vm.end_signal().wait();
+    vm.stop();
     drop(_raw);
+    if let Some(socket) = &console.socket {
+        let _ = std::fs::remove_file(socket);
+    }
     eprintln!("virt-launcher: {end}");
     ExitCode::from(end.exit_code() as u8)
+}
+
+/// `snapshot`: asks the launcher on --socket for a snapshot into --to, showing progress on a
+/// terminal.
+fn snapshot(args: SnapshotArgs) -> ExitCode {
+    use api::protocol::{Request, Response, SNAPSHOT_SINCE};
+    use std::io::{BufRead, Write};
+    if let Err(e) = std::fs::create_dir_all(&args.to) {
+        return bad_config(format!("--to {}: {e}", args.to.display()));
+    }
+    // The launcher may run elsewhere in the file system tree: absolute paths only.
+    let dir = match std::fs::canonicalize(&args.to) {
+        Ok(d) => d,
+        Err(e) => return bad_config(format!("--to {}: {e}", args.to.display())),
+    };
+    let paths = vmm::SnapshotPaths::in_dir(&dir);
+    let stream = match std::os::unix::net::UnixStream::connect(&args.socket) {
+        Ok(s) => s,
+        Err(e) => return bad_config(format!(
+            "--socket {}: {e} (is a launcher serving it? `virt-launcher run --socket` or `daemon`)",
+            args.socket.display()
+        )),
+    };
+    let mut out = match stream.try_clone() {
+        Ok(o) => o,
+        Err(e) => return host_error(e),
+    };
+    let mut lines = std::io::BufReader::new(stream).lines();
+    let mut call = |r: &Request| -> std::io::Result<()> {
+        let mut s = serde_json::to_string(r).expect("serializable");
+        s.push('\n');
+        out.write_all(s.as_bytes())
+    };
+    let mut next = || -> Result<Response, String> {
+        let line = lines
+            .next()
+            .ok_or("the launcher closed the connection")?
+            .map_err(|e| e.to_string())?;
+        serde_json::from_str(&line).map_err(|e| format!("bad answer {line:?}: {e}"))
+    };
+    if let Err(e) = call(&Request::Hello {
+        version: SNAPSHOT_SINCE,
+    }) {
+        return host_error(e);
+    }
+    match next() {
+        Ok(Response::Hello { .. }) => {}
+        Ok(Response::Error { message }) => return host_error(message),
+        Ok(other) => return host_error(format!("unexpected answer {other:?}")),
+        Err(e) => return host_error(e),
+    }
+    if let Err(e) = call(&Request::Snapshot {
+        memory_path: paths.memory.display().to_string(),
+        state_path: paths.state.display().to_string(),
+        stop: args.stop,
+    }) {
+        return host_error(e);
+    }
+    // SAFETY: isatty on stderr.
+    let terminal = unsafe { libc::isatty(2) } == 1;
+    loop {
+        match next() {
+            Ok(Response::Event(api::protocol::Event::SnapshotProgress { done, total })) => {
+                if terminal {
+                    eprint!(
+                        "\rvirt-launcher: snapshot: memory {} of {} MiB",
+                        done >> 20,
+                        total >> 20
+                    );
+                }
+            }
+            Ok(Response::Event(_)) => {}
+            Ok(Response::Snapshot(r)) => {
+                if terminal {
+                    eprintln!();
+                }
+                eprintln!(
+                    "virt-launcher: snapshot in {}: state {} bytes, memory {} MiB ({} MiB written), guest paused {} ms{}",
+                    dir.display(),
+                    r.state_bytes,
+                    r.memory_bytes >> 20,
+                    r.memory_written_bytes >> 20,
+                    r.paused_ms,
+                    if args.stop { "; the VM stays paused" } else { "" }
+                );
+                return ExitCode::SUCCESS;
+            }
+            Ok(Response::Error { message }) => return host_error(format!("snapshot: {message}")),
+            Ok(other) => return host_error(format!("unexpected answer {other:?}")),
+            Err(e) => return host_error(e),
+        }
+    }
+}
+
+fn host_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("virt-launcher: {msg}");
+    ExitCode::from(EXIT_HOST_ERROR)
 }
 
 /// Puts an interactive terminal in raw mode (keys go to the guest, not the line discipline)
@@ -343,52 +661,6 @@ impl Drop for RawTerminal {
             unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
         }
     }
-}
-
-fn run(args: RunArgs) -> ExitCode {
-    if let Some(path) = args.manifest.clone() {
-        return run_manifest(&path, &args);
-    }
-    let Some(kernel) = args.kernel.clone() else {
-        return bad_config("run: give -f MANIFEST or --kernel PATH");
-    };
-    let Ok(vcpus) = u8::try_from(args.vcpus) else {
-        let e = vmm::ConfigError::Vcpus {
-            given: args.vcpus,
-            max: vmm::config::MAX_VCPUS as u64,
-        };
-        eprintln!("virt-launcher: {e}");
-        return ExitCode::from(EXIT_BAD_CONFIG);
-    };
-    let mut disks = Vec::new();
-    for spec in &args.disks {
-        match parse_disk(spec) {
-            Ok(d) => disks.push(d),
-            Err(e) => {
-                eprintln!("virt-launcher: {e}");
-                return ExitCode::from(EXIT_BAD_CONFIG);
-            }
-        }
-    }
-    let mut nets = Vec::new();
-    for spec in &args.nets {
-        match parse_net(spec) {
-            Ok(n) => nets.push(n),
-            Err(e) => {
-                eprintln!("virt-launcher: {e}");
-                return ExitCode::from(EXIT_BAD_CONFIG);
-            }
-        }
-    }
-    let mut config = VmConfig::new(kernel);
-    config.disks = disks;
-    config.nets = nets;
-    config.initrd = args.initrd.clone();
-    config.cmdline = args.cmdline.clone();
-    config.vcpus = vcpus;
-    config.memory_mib = args.memory;
-    config.boot_timer = args.boot_timer;
-    boot_with_console(config, args.console_log.clone(), !args.no_console_input)
 }
 
 /// Parses `PATH[,readonly][,serial=S][,cache=none|writeback]`.

@@ -374,7 +374,12 @@ pub fn translate(
                 Some(m) => Some(m.parse::<MacAddr>().map_err(|r| {
                     err(format!("spec.domain.devices.interfaces[{i}].macAddress"), r)
                 })?),
-                None => None,
+                // KubeVirt users expect a NIC's MAC to survive restarts and migrations: one
+                // derived from the VMI and interface names is the same in every launcher.
+                None => Some(vmm::devices::manager::derived_mac(&format!(
+                    "{name}/{}",
+                    iface.name
+                ))),
             };
         nics.push(NicPlan {
             interface: iface.name.clone(),

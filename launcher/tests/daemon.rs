@@ -337,12 +337,33 @@ fn other_protocol_versions_are_refused_and_the_vm_is_untouched() {
     c.call(Request::Sync {
         vmi: Box::new(probe_vmi("console", 30)),
     });
-    let mut old = Client::connect(&l.socket, PROTOCOL_VERSION + 1);
-    match old.recv() {
+    let mut newer = Client::connect(&l.socket, PROTOCOL_VERSION + 1);
+    match newer.recv() {
         Response::Error { message } => assert!(
-            message.contains("not supported; this launcher speaks version 1"),
+            message.contains("not supported; this launcher speaks versions 1 to 2"),
             "{message}"
         ),
+        other => panic!("{other:?}"),
+    }
+    // A version-1 client is answered in version 1, and the version-2 request is refused on
+    // its connection without touching the VM.
+    let mut v1 = Client::connect(&l.socket, 1);
+    match v1.recv() {
+        Response::Hello { version, .. } => assert_eq!(version, 1),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(v1.status().state, VmState::Running);
+    match v1.call(Request::Snapshot {
+        memory_path: "/tmp/x/memory".into(),
+        state_path: "/tmp/x/state".into(),
+        stop: false,
+    }) {
+        Response::Error { message } => {
+            assert!(
+                message.contains("snapshot needs protocol version 2"),
+                "{message}"
+            )
+        }
         other => panic!("{other:?}"),
     }
     // Garbage on a fresh connection is refused too.

@@ -264,7 +264,11 @@ impl GuestRam {
 
     /// Writes all of RAM to `path` in the file layout, sparsely: zero pages are holes, never
     /// written. `path` is created anew (never an existing mapped file rewritten in place).
-    pub fn write_file(&self, path: &Path) -> Result<MemoryFileStats, MemoryError> {
+    pub fn write_file(
+        &self,
+        path: &Path,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<MemoryFileStats, MemoryError> {
         let err = |source| MemoryError::File {
             path: path.display().to_string(),
             source,
@@ -278,6 +282,9 @@ impl GuestRam {
         let total = self.size();
         file.set_len(total).map_err(err)?;
         let mut written = 0;
+        // Progress in chunks, so a caller can show how far a large guest got.
+        const CHUNK: usize = 256 << 20;
+        let mut done = 0;
         for (region, r) in self.memory.iter().zip(&self.layout) {
             let host = region
                 .get_host_address(MemoryRegionAddress(0))
@@ -285,7 +292,12 @@ impl GuestRam {
             // SAFETY: the region maps `r.size` bytes at `host` for the lifetime of `self`; the
             // VM is paused, so nothing writes them while we read.
             let bytes = unsafe { std::slice::from_raw_parts(host as *const u8, r.size as usize) };
-            written += write_nonzero_runs(&file, bytes, r.file_offset).map_err(err)?;
+            for (i, chunk) in bytes.chunks(CHUNK).enumerate() {
+                let at = r.file_offset + (i * CHUNK) as u64;
+                written += write_nonzero_runs(&file, chunk, at).map_err(err)?;
+                done += chunk.len() as u64;
+                progress(done, total);
+            }
         }
         file.sync_all().map_err(err)?;
         Ok(MemoryFileStats {
@@ -435,7 +447,7 @@ mod tests {
         m.write_obj(0x1234u32, GuestAddress((1 << 30) + 0x1f_fffc))
             .unwrap();
         let path = std::env::temp_dir().join(format!("mv-memfile-{}", std::process::id()));
-        let stats = ram.write_file(&path).unwrap();
+        let stats = ram.write_file(&path, &mut |_, _| {}).unwrap();
         assert_eq!(stats.logical_bytes, 6 << 20);
         assert_eq!(stats.written_bytes, 2 * PAGE_SIZE, "only non-zero pages");
         let back = GuestRam::from_file(&path, ram.layout()).unwrap();

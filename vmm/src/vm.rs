@@ -74,6 +74,15 @@ pub struct VmInfo {
     pub acceleration: KvmAcceleration,
 }
 
+/// How far a snapshot got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotProgress {
+    /// vCPUs and device I/O are stopped.
+    Paused,
+    /// Guest memory scanned and written so far, of `total` bytes.
+    Memory { done: u64, total: u64 },
+}
+
 /// What a snapshot wrote and how long the guest was stopped for it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SnapshotStats {
@@ -239,11 +248,22 @@ impl Vm {
         paths: &SnapshotPaths,
         stay_paused: bool,
     ) -> Result<SnapshotStats, VmError> {
+        self.snapshot_with_progress(paths, stay_paused, &mut |_| {})
+    }
+
+    /// `snapshot`, telling `progress` how far it got.
+    pub fn snapshot_with_progress(
+        &self,
+        paths: &SnapshotPaths,
+        stay_paused: bool,
+        progress: &mut dyn FnMut(SnapshotProgress),
+    ) -> Result<SnapshotStats, VmError> {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
         let was_paused = self.is_paused();
         let started = Instant::now();
         self.pause_locked();
-        let r = self.write_snapshot(paths);
+        progress(SnapshotProgress::Paused);
+        let r = self.write_snapshot(paths, progress);
         let paused_for = started.elapsed();
         if !was_paused && (!stay_paused || r.is_err()) {
             self.resume_locked();
@@ -259,12 +279,15 @@ impl Vm {
     fn write_snapshot(
         &self,
         paths: &SnapshotPaths,
+        progress: &mut dyn FnMut(SnapshotProgress),
     ) -> Result<(u64, crate::memory::MemoryFileStats), VmError> {
         let state = self.save_state()?;
         // Memory to a new file, renamed into place: a running VM restored from the old file
         // maps its inode, which must never change under it.
         let tmp = paths.memory.with_extension("tmp");
-        let mem = self.ram.write_file(&tmp)?;
+        let mem = self.ram.write_file(&tmp, &mut |done, total| {
+            progress(SnapshotProgress::Memory { done, total })
+        })?;
         std::fs::rename(&tmp, &paths.memory).map_err(|source| MemoryError::File {
             path: paths.memory.display().to_string(),
             source,

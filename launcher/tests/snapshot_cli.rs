@@ -1,0 +1,186 @@
+//! `virt-launcher run --socket`, `snapshot` and `restore` as a user runs them: snapshot a running
+//! probe over the control socket, kill the launcher with SIGKILL, restore, and the guest
+//! carries on; bad input is one line and exit code 2.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_virt-launcher"));
+    c.env("RUST_LOG", "error");
+    c
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mv-snapcli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn wait_for(path: &Path, needle: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} in {}:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn run_dirty(dir: &Path, socket: &Path, console: &Path) -> Child {
+    tests::require_kvm();
+    let child = bin()
+        .arg("run")
+        .arg("--kernel")
+        .arg(tests::probe_path())
+        .args([
+            "--cmdline",
+            "console=ttyS0 probe.test=dirty probe.passes=60",
+        ])
+        .args(["--vcpus", "2", "--memory", "192", "--no-console-input"])
+        .arg("--socket")
+        .arg(socket)
+        .arg("--console-log")
+        .arg(console)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .current_dir(dir)
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(Instant::now() < deadline, "socket never appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
+
+fn snapshot(socket: &Path, to: &Path, extra: &[&str]) -> Output {
+    bin()
+        .arg("snapshot")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--to")
+        .arg(to)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn snapshot_kill_restore_from_the_command_line() {
+    let dir = scratch("kill");
+    let socket = dir.join("launcher.sock");
+    let console = dir.join("console.log");
+    let mut child = run_dirty(&dir, &socket, &console);
+    wait_for(
+        &console,
+        "PROBE PROGRESS dirty pass=5\n",
+        Duration::from_secs(60),
+    );
+    let out = snapshot(&socket, &dir.join("snap"), &["--stop"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("memory 192 MiB") && stderr.contains("the VM stays paused"),
+        "{stderr}"
+    );
+    let state_len = std::fs::metadata(dir.join("snap/state")).unwrap().len();
+    assert!(
+        state_len <= 64 << 10,
+        "state file of {state_len} bytes for 2 vCPUs"
+    );
+    // Paused means paused: the console does not grow.
+    let before = std::fs::read(&console).unwrap().len();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(std::fs::read(&console).unwrap().len(), before);
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let console2 = dir.join("console2.log");
+    let out = bin()
+        .arg("restore")
+        .arg("--from")
+        .arg(dir.join("snap"))
+        .arg("--no-console-input")
+        .arg("--console-log")
+        .arg(&console2)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&console2).unwrap();
+    assert!(
+        text.contains("PROBE RESULT dirty OK passes=60 cpus=2"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("microvirt probe guest: hello"),
+        "the guest booted again:\n{text}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn snapshot_and_restore_refuse_bad_input_in_one_line() {
+    let dir = scratch("bad");
+    let one_line = |out: Output, expect: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(expect), "expected {expect:?} in {stderr:?}");
+    };
+    one_line(
+        snapshot(&dir.join("nosuch.sock"), &dir.join("s"), &[]),
+        "nosuch.sock: No such file or directory",
+    );
+    let restore = |from: &Path, extra: &[&str]| {
+        bin()
+            .arg("restore")
+            .arg("--from")
+            .arg(from)
+            .arg("--no-console-input")
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    one_line(restore(&dir.join("nothing"), &[]), "nothing/state");
+    // A real snapshot, asked for with the wrong size.
+    let socket = dir.join("launcher.sock");
+    let console = dir.join("console.log");
+    let mut child = run_dirty(&dir, &socket, &console);
+    wait_for(
+        &console,
+        "PROBE PROGRESS dirty pass=1\n",
+        Duration::from_secs(60),
+    );
+    assert!(snapshot(&socket, &dir.join("snap"), &[]).status.success());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    one_line(
+        restore(&dir.join("snap"), &["--vcpus", "1"]),
+        "the snapshot has 2 vCPU(s), 1 were asked for",
+    );
+    one_line(
+        restore(&dir.join("snap"), &["--memory", "256"]),
+        "the snapshot has 192 MiB of memory, 256 MiB were asked for",
+    );
+    std::fs::write(dir.join("snap/state"), b"garbage").unwrap();
+    one_line(
+        restore(&dir.join("snap"), &[]),
+        "not a microvirt state file",
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
