@@ -549,10 +549,12 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
     let paths = vmm::SnapshotPaths::in_dir(&dir);
     let stream = match std::os::unix::net::UnixStream::connect(&args.socket) {
         Ok(s) => s,
-        Err(e) => return bad_config(format!(
+        Err(e) => {
+            return bad_config(format!(
             "--socket {}: {e} (is a launcher serving it? `virt-launcher run --socket` or `daemon`)",
             args.socket.display()
-        )),
+        ))
+        }
     };
     let mut out = match stream.try_clone() {
         Ok(o) => o,

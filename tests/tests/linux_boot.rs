@@ -260,3 +260,90 @@ fn linux_mounts_root_from_virtio_blk_and_gets_dhcp_over_virtio_net() {
     drop(ns);
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Snapshots a Linux guest mid-boot, once it has probed its virtio-blk root disk, ends that VM
+/// and restores the snapshot in a new one, which must carry on to mount the root file system
+/// and run init. Like `boot_to`, a lost attempt (the emulated host's problem) gets one more try.
+#[test]
+fn linux_snapshotted_mid_boot_reaches_init_after_restore() {
+    require_kvm();
+    let (profile, extra) = linux_profile();
+    let images = build_guest_image(&["linux", profile]);
+    let (vmlinux, rootfs) = (images[0].clone(), images[2].clone());
+    let dir = std::env::temp_dir().join(format!("mv-linux-snap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let root = dir.join("rootfs.ext4");
+    let _one = ONE_LINUX_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let make = |console: &Console| {
+        let mut cfg = VmConfig::new(&vmlinux);
+        cfg.memory_mib = 256;
+        cfg.cmdline = format!("console=ttyS0 reboot=k panic=-1 root=/dev/vda rw {extra}");
+        cfg.serial.output = console.output();
+        cfg.disks = vec![vmm::config::DiskConfig::new(&root)];
+        cfg
+    };
+    let mut reports = Vec::new();
+    for attempt in 1..=2 {
+        std::fs::copy(&rootfs, &root).unwrap();
+        let console = Console::default();
+        let config = make(&console);
+        let vm = Vm::build(&config).expect("building the VM");
+        if !console.wait_for("virtio_blk virtio0: [vda]", LIMIT) || vm.end_signal().get().is_some()
+        {
+            reports.push(format!(
+                "attempt {attempt}: no virtio-blk probe before the snapshot (end {:?}):\n{}",
+                vm.end_signal().get(),
+                console.text()
+            ));
+            vm.stop();
+            continue;
+        }
+        let stats = vm
+            .snapshot(&vmm::SnapshotPaths::in_dir(&dir), true)
+            .expect("snapshot");
+        vm.stop();
+        drop(vm);
+        let before = console.text();
+        let console2 = Console::default();
+        let mut config2 = config.clone();
+        config2.serial.output = console2.output();
+        let vm = Vm::restore(&config2, &vmm::SnapshotPaths::in_dir(&dir)).expect("restore");
+        let (mut last_len, mut last_change) = (0, std::time::Instant::now());
+        let start = std::time::Instant::now();
+        let reached = loop {
+            if console2.text().contains(" as init process") {
+                break true;
+            }
+            if vm.end_signal().get().is_some() || start.elapsed() > LIMIT {
+                break false;
+            }
+            if console2.len() != last_len {
+                (last_len, last_change) = (console2.len(), std::time::Instant::now());
+            } else if last_change.elapsed() > STALL {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let end = vm.end_signal().get();
+        vm.stop();
+        let after = console2.text();
+        if reached {
+            assert!(
+                after.contains("VFS: Mounted root (ext4 filesystem)"),
+                "root not mounted after the restore:\n{after}"
+            );
+            assert!(
+                !after.contains("Linux version"),
+                "the restored guest booted again:\n{after}"
+            );
+            assert!(stats.memory_written_bytes < 256 << 20);
+            std::fs::remove_dir_all(&dir).unwrap();
+            return;
+        }
+        reports.push(format!("attempt {attempt}: the restored guest did not reach init (end {end:?}); before the snapshot:\n{before}\n--- after the restore:\n{after}"));
+    }
+    panic!("{}", reports.join("\n----- next attempt -----\n"));
+}
