@@ -33,7 +33,53 @@ pub struct VmConfig {
     pub nets: Vec<NetConfig>,
 }
 
-pub use crate::devices::virtio::net::MacAddr;
+/// A MAC address; only unicast addresses are accepted for a NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MacAddr(pub [u8; 6]);
+
+impl std::str::FromStr for MacAddr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parts: Vec<&str> = s.split(':').collect();
+        if parts.len() != 6 {
+            return Err(format!(
+                "mac={s}: expected six hex bytes like 52:54:00:12:34:56"
+            ));
+        }
+        let mut m = [0u8; 6];
+        for (i, p) in parts.iter().enumerate() {
+            if p.len() != 2 {
+                return Err(format!(
+                    "mac={s}: expected six hex bytes like 52:54:00:12:34:56"
+                ));
+            }
+            m[i] = u8::from_str_radix(p, 16)
+                .map_err(|_| format!("mac={s}: {p:?} is not a hex byte"))?;
+        }
+        if m[0] & 1 != 0 {
+            return Err(format!(
+                "mac={s}: a multicast address; a NIC needs a unicast address (first byte even)"
+            ));
+        }
+        if m == [0; 6] {
+            return Err(format!(
+                "mac={s}: the all-zero address is not a valid NIC address"
+            ));
+        }
+        Ok(MacAddr(m))
+    }
+}
+
+impl std::fmt::Display for MacAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let m = self.0;
+        write!(
+            f,
+            "{:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+            m[0], m[1], m[2], m[3], m[4], m[5]
+        )
+    }
+}
 
 /// Where a NIC's TAP comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -60,7 +106,14 @@ pub struct NetConfig {
     pub mac: Option<MacAddr>,
 }
 
-pub use crate::devices::virtio::block::CacheMode;
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum CacheMode {
+    /// O_DIRECT: no host page cache; data reaches the device on completion of FLUSH.
+    None,
+    /// Host page cache; FLUSH is an fdatasync.
+    #[default]
+    Writeback,
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskConfig {

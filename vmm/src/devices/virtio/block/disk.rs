@@ -6,14 +6,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum CacheMode {
-    /// O_DIRECT: no host page cache; data reaches the device on completion of FLUSH.
-    None,
-    /// Host page cache; FLUSH is an fdatasync.
-    #[default]
-    Writeback,
-}
+pub use crate::config::CacheMode;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
