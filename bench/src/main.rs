@@ -10,32 +10,17 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use bench::{launcher_path, median};
 
 const GUEST_MIB: u64 = 256;
 
 fn unix_ns(t: SystemTime) -> u128 {
     t.duration_since(UNIX_EPOCH).unwrap().as_nanos()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn launcher_path() -> Result<PathBuf> {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "--quiet", "-p", "launcher"])
-        .current_dir(tests::repo_root())
-        .status()?;
-    if !status.success() {
-        bail!("building virt-launcher failed");
-    }
-    Ok(tests::repo_root().join("target/release/virt-launcher"))
 }
 
 /// exec → first KVM_RUN (boot timer), time spent registering memory with KVM, and exec →

@@ -32,11 +32,7 @@ impl Launcher {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !socket.exists() {
-            assert!(Instant::now() < deadline, "socket never appeared");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        tests::wait_for_path(&socket, Duration::from_secs(10));
         Launcher { child, socket, dir }
     }
 

@@ -55,11 +55,7 @@ fn run_dirty(dir: &Path, socket: &Path, console: &Path) -> Child {
         .current_dir(dir)
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !socket.exists() {
-        assert!(Instant::now() < deadline, "socket never appeared");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    tests::wait_for_path(socket, Duration::from_secs(10));
     child
 }
 

@@ -69,6 +69,19 @@ pub fn probe_workdir(tag: &str) -> PathBuf {
     dir
 }
 
+/// Waits until `path` exists (a socket a child process creates); panics after `timeout`.
+pub fn wait_for_path(path: &Path, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A console sink shared with the test.
 #[derive(Clone, Default)]
 pub struct Console(Arc<Mutex<Vec<u8>>>);

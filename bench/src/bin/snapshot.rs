@@ -21,11 +21,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use bench::{launcher_path, median};
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -265,17 +261,6 @@ fn firecracker(fc: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration) -> 
         mem_apparent,
         mem_allocated,
     })
-}
-
-fn launcher_path() -> Result<PathBuf> {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "--quiet", "-p", "launcher"])
-        .current_dir(tests::repo_root())
-        .status()?;
-    if !status.success() {
-        bail!("building virt-launcher failed");
-    }
-    Ok(tests::repo_root().join("target/release/virt-launcher"))
 }
 
 fn main() -> Result<()> {

@@ -81,6 +81,18 @@ fn work(cpu: u32) {
     }
 }
 
+/// Ends the test with FAIL when any vCPU found a wrong word.
+fn fail_if_bad(passes_done: u32) {
+    let bad = BAD_ADDR.load(Ordering::SeqCst);
+    if bad != 0 {
+        let v = BAD_VALUE.load(Ordering::SeqCst);
+        result(
+            false,
+            format_args!("first_bad={bad:#x} found={v:#x} passes_done={passes_done}"),
+        );
+    }
+}
+
 extern "C" fn ap_entry() -> ! {
     let cpu = crate::smp::check_in();
     // Wait until the BSP has counted everyone and laid out the working set.
@@ -130,14 +142,7 @@ pub fn run(boot: &BootInfo) -> ! {
     let mut reported = 0;
     let mut own = 0;
     loop {
-        let bad = BAD_ADDR.load(Ordering::SeqCst);
-        if bad != 0 {
-            let v = BAD_VALUE.load(Ordering::SeqCst);
-            result(
-                false,
-                format_args!("first_bad={bad:#x} found={v:#x} passes_done={reported}"),
-            );
-        }
+        fail_if_bad(reported);
         if own < passes {
             do_pass(0, own);
             own += 1;
@@ -155,14 +160,7 @@ pub fn run(boot: &BootInfo) -> ! {
         }
         core::hint::spin_loop();
     }
-    let bad = BAD_ADDR.load(Ordering::SeqCst);
-    if bad != 0 {
-        let v = BAD_VALUE.load(Ordering::SeqCst);
-        result(
-            false,
-            format_args!("first_bad={bad:#x} found={v:#x} passes_done={reported}"),
-        );
-    }
+    fail_if_bad(reported);
     result(
         true,
         format_args!(

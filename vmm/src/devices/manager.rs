@@ -381,8 +381,12 @@ impl DeviceManager {
                 ));
             }
         }
-        // virtio-mmio devices: one 4 KiB window and one legacy IRQ each, announced on the
-        // kernel command line the way a guest without ACPI finds them.
+        let mut place = VirtioPlacer {
+            vm_fd,
+            memory,
+            mmio: &mut mmio,
+            em: &mut em,
+        };
         for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
             let id = crate::config::disk_name(i);
             let record = DiskRecord {
@@ -409,32 +413,10 @@ impl DeviceManager {
                     (Block::restore(args, state)?, Some(*d))
                 }
             };
-            let block = Arc::new(Mutex::new(block));
-            let slot = match saved {
-                Some(d) => VirtioSlot::check(d.slot)?,
-                None => VirtioSlot::at(dm.virtio.len()),
-            };
-            let transport = attach_virtio(
-                vm_fd,
-                memory,
-                &mut mmio,
-                &mut em,
-                slot,
-                block.clone(),
-                block.clone(),
-                saved,
-            )
-            .map_err(|e| format!("{id}: {e}"))?;
-            dm.cmdline_entries.push_str(&slot.cmdline_entry());
-            dm.virtio.push(VirtioEntry {
-                id,
-                slot,
-                transport,
-                kind: VirtioKind::Block {
-                    device: block,
-                    record,
-                },
-            });
+            place.attach(&mut dm, id, block, saved, |device| VirtioKind::Block {
+                device,
+                record,
+            })?;
         }
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
             let id = format!("eth{i}");
@@ -458,32 +440,10 @@ impl DeviceManager {
                 Some(VirtioKindState::Net { state, .. }) => Net::restore(args, state)?,
                 _ => Net::new(args.id, args.tap, args.mac).map_err(dev_err("virtio-net"))?,
             };
-            let net = Arc::new(Mutex::new(net));
-            let slot = match saved {
-                Some(d) => VirtioSlot::check(d.slot)?,
-                None => VirtioSlot::at(dm.virtio.len()),
-            };
-            let transport = attach_virtio(
-                vm_fd,
-                memory,
-                &mut mmio,
-                &mut em,
-                slot,
-                net.clone(),
-                net.clone(),
-                saved,
-            )
-            .map_err(|e| format!("{id}: {e}"))?;
-            dm.cmdline_entries.push_str(&slot.cmdline_entry());
-            dm.virtio.push(VirtioEntry {
-                id,
-                slot,
-                transport,
-                kind: VirtioKind::Net {
-                    device: net,
-                    tap: tap_name,
-                },
-            });
+            place.attach(&mut dm, id, net, saved, |device| VirtioKind::Net {
+                device,
+                tap: tap_name,
+            })?;
         }
         dm.pio = Arc::new(pio);
         dm.mmio = Arc::new(mmio);
@@ -544,6 +504,55 @@ impl DeviceManager {
                 })
                 .collect(),
         }
+    }
+}
+
+/// Places virtio devices: virtio-mmio devices get one 4 KiB window and one legacy IRQ each
+/// (the next free slot, or the one a snapshot recorded), announced on the kernel command line
+/// the way a guest without ACPI finds them.
+struct VirtioPlacer<'a> {
+    vm_fd: &'a VmFd,
+    memory: &'a GuestMemory,
+    mmio: &'a mut Bus,
+    em: &'a mut Subscribers,
+}
+
+impl VirtioPlacer<'_> {
+    fn attach<D>(
+        &mut self,
+        dm: &mut DeviceManager,
+        id: String,
+        device: D,
+        saved: Option<&VirtioDeviceState>,
+        kind: impl FnOnce(Arc<Mutex<D>>) -> VirtioKind,
+    ) -> Result<(), String>
+    where
+        D: VirtioDevice + MutEventSubscriber + Send + 'static,
+    {
+        let device = Arc::new(Mutex::new(device));
+        let slot = match saved {
+            Some(d) => VirtioSlot::check(d.slot)?,
+            None => VirtioSlot::at(dm.virtio.len()),
+        };
+        let transport = attach_virtio(
+            self.vm_fd,
+            self.memory,
+            self.mmio,
+            self.em,
+            slot,
+            device.clone(),
+            device.clone(),
+            saved,
+        )
+        .map_err(|e| format!("{id}: {e}"))?;
+        dm.cmdline_entries.push_str(&slot.cmdline_entry());
+        dm.virtio.push(VirtioEntry {
+            id,
+            slot,
+            transport,
+            kind: kind(device),
+        });
+        Ok(())
     }
 }
 

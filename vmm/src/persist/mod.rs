@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{CacheMode, MacAddr};
 use crate::devices::i8042::persist::I8042State;
-use crate::devices::serial::persist::SerialDeviceState;
+use crate::devices::serial::persist::SerialStateDef;
 use crate::devices::virtio::block::persist::BlockState;
 use crate::devices::virtio::net::persist::NetState;
 use crate::devices::virtio::persist::TransportState;
@@ -79,7 +79,8 @@ pub struct VirtioDeviceState {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DevicesState {
-    pub serial: SerialDeviceState,
+    #[serde(with = "SerialStateDef")]
+    pub serial: vm_superio::serial::SerialState,
     pub i8042: I8042State,
     pub virtio: Vec<VirtioDeviceState>,
 }
@@ -249,7 +250,7 @@ mod tests {
             vcpu_events: Default::default(),
             tsc_khz: Some(2_000_000),
         };
-        let q = QueueSnapshot {
+        let q = QueueSnapshot(virtio_queue::QueueState {
             max_size: 256,
             next_avail: 3,
             next_used: 3,
@@ -259,7 +260,7 @@ mod tests {
             desc_table: 0x1000,
             avail_ring: 0x2000,
             used_ring: 0x3000,
-        };
+        });
         MachineState {
             vcpus: 1,
             memory_mib: 64,
@@ -274,7 +275,7 @@ mod tests {
             },
             vcpu_states: vec![vcpu],
             devices: DevicesState {
-                serial: SerialDeviceState {
+                serial: vm_superio::serial::SerialState {
                     baud_divisor_low: 12,
                     baud_divisor_high: 0,
                     interrupt_enable: 0,

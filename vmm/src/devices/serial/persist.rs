@@ -1,5 +1,5 @@
 //! The 16550's registers and receive FIFO, saved and restored through vm-superio's own
-//! `SerialState` (mirrored here because vm-superio's type has no serde).
+//! `SerialState`.
 
 use std::io::Write;
 
@@ -12,8 +12,11 @@ use super::{InputDrained, SerialDevice};
 use crate::devices::EventFdTrigger;
 use crate::persist::Persist;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SerialDeviceState {
+/// serde's view of vm-superio's `SerialState` (that crate has no serde): the registers and the
+/// receive FIFO.
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "SerialState")]
+pub struct SerialStateDef {
     pub baud_divisor_low: u8,
     pub baud_divisor_high: u8,
     pub interrupt_enable: u8,
@@ -34,39 +37,15 @@ pub struct SerialArgs {
 }
 
 impl Persist for SerialDevice {
-    type State = SerialDeviceState;
+    type State = SerialState;
     type Args = SerialArgs;
 
-    fn save(&self) -> SerialDeviceState {
-        let s = self.uart.state();
-        SerialDeviceState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer,
-        }
+    fn save(&self) -> SerialState {
+        self.uart.state()
     }
 
-    fn restore(args: SerialArgs, s: &SerialDeviceState) -> Result<Self, String> {
-        let state = SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        };
-        let uart = Serial::from_state(&state, args.irq, InputDrained(args.drained), args.out)
+    fn restore(args: SerialArgs, state: &SerialState) -> Result<Self, String> {
+        let uart = Serial::from_state(state, args.irq, InputDrained(args.drained), args.out)
             .map_err(|e| format!("serial: {e:?}"))?;
         Ok(SerialDevice { uart })
     }

@@ -13,52 +13,30 @@ use super::{VirtioDevice, VirtioInterrupt};
 use crate::memory::GuestMemory;
 use crate::persist::Persist;
 
-/// One queue: virtio-queue's `QueueState`, mirrored because that type has no serde.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct QueueSnapshot {
-    pub max_size: u16,
-    pub next_avail: u16,
-    pub next_used: u16,
-    pub event_idx_enabled: bool,
-    pub size: u16,
-    pub ready: bool,
-    pub desc_table: u64,
-    pub avail_ring: u64,
-    pub used_ring: u64,
+/// serde's view of virtio-queue's `QueueState` (that crate has no serde).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "QueueState")]
+struct QueueStateDef {
+    max_size: u16,
+    next_avail: u16,
+    next_used: u16,
+    event_idx_enabled: bool,
+    size: u16,
+    ready: bool,
+    desc_table: u64,
+    avail_ring: u64,
+    used_ring: u64,
 }
 
-impl From<QueueState> for QueueSnapshot {
-    fn from(q: QueueState) -> Self {
-        QueueSnapshot {
-            max_size: q.max_size,
-            next_avail: q.next_avail,
-            next_used: q.next_used,
-            event_idx_enabled: q.event_idx_enabled,
-            size: q.size,
-            ready: q.ready,
-            desc_table: q.desc_table,
-            avail_ring: q.avail_ring,
-            used_ring: q.used_ring,
-        }
-    }
-}
+/// One queue's registers and live indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueSnapshot(#[serde(with = "QueueStateDef")] pub QueueState);
 
 impl QueueSnapshot {
     /// Rebuilds the queue; sizes that are not powers of two or exceed the maximum are refused
     /// by virtio-queue (a state file is input like any other).
     pub fn to_queue(self) -> Result<Queue, String> {
-        Queue::try_from(QueueState {
-            max_size: self.max_size,
-            next_avail: self.next_avail,
-            next_used: self.next_used,
-            event_idx_enabled: self.event_idx_enabled,
-            size: self.size,
-            ready: self.ready,
-            desc_table: self.desc_table,
-            avail_ring: self.avail_ring,
-            used_ring: self.used_ring,
-        })
-        .map_err(|e| format!("queue: {e}"))
+        Queue::try_from(self.0).map_err(|e| format!("queue: {e}"))
     }
 }
 
@@ -105,7 +83,7 @@ impl Persist for MmioTransport {
             config_generation: self.config_generation,
             interrupt_status: self.interrupt.status.load(Ordering::SeqCst),
             needs_reset: self.interrupt.needs_reset.load(Ordering::SeqCst),
-            queues: queues.into_iter().map(QueueSnapshot::from).collect(),
+            queues: queues.into_iter().map(QueueSnapshot).collect(),
             activated: dev.is_activated().then(|| dev.acked_features()),
         }
     }
@@ -120,10 +98,10 @@ impl Persist for MmioTransport {
             ));
         }
         for (q, snap) in t.queues.iter_mut().zip(&s.queues) {
-            if snap.max_size != q.max_size() {
+            if snap.0.max_size != q.max_size() {
                 return Err(format!(
                     "queue max size {} recorded, the device has {}",
-                    snap.max_size,
+                    snap.0.max_size,
                     q.max_size()
                 ));
             }
