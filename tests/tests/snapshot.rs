@@ -443,3 +443,17 @@ fn dirty_log_covers_every_page_the_guest_changed() {
     progress(&console, "dirty", "pass=6", T);
     vm.stop();
 }
+
+#[test]
+fn a_failed_snapshot_leaves_the_vm_running() {
+    require_kvm();
+    let console = Console::default();
+    let vm = Vm::build(&dirty_config(1, 128, 20, &console)).unwrap();
+    progress(&console, "dirty", "pass=1", T);
+    let nowhere = SnapshotPaths::in_dir(std::path::Path::new("/proc/no-such-dir"));
+    let e = vm.snapshot(&nowhere, true).err().expect("cannot write there");
+    assert!(e.to_string().contains("/proc/no-such-dir"), "{e}");
+    assert!(!vm.is_paused(), "a failed snapshot must resume the VM even with stay_paused");
+    let run = run_to_end(vm, &console, T);
+    expect_ok(&run, "dirty");
+}
