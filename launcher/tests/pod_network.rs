@@ -98,14 +98,23 @@ spec:
             std::thread::sleep(Duration::from_millis(25));
         }
         let bridge = bridge.expect("no bridge appeared");
-        let tables = String::from_utf8_lossy(
-            &Command::new("nft")
-                .args(["list", "tables"])
-                .output()
-                .unwrap()
-                .stdout,
-        )
-        .to_string();
+        // The NAT table comes right after the bridge: wait for it too (a loaded machine can
+        // list the tables in between).
+        let mut tables = String::new();
+        for _ in 0..200 {
+            tables = String::from_utf8_lossy(
+                &Command::new("nft")
+                    .args(["list", "tables"])
+                    .output()
+                    .unwrap()
+                    .stdout,
+            )
+            .to_string();
+            if tables.contains("table ip microvirt_") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
         let addrs = String::from_utf8_lossy(
             &Command::new("ip")
                 .args(["-o", "addr", "show", "dev", &bridge])

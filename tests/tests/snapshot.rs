@@ -451,9 +451,12 @@ fn a_failed_snapshot_leaves_the_vm_running() {
     let vm = Vm::build(&dirty_config(1, 128, 20, &console)).unwrap();
     progress(&console, "dirty", "pass=1", T);
     let nowhere = SnapshotPaths::in_dir(std::path::Path::new("/proc/no-such-dir"));
-    let e = vm.snapshot(&nowhere, true).err().expect("cannot write there");
+    let e = vm.snapshot(&nowhere, true).expect_err("cannot write there");
     assert!(e.to_string().contains("/proc/no-such-dir"), "{e}");
-    assert!(!vm.is_paused(), "a failed snapshot must resume the VM even with stay_paused");
+    assert!(
+        !vm.is_paused(),
+        "a failed snapshot must resume the VM even with stay_paused"
+    );
     let run = run_to_end(vm, &console, T);
     expect_ok(&run, "dirty");
 }

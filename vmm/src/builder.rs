@@ -36,10 +36,10 @@ fn tap_reason(e: TapError) -> String {
 
 /// Step 1: disks and TAPs. A missing or locked image is the user's to fix, before anything
 /// starts.
-fn open_backends(config: &VmConfig) -> Result<Backends, VmError> {
+fn open_backends(config: &VmConfig, lock_disks: bool) -> Result<Backends, VmError> {
     let mut disks = Vec::with_capacity(config.disks.len());
     for d in &config.disks {
-        let disk = Disk::open(&d.path, d.read_only, d.cache).map_err(|e| {
+        let disk = Disk::open_with(&d.path, d.read_only, d.cache, lock_disks).map_err(|e| {
             let reason = match e {
                 DiskError::Open { reason, .. } => reason,
                 DiskError::Locked { .. } => "locked by another VM (advisory lock held)".to_string(),
@@ -199,7 +199,7 @@ impl Vm {
         config.validate(Some(kvm.max_vcpus))?;
         boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
-        let backends = open_backends(config)?;
+        let backends = open_backends(config, true)?;
         let vm_fd = create_vm(&kvm)?;
         let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
         register_memory(&vm_fd, &mut ram, config.boot_timer)?;
@@ -256,18 +256,33 @@ impl Vm {
         Self::restore_state(config, state, paths)
     }
 
-    /// As `restore`, with the state already read (a migration receiver decodes it itself).
+    /// As `restore`, with the state already read.
     pub fn restore_state(
         config: &VmConfig,
         state: MachineState,
         paths: &SnapshotPaths,
     ) -> Result<Vm, VmError> {
+        check_matches(config, &state)?;
+        let ram = GuestRam::from_file(&paths.memory, &state.memory)?;
+        let vm = Self::restore_paused(config, state, ram, true)?;
+        vm.resume();
+        Ok(vm)
+    }
+
+    /// Builds the recorded machine on `ram` (already holding the guest's memory) and injects
+    /// every state; returns it paused. `lock_disks` false leaves the disks unlocked for a
+    /// migration target whose source still holds them (`Vm::lock_disks` later).
+    pub(crate) fn restore_paused(
+        config: &VmConfig,
+        state: MachineState,
+        mut ram: GuestRam,
+        lock_disks: bool,
+    ) -> Result<Vm, VmError> {
         let kvm = KvmContext::open()?;
         check_matches(config, &state)?;
         config.validate_devices(Some(kvm.max_vcpus))?;
-        let backends = open_backends(config)?;
+        let backends = open_backends(config, lock_disks)?;
         let vm_fd = create_vm(&kvm)?;
-        let mut ram = GuestRam::from_file(&paths.memory, &state.memory)?;
         register_memory(&vm_fd, &mut ram, config.boot_timer)?;
         let end = VmEndSignal::default();
         let (devices, em, wake) = DeviceManager::build(
@@ -314,13 +329,12 @@ impl Vm {
                 return Err(VmError::Restore(format!("vCPU {id}: {e}")));
             }
         }
-        vm.resume();
         Ok(vm)
     }
 }
 
 /// The snapshot must be of the machine the caller asked for.
-fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError> {
+pub(crate) fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError> {
     let mismatch = |what: String| Err(VmError::StateMismatch(what));
     if config.vcpus != state.vcpus {
         return mismatch(format!(

@@ -26,6 +26,8 @@ pub enum VmEnd {
     Halted { vcpu: u8 },
     /// The host stopped the VM.
     Stopped,
+    /// The VM moved to another host (live migration completed); it runs there now.
+    Migrated,
     /// The VMM hit an error running a vCPU.
     VcpuError { vcpu: u8, message: String },
 }
@@ -57,6 +59,7 @@ impl fmt::Display for VmEnd {
             }
             VmEnd::Halted { vcpu } => write!(f, "vCPU {vcpu} halted for good"),
             VmEnd::Stopped => write!(f, "stopped by the host"),
+            VmEnd::Migrated => write!(f, "migrated to another host"),
             VmEnd::VcpuError { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
         }
     }
@@ -66,7 +69,7 @@ impl VmEnd {
     /// The launcher's exit status for this end (documented in the README).
     pub fn exit_code(&self) -> i32 {
         match self {
-            VmEnd::PoweredOff | VmEnd::Stopped => 0,
+            VmEnd::PoweredOff | VmEnd::Stopped | VmEnd::Migrated => 0,
             VmEnd::Reset => 10,
             VmEnd::TripleFault { .. } => 11,
             VmEnd::InternalError { .. } => 12,

@@ -13,6 +13,7 @@ pub mod end;
 pub mod kvm;
 pub mod layout;
 pub mod memory;
+pub mod migration;
 pub mod persist;
 pub mod vcpu;
 pub mod vm;

@@ -351,7 +351,7 @@ fn write_nonzero_runs(file: &File, bytes: &[u8], base: u64) -> std::io::Result<u
     Ok(written)
 }
 
-fn is_zero(b: &[u8]) -> bool {
+pub(crate) fn is_zero(b: &[u8]) -> bool {
     // SAFETY: u64 has no invalid bit patterns; align_to only reinterprets the aligned middle.
     let (head, mid, tail) = unsafe { b.align_to::<u64>() };
     head.iter().all(|&x| x == 0) && mid.iter().all(|&x| x == 0) && tail.iter().all(|&x| x == 0)

@@ -310,6 +310,25 @@ impl Vm {
         Ok(self.ram.stop_dirty_log(&self.vm_fd)?)
     }
 
+    /// Takes the disks' advisory locks, waiting up to `wait` for another holder (a migration
+    /// source winding down) to let go.
+    pub fn lock_disks(&self, wait: Duration) -> Result<(), VmError> {
+        let deadline = Instant::now() + wait;
+        for b in &self.blocks {
+            loop {
+                let r = b.lock().unwrap_or_else(|p| p.into_inner()).disk().lock();
+                match r {
+                    Ok(()) => break,
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(e) => return Err(VmError::Device(e.to_string())),
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Presses Ctrl-Alt-Del on the guest's keyboard: how a guest without ACPI is asked to shut
     /// down (Linux reboots on it, which `reboot=k` turns into a reset the VMM reports).
     pub fn ctrl_alt_del(&self) {

@@ -40,6 +40,16 @@ fn reason(e: std::io::Error) -> String {
 
 impl Disk {
     pub fn open(path: &Path, read_only: bool, cache: CacheMode) -> Result<Disk, DiskError> {
+        Self::open_with(path, read_only, cache, true)
+    }
+
+    /// `open`, taking the advisory lock only when `lock`.
+    pub fn open_with(
+        path: &Path,
+        read_only: bool,
+        cache: CacheMode,
+        lock: bool,
+    ) -> Result<Disk, DiskError> {
         let p = path.display().to_string();
         let err = |e: std::io::Error| DiskError::Open {
             path: p.clone(),
@@ -59,17 +69,6 @@ impl Disk {
                 reason: "not a regular file or block device".into(),
             });
         }
-        // Shared lock for readers, exclusive for a writer: two read-only users may share an
-        // image, a writer excludes everyone.
-        let op = if read_only {
-            libc::LOCK_SH
-        } else {
-            libc::LOCK_EX
-        } | libc::LOCK_NB;
-        // SAFETY: flock on a file descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-            return Err(DiskError::Locked { path: p });
-        }
         let size = if is_block_device {
             let mut size = 0u64;
             // SAFETY: BLKGETSIZE64 writes one u64.
@@ -87,14 +86,36 @@ impl Disk {
         } else {
             meta.len()
         };
-        Ok(Disk {
+        let disk = Disk {
             file,
             path: path.to_path_buf(),
             size,
             read_only,
             cache,
             is_block_device,
-        })
+        };
+        if lock {
+            disk.lock()?;
+        }
+        Ok(disk)
+    }
+
+    /// Shared lock for readers, exclusive for a writer: two read-only users may share an
+    /// image, a writer excludes everyone. A migration target opens its disks unlocked (the
+    /// source still holds them) and takes the lock once the source has let go.
+    pub fn lock(&self) -> Result<(), DiskError> {
+        let op = if self.read_only {
+            libc::LOCK_SH
+        } else {
+            libc::LOCK_EX
+        } | libc::LOCK_NB;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(self.file.as_raw_fd(), op) } != 0 {
+            return Err(DiskError::Locked {
+                path: self.path.display().to_string(),
+            });
+        }
+        Ok(())
     }
 
     pub fn sectors(&self) -> u64 {
