@@ -8,7 +8,10 @@
 //! - `Events` turns it into a stream of `Event` lines.
 //!
 //! Versions: 1 is the lifecycle above. 2 adds `Snapshot`, answered by zero or more
-//! `Event(SnapshotProgress)` lines on the same connection and then `Snapshot` (or `Error`). A
+//! `Event(SnapshotProgress)` lines on the same connection and then `Snapshot` (or `Error`).
+//! 3 adds live migration: `MigrateIn` on the target (answered at once with the address it
+//! listens on), `MigrateOut` on the source (zero or more `Event(MigrationProgress)` lines, then
+//! `Migration` or `Error`) and `MigrateCancel`. A
 //! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
 //! `Hello` with the version the client asked for; a version-1 client sees version 1 exactly.
 
@@ -17,11 +20,12 @@ use serde::{Deserialize, Serialize};
 use crate::VirtualMachineInstance;
 
 /// The newest version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The oldest version a launcher still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// The version that introduced each request beyond version 1.
 pub const SNAPSHOT_SINCE: u32 = 2;
+pub const MIGRATION_SINCE: u32 = 3;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "request", rename_all = "camelCase")]
@@ -59,18 +63,66 @@ pub enum Request {
         #[serde(default)]
         stop: bool,
     },
+    /// Prepare to receive this VMI by live migration: listen on `listen` (`host:port`, port 0
+    /// for any) for one source. Since version 3.
+    MigrateIn {
+        vmi: Box<VirtualMachineInstance>,
+        listen: String,
+    },
+    /// Live-migrate the running VM to the target listening at `address`. Since version 3.
+    MigrateOut {
+        address: String,
+        #[serde(default)]
+        options: MigrationOptions,
+    },
+    /// Abort a running MigrateOut; the VM stays here. Since version 3.
+    MigrateCancel,
+}
+
+/// KubeVirt's migration configuration as the launcher takes it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationOptions {
+    /// Bytes per second at most (`bandwidthPerMigration`); none: unlimited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth_bytes_per_second: Option<u64>,
+    /// Seconds per GiB of guest memory before the migration is cancelled (KubeVirt: 150).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_timeout_per_gib: Option<u64>,
+    /// Longest acceptable pause for the final copy, in milliseconds (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_downtime_ms: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "response", rename_all = "camelCase")]
 pub enum Response {
-    Hello { version: u32, launcher: String },
+    Hello {
+        version: u32,
+        launcher: String,
+    },
     Ok,
     Pong,
-    Error { message: String },
+    Error {
+        message: String,
+    },
     Status(Box<StatusReport>),
     Event(Event),
     Snapshot(SnapshotReport),
+    /// MigrateIn: where the target listens.
+    MigrationListening {
+        address: String,
+    },
+    Migration(MigrationReport),
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationReport {
+    pub rounds: u32,
+    pub bytes_sent: u64,
+    pub total_ms: u64,
+    pub downtime_ms: u64,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -94,6 +146,10 @@ pub enum VmState {
     Paused,
     ShutDown,
     Crashed,
+    /// The VM now runs on another host.
+    Migrated,
+    /// A MigrateIn target waiting for its source.
+    WaitingForMigration,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -157,6 +213,23 @@ pub enum Event {
     SnapshotProgress {
         done: u64,
         total: u64,
+    },
+    /// A migration's progress after each round (KubeVirt's migration metrics).
+    #[serde(rename_all = "camelCase")]
+    MigrationProgress {
+        round: u32,
+        data_processed_bytes: u64,
+        data_remaining_bytes: u64,
+        dirty_memory_rate_bytes: u64,
+        memory_transfer_rate_bytes: u64,
+    },
+    /// The VM left for another host, or arrived from one.
+    MigratedOut,
+    MigratedIn,
+    /// An incoming or outgoing migration failed; the VM runs where it was.
+    #[serde(rename_all = "camelCase")]
+    MigrationFailed {
+        reason: String,
     },
 }
 

@@ -55,10 +55,34 @@ struct Inner {
     grace_seconds: u64,
     console_input: Option<std::fs::File>,
     ephemeral: Vec<PathBuf>,
+    /// A MigrateIn listener is waiting for its source.
+    awaiting_migration: bool,
+    /// Set to abort the MigrateOut in progress.
+    migration_abort: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+/// A VMI ready to become a VM here: its config, and what to clean up if it never does.
+struct PreparedVmi {
+    config: vmm::VmConfig,
+    name: String,
+    grace: u64,
+    input: std::fs::File,
+    ephemeral: Vec<PathBuf>,
+}
+
+impl PreparedVmi {
+    fn discard(self) {
+        for f in self.ephemeral {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }
 
 pub struct Daemon {
     env: Environment,
+    /// Requests being answered: the process waits for them before it exits with its VM, so a
+    /// client (e.g. `migrate`, whose success ends the VM) still gets its answer.
+    in_flight: std::sync::atomic::AtomicUsize,
     inner: Mutex<Inner>,
     events: Mutex<Vec<Sender<Event>>>,
     console: Arc<Mutex<ConsoleHub>>,
@@ -68,10 +92,21 @@ impl Daemon {
     pub fn new(env: Environment) -> Arc<Daemon> {
         Arc::new(Daemon {
             env,
+            in_flight: Default::default(),
             inner: Mutex::default(),
             events: Mutex::default(),
             console: Arc::default(),
         })
+    }
+
+    /// Waits (at most `timeout`) until no request is being answered.
+    pub fn wait_idle(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.in_flight.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// The console fan-out that `Console` clients attach to.
@@ -95,10 +130,8 @@ impl Daemon {
         }
     }
 
-    fn sync(self: &Arc<Self>, mut vmi: VirtualMachineInstance) -> Result<(), String> {
-        if self.inner.lock().unwrap().vm.is_some() {
-            return Ok(());
-        }
+    /// A VMI turned into a VM config with the console wired to this daemon.
+    fn prepare(&self, mut vmi: VirtualMachineInstance) -> Result<PreparedVmi, String> {
         default_vmi_spec(&mut vmi.spec);
         validate_vmi(&vmi).map_err(|e| e.to_string())?;
         let name = vmi.metadata.name.clone().unwrap_or_else(|| "vm".into());
@@ -118,24 +151,145 @@ impl Daemon {
             return Err(format!("pipe: {}", std::io::Error::last_os_error()));
         }
         config.serial.input = SerialInput::Fd(fds[0]);
-        // SAFETY: we own the write end.
-        let input = unsafe { std::fs::File::from_raw_fd(fds[1]) };
-        let vm = match Vm::build(&config) {
-            Ok(vm) => Arc::new(vm),
+        Ok(PreparedVmi {
+            config,
+            name,
+            grace: vmi
+                .spec
+                .termination_grace_period_seconds
+                .unwrap_or(30)
+                .max(0) as u64,
+            // SAFETY: we own the write end.
+            input: unsafe { std::fs::File::from_raw_fd(fds[1]) },
+            ephemeral,
+        })
+    }
+
+    fn sync(self: &Arc<Self>, vmi: VirtualMachineInstance) -> Result<(), String> {
+        if self.inner.lock().unwrap().vm.is_some() {
+            return Ok(());
+        }
+        let p = self.prepare(vmi)?;
+        match Vm::build(&p.config) {
+            Ok(vm) => {
+                self.install(Arc::new(vm), p.name, p.grace, Some(p.input), p.ephemeral);
+                Ok(())
+            }
             Err(e) => {
-                for f in ephemeral {
-                    let _ = std::fs::remove_file(f);
-                }
-                return Err(e.to_string());
+                p.discard();
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// The target side of a live migration: listens on `listen` for one source and, once the
+    /// VM has arrived, runs it as if it had been Synced here.
+    fn migrate_in(
+        self: &Arc<Self>,
+        vmi: VirtualMachineInstance,
+        listen: &str,
+    ) -> Result<String, String> {
+        {
+            let g = self.inner.lock().unwrap();
+            if g.vm.is_some() || g.awaiting_migration {
+                return Err("this launcher already has a VM (or awaits one)".into());
+            }
+        }
+        let p = self.prepare(vmi)?;
+        let listener = match std::net::TcpListener::bind(listen) {
+            Ok(l) => l,
+            Err(e) => {
+                p.discard();
+                return Err(format!("listen on {listen}: {e}"));
             }
         };
-        let grace = vmi
-            .spec
-            .termination_grace_period_seconds
-            .unwrap_or(30)
-            .max(0) as u64;
-        self.install(vm, name, grace, Some(input), ephemeral);
-        Ok(())
+        let address = listener
+            .local_addr()
+            .map(|a| a.to_string())
+            .map_err(|e| e.to_string())?;
+        self.inner.lock().unwrap().awaiting_migration = true;
+        let me = self.clone();
+        std::thread::spawn(move || {
+            let arrived = listener
+                .accept()
+                .map_err(|e| e.to_string())
+                .and_then(|(mut s, peer)| {
+                    tracing::info!(%peer, "incoming migration");
+                    Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string())
+                });
+            me.inner.lock().unwrap().awaiting_migration = false;
+            match arrived {
+                Ok(vm) => {
+                    me.install(Arc::new(vm), p.name, p.grace, Some(p.input), p.ephemeral);
+                    me.emit(Event::MigratedIn);
+                }
+                Err(reason) => {
+                    p.discard();
+                    tracing::warn!("incoming migration failed: {reason}");
+                    me.emit(Event::MigrationFailed { reason });
+                }
+            }
+        });
+        Ok(address)
+    }
+
+    /// The source side: streams progress to `progress` and event listeners; the VM ends as
+    /// migrated on success and keeps running on failure.
+    fn migrate_out(
+        &self,
+        address: &str,
+        options: &MigrationOptions,
+        progress: &mut dyn FnMut(Event),
+    ) -> Result<MigrationReport, String> {
+        use std::net::ToSocketAddrs;
+        let vm = self.vm()?;
+        let mut config = vmm::migration::MigrationConfig::default();
+        if let Some(ms) = options.max_downtime_ms {
+            config.max_downtime = Duration::from_millis(ms);
+        }
+        config.bandwidth_limit = options.bandwidth_bytes_per_second.filter(|b| *b > 0);
+        config = config.with_timeout_per_gib(
+            options.completion_timeout_per_gib.unwrap_or(150),
+            vm.info.memory_mib,
+        );
+        self.inner.lock().unwrap().migration_abort = Some(config.abort.clone());
+        let result = (|| {
+            let addr = address
+                .to_socket_addrs()
+                .map_err(|e| format!("{address}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("{address}: no address"))?;
+            let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                .map_err(|e| format!("connecting to {address}: {e}"))?;
+            let _ = stream.set_nodelay(true);
+            vm.migrate_out(&mut stream, &config, &mut |p| {
+                let e = Event::MigrationProgress {
+                    round: p.round,
+                    data_processed_bytes: p.data_processed_bytes,
+                    data_remaining_bytes: p.data_remaining_bytes,
+                    dirty_memory_rate_bytes: p.dirty_rate_bytes_per_s as u64,
+                    memory_transfer_rate_bytes: p.transfer_rate_bytes_per_s as u64,
+                };
+                self.emit(e.clone());
+                progress(e);
+            })
+            .map_err(|e| e.to_string())
+        })();
+        self.inner.lock().unwrap().migration_abort = None;
+        match result {
+            Ok(s) => Ok(MigrationReport {
+                rounds: s.rounds,
+                bytes_sent: s.bytes_sent,
+                total_ms: s.total_time.as_millis() as u64,
+                downtime_ms: s.downtime.as_millis() as u64,
+            }),
+            Err(reason) => {
+                self.emit(Event::MigrationFailed {
+                    reason: reason.clone(),
+                });
+                Err(reason)
+            }
+        }
     }
 
     /// Takes charge of a VM built elsewhere (`virt-launcher run --socket` and `restore
@@ -224,6 +378,7 @@ impl Daemon {
         }
         let reason = end.to_string();
         self.emit(match end {
+            VmEnd::Migrated => Event::MigratedOut,
             VmEnd::PoweredOff | VmEnd::Reset | VmEnd::Stopped => Event::ShutDown { reason },
             _ => Event::Crashed { reason },
         });
@@ -232,7 +387,9 @@ impl Daemon {
     fn status(&self) -> StatusReport {
         let g = self.inner.lock().unwrap();
         let state = match (&g.vm, &g.end) {
+            (None, _) if g.awaiting_migration => VmState::WaitingForMigration,
             (None, _) => VmState::NoVm,
+            (_, Some(VmEnd::Migrated)) => VmState::Migrated,
             (_, Some(VmEnd::PoweredOff | VmEnd::Reset | VmEnd::Stopped)) => VmState::ShutDown,
             (_, Some(_)) => VmState::Crashed,
             _ if g.paused => VmState::Paused,
@@ -330,7 +487,26 @@ impl Daemon {
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
-            Request::Console | Request::Events | Request::Snapshot { .. } => Response::Error {
+            Request::MigrateIn { vmi, listen } => match self.migrate_in(*vmi, &listen) {
+                Ok(address) => Response::MigrationListening { address },
+                Err(message) => Response::Error { message },
+            },
+            Request::MigrateCancel => {
+                let abort = self.inner.lock().unwrap().migration_abort.clone();
+                match abort {
+                    Some(a) => {
+                        a.store(true, std::sync::atomic::Ordering::SeqCst);
+                        Response::Ok
+                    }
+                    None => Response::Error {
+                        message: "no migration in progress".into(),
+                    },
+                }
+            }
+            Request::Console
+            | Request::Events
+            | Request::Snapshot { .. }
+            | Request::MigrateOut { .. } => Response::Error {
                 message: "handled by the connection".into(),
             },
         }
@@ -393,6 +569,9 @@ impl Daemon {
                     continue;
                 }
             };
+            // Streams (console, events) last as long as their client: not counted.
+            let _busy = (!matches!(req, Request::Console | Request::Events))
+                .then(|| InFlight::enter(&self.in_flight));
             match req {
                 Request::Console => {
                     send(&mut out, &Response::Ok)?;
@@ -432,6 +611,26 @@ impl Daemon {
                         },
                     )?;
                 }
+                Request::MigrateIn { .. } | Request::MigrateOut { .. } | Request::MigrateCancel
+                    if version < MIGRATION_SINCE =>
+                {
+                    send(
+                        &mut out,
+                        &Response::Error {
+                            message: format!("migration needs protocol version {MIGRATION_SINCE}; this connection speaks version {version}"),
+                        },
+                    )?;
+                }
+                Request::MigrateOut { address, options } => {
+                    let mut sink = out.try_clone()?;
+                    let r = self.migrate_out(&address, &options, &mut |e| {
+                        let _ = send(&mut sink, &Response::Event(e));
+                    });
+                    send(
+                        &mut out,
+                        &r.map_or_else(|message| Response::Error { message }, Response::Migration),
+                    )?;
+                }
                 Request::Snapshot {
                     memory_path,
                     state_path,
@@ -457,6 +656,22 @@ impl Daemon {
     /// The VM's end, once it has ended.
     pub fn ended(&self) -> Option<VmEnd> {
         self.inner.lock().unwrap().end.clone()
+    }
+}
+
+/// Counts a request as being answered for as long as it lives.
+struct InFlight<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -6,6 +6,7 @@
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use vmm::config::{CacheMode, DiskConfig, MacAddr, NetConfig, TapSource};
@@ -37,6 +38,40 @@ enum Command {
     /// terminal; the machine continues where it was. The snapshot's own record of disks and
     /// NICs is used unless -f, --kernel, --disk or --net say otherwise.
     Restore(RestoreArgs),
+    /// Live-migrate the VM of a launcher serving --socket to a target (`receive`, or a daemon
+    /// given MigrateIn) listening at --to HOST:PORT.
+    Migrate(MigrateArgs),
+    /// Wait on --listen HOST:PORT for one live migration of the VM that -f or --kernel ...
+    /// describe, then run it with the console on this terminal.
+    Receive(ReceiveArgs),
+}
+
+#[derive(Args)]
+struct MigrateArgs {
+    /// The control socket of the launcher running the VM.
+    #[arg(long)]
+    socket: PathBuf,
+    /// The target's migration address.
+    #[arg(long, value_name = "HOST:PORT")]
+    to: String,
+    /// At most this many MiB/s.
+    #[arg(long, value_name = "MIB_PER_S")]
+    bandwidth: Option<u64>,
+    /// The longest pause the final copy may take, in ms [default: 300].
+    #[arg(long, value_name = "MS")]
+    max_downtime: Option<u64>,
+    /// Give up (the VM stays) after this many seconds per GiB of guest memory [default: 150].
+    #[arg(long, value_name = "SECONDS")]
+    timeout_per_gib: Option<u64>,
+}
+
+#[derive(Args)]
+struct ReceiveArgs {
+    /// Where to listen for the source.
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: String,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Args)]
@@ -137,6 +172,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
     });
     loop {
         if let Some(end) = d.ended() {
+            d.wait_idle(Duration::from_secs(5));
             std::thread::sleep(std::time::Duration::from_millis(500));
             let _ = std::fs::remove_file(&args.socket);
             eprintln!("virt-launcher: {end}");
@@ -205,13 +241,15 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => launch(&args, None),
+        Command::Run(args) => launch(&args, Start::Boot),
         Command::Daemon(args) => daemon(args),
         Command::Snapshot(args) => snapshot(args),
         Command::Restore(args) => {
             let paths = vmm::SnapshotPaths::in_dir(&args.from);
-            launch(&args.run, Some(paths))
+            launch(&args.run, Start::Restore(paths))
         }
+        Command::Migrate(args) => migrate(args),
+        Command::Receive(args) => launch(&args.run, Start::Receive(args.listen.clone())),
     }
 }
 
@@ -360,10 +398,22 @@ fn recorded_config(paths: &vmm::SnapshotPaths, args: &RunArgs) -> Result<VmConfi
     Ok(config)
 }
 
-/// `run` and `restore`: the config from -f, from flags or (restore only) from the snapshot,
-/// then the VM with its console on this terminal.
-fn launch(args: &RunArgs, snapshot: Option<vmm::SnapshotPaths>) -> ExitCode {
-    let restoring = snapshot.is_some();
+/// How the VM comes to be.
+enum Start {
+    Boot,
+    Restore(vmm::SnapshotPaths),
+    /// Live migration from a source connecting to this address.
+    Receive(String),
+}
+
+/// `run`, `restore` and `receive`: the config from -f, from flags or (restore only) from the
+/// snapshot, then the VM with its console on this terminal.
+fn launch(args: &RunArgs, start: Start) -> ExitCode {
+    let restoring = !matches!(start, Start::Boot);
+    let snapshot = match &start {
+        Start::Restore(p) => Some(p.clone()),
+        _ => None,
+    };
     let prepared = if let Some(path) = &args.manifest {
         match manifest_config(path, args, restoring) {
             Ok(p) => p,
@@ -373,7 +423,7 @@ fn launch(args: &RunArgs, snapshot: Option<vmm::SnapshotPaths>) -> ExitCode {
         let config = match (&args.kernel, &snapshot) {
             (Some(kernel), _) => flags_config(kernel.clone(), args),
             (None, Some(paths)) => recorded_config(paths, args),
-            (None, None) => return bad_config("run: give -f MANIFEST or --kernel PATH"),
+            (None, None) => return bad_config("give -f MANIFEST or --kernel PATH"),
         };
         match config {
             Ok(config) => Prepared {
@@ -394,7 +444,7 @@ fn launch(args: &RunArgs, snapshot: Option<vmm::SnapshotPaths>) -> ExitCode {
         host: args.host.environment(),
         name: prepared.name.clone(),
     };
-    let code = boot_with_console(config, console, snapshot.as_ref());
+    let code = boot_with_console(config, console, &start);
     for f in &prepared.ephemeral {
         let _ = std::fs::remove_file(f);
     }
@@ -431,11 +481,7 @@ impl std::io::Write for Tee {
 
 /// Boots (or restores) `config` with the console on this terminal (or the log file) and
 /// waits for the end; with a socket, the control protocol drives the VM meanwhile.
-fn boot_with_console(
-    mut config: VmConfig,
-    console: Console,
-    snapshot: Option<&vmm::SnapshotPaths>,
-) -> ExitCode {
+fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> ExitCode {
     config.serial.output = match &console.log {
         Some(p) => SerialOutput::File(p.clone()),
         None => SerialOutput::Stdout,
@@ -471,9 +517,27 @@ fn boot_with_console(
             forward = Some(fds[1]);
         }
     }
-    let built = match snapshot {
-        None => Vm::build(&config),
-        Some(paths) => Vm::restore(&config, paths),
+    let built = match start {
+        Start::Boot => Vm::build(&config),
+        Start::Restore(paths) => Vm::restore(&config, paths),
+        Start::Receive(listen) => {
+            let listener = match std::net::TcpListener::bind(listen) {
+                Ok(l) => l,
+                Err(e) => return bad_config(format!("--listen {listen}: {e}")),
+            };
+            eprintln!("virt-launcher: waiting for a live migration on {listen}");
+            let received = listener
+                .accept()
+                .map_err(|e| e.to_string())
+                .and_then(|(mut s, _)| Vm::migrate_in(&mut s, &config).map_err(|e| e.to_string()));
+            match received {
+                Ok(vm) => {
+                    eprintln!("virt-launcher: the VM arrived");
+                    Ok(vm)
+                }
+                Err(e) => return host_error(e),
+            }
+        }
     };
     let vm = match built {
         Ok(vm) => std::sync::Arc::new(vm),
@@ -525,6 +589,9 @@ fn boot_with_console(
     });
     let end = vm.end_signal().wait();
     vm.stop();
+    if let Some(d) = &daemon {
+        d.wait_idle(Duration::from_secs(5));
+    }
     drop(_raw);
     if let Some(socket) = &console.socket {
         let _ = std::fs::remove_file(socket);
@@ -537,7 +604,6 @@ fn boot_with_console(
 /// terminal.
 fn snapshot(args: SnapshotArgs) -> ExitCode {
     use api::protocol::{Request, Response, SNAPSHOT_SINCE};
-    use std::io::{BufRead, Write};
     if let Err(e) = std::fs::create_dir_all(&args.to) {
         return bad_config(format!("--to {}: {e}", args.to.display()));
     }
@@ -547,54 +613,22 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
         Err(e) => return bad_config(format!("--to {}: {e}", args.to.display())),
     };
     let paths = vmm::SnapshotPaths::in_dir(&dir);
-    let stream = match std::os::unix::net::UnixStream::connect(&args.socket) {
-        Ok(s) => s,
-        Err(e) => {
-            return bad_config(format!(
-            "--socket {}: {e} (is a launcher serving it? `virt-launcher run --socket` or `daemon`)",
-            args.socket.display()
-        ))
-        }
-    };
-    let mut out = match stream.try_clone() {
-        Ok(o) => o,
+    let mut c = match launcher::client::ControlClient::connect(&args.socket, SNAPSHOT_SINCE) {
+        Ok(c) => c,
+        Err(e) if e.starts_with("--socket") => return bad_config(e),
         Err(e) => return host_error(e),
     };
-    let mut lines = std::io::BufReader::new(stream).lines();
-    let mut call = |r: &Request| -> std::io::Result<()> {
-        let mut s = serde_json::to_string(r).expect("serializable");
-        s.push('\n');
-        out.write_all(s.as_bytes())
-    };
-    let mut next = || -> Result<Response, String> {
-        let line = lines
-            .next()
-            .ok_or("the launcher closed the connection")?
-            .map_err(|e| e.to_string())?;
-        serde_json::from_str(&line).map_err(|e| format!("bad answer {line:?}: {e}"))
-    };
-    if let Err(e) = call(&Request::Hello {
-        version: SNAPSHOT_SINCE,
-    }) {
-        return host_error(e);
-    }
-    match next() {
-        Ok(Response::Hello { .. }) => {}
-        Ok(Response::Error { message }) => return host_error(message),
-        Ok(other) => return host_error(format!("unexpected answer {other:?}")),
-        Err(e) => return host_error(e),
-    }
-    if let Err(e) = call(&Request::Snapshot {
+    let req = Request::Snapshot {
         memory_path: paths.memory.display().to_string(),
         state_path: paths.state.display().to_string(),
         stop: args.stop,
-    }) {
+    };
+    if let Err(e) = c.send(&req) {
         return host_error(e);
     }
-    // SAFETY: isatty on stderr.
-    let terminal = unsafe { libc::isatty(2) } == 1;
+    let terminal = stderr_is_terminal();
     loop {
-        match next() {
+        match c.receive() {
             Ok(Response::Event(api::protocol::Event::SnapshotProgress { done, total })) => {
                 if terminal {
                     eprint!(
@@ -621,6 +655,74 @@ fn snapshot(args: SnapshotArgs) -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             Ok(Response::Error { message }) => return host_error(format!("snapshot: {message}")),
+            Ok(other) => return host_error(format!("unexpected answer {other:?}")),
+            Err(e) => return host_error(e),
+        }
+    }
+}
+
+fn stderr_is_terminal() -> bool {
+    // SAFETY: isatty on stderr.
+    unsafe { libc::isatty(2) == 1 }
+}
+
+/// `migrate`: asks the launcher on --socket to live-migrate its VM to --to.
+fn migrate(args: MigrateArgs) -> ExitCode {
+    use api::protocol::{Event, MigrationOptions, Request, Response, MIGRATION_SINCE};
+    let mut c = match launcher::client::ControlClient::connect(&args.socket, MIGRATION_SINCE) {
+        Ok(c) => c,
+        Err(e) if e.starts_with("--socket") => return bad_config(e),
+        Err(e) => return host_error(e),
+    };
+    let req = Request::MigrateOut {
+        address: args.to.clone(),
+        options: MigrationOptions {
+            bandwidth_bytes_per_second: args.bandwidth.map(|m| m << 20),
+            completion_timeout_per_gib: args.timeout_per_gib,
+            max_downtime_ms: args.max_downtime,
+        },
+    };
+    if let Err(e) = c.send(&req) {
+        return host_error(e);
+    }
+    let terminal = stderr_is_terminal();
+    loop {
+        match c.receive() {
+            Ok(Response::Event(Event::MigrationProgress {
+                round,
+                data_processed_bytes,
+                data_remaining_bytes,
+                ..
+            })) => {
+                if terminal {
+                    eprint!(
+                        "\rvirt-launcher: migration round {round}: {} MiB sent, {} MiB dirty",
+                        data_processed_bytes >> 20,
+                        data_remaining_bytes >> 20
+                    );
+                }
+            }
+            Ok(Response::Event(_)) => {}
+            Ok(Response::Migration(r)) => {
+                if terminal {
+                    eprintln!();
+                }
+                eprintln!(
+                    "virt-launcher: migrated to {} in {} ms ({} rounds, {} MiB sent, guest paused {} ms)",
+                    args.to,
+                    r.total_ms,
+                    r.rounds,
+                    r.bytes_sent >> 20,
+                    r.downtime_ms
+                );
+                return ExitCode::SUCCESS;
+            }
+            Ok(Response::Error { message }) => {
+                if terminal {
+                    eprintln!();
+                }
+                return host_error(format!("migration: {message}; the VM keeps running here"));
+            }
             Ok(other) => return host_error(format!("unexpected answer {other:?}")),
             Err(e) => return host_error(e),
         }

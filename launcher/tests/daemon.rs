@@ -336,7 +336,7 @@ fn other_protocol_versions_are_refused_and_the_vm_is_untouched() {
     let mut newer = Client::connect(&l.socket, PROTOCOL_VERSION + 1);
     match newer.recv() {
         Response::Error { message } => assert!(
-            message.contains("not supported; this launcher speaks versions 1 to 2"),
+            message.contains("not supported; this launcher speaks versions 1 to 3"),
             "{message}"
         ),
         other => panic!("{other:?}"),
@@ -373,4 +373,79 @@ fn other_protocol_versions_are_refused_and_the_vm_is_untouched() {
     c.out.write_all(b"{\"request\":\"reboot\"}\n").unwrap();
     assert!(matches!(c.recv(), Response::Error { .. }));
     assert_eq!(c.call(Request::Ping), Response::Pong);
+}
+
+#[test]
+fn migrate_in_and_out_between_two_daemons() {
+    let a = Launcher::start("mig-a");
+    let b = Launcher::start("mig-b");
+    let mut ca = a.client();
+    let mut vmi = probe_vmi("dirty", 30);
+    if let Some(k) = vmi
+        .spec
+        .domain
+        .firmware
+        .as_mut()
+        .and_then(|f| f.kernel_boot.as_mut())
+    {
+        k.kernel_args = Some("console=ttyS0 probe.test=dirty probe.passes=150".into());
+    }
+    assert_eq!(
+        ca.call(Request::Sync {
+            vmi: Box::new(vmi.clone())
+        }),
+        Response::Ok
+    );
+    let mut cb = b.client();
+    let address = match cb.call(Request::MigrateIn {
+        vmi: Box::new(vmi),
+        listen: "127.0.0.1:0".into(),
+    }) {
+        Response::MigrationListening { address } => address,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(cb.status().state, VmState::WaitingForMigration);
+    // A second MigrateIn while one waits is refused.
+    assert!(matches!(
+        b.client().call(Request::MigrateIn {
+            vmi: Box::new(probe_vmi("dirty", 30)),
+            listen: "127.0.0.1:0".into(),
+        }),
+        Response::Error { .. }
+    ));
+    std::thread::sleep(Duration::from_millis(500));
+    ca.send(&Request::MigrateOut {
+        address,
+        options: MigrationOptions::default(),
+    });
+    let mut rounds = 0;
+    let report = loop {
+        match ca.recv() {
+            Response::Event(Event::MigrationProgress { .. }) => rounds += 1,
+            Response::Migration(r) => break r,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(rounds >= 1 && report.bytes_sent > 0, "{report:?}");
+    assert_eq!(b.client().status().state, VmState::Running);
+    let console = UnixStream::connect(&b.socket).unwrap();
+    console
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut c = Client {
+        out: console.try_clone().unwrap(),
+        inp: BufReader::new(console.try_clone().unwrap()),
+    };
+    c.send(&Request::Hello {
+        version: PROTOCOL_VERSION,
+    });
+    c.recv();
+    assert_eq!(c.call(Request::Console), Response::Ok);
+    let mut seen = String::new();
+    read_until(&mut c.inp, &mut seen, "PROBE RESULT dirty OK passes=150");
+    assert_eq!(
+        a.exit_code(),
+        Some(0),
+        "the source launcher ends once its VM left"
+    );
 }

@@ -11,6 +11,8 @@
 pub mod wire;
 
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
@@ -35,6 +37,9 @@ pub struct MigrationConfig {
     pub completion_timeout: Duration,
     /// Pre-copy rounds before stop-and-copy is forced (the downtime may then exceed the target).
     pub max_rounds: u32,
+    /// Set from another thread to cancel (the VM stays on the source); checked between page
+    /// runs and rounds.
+    pub abort: Arc<AtomicBool>,
 }
 
 impl Default for MigrationConfig {
@@ -44,6 +49,7 @@ impl Default for MigrationConfig {
             bandwidth_limit: None,
             completion_timeout: Duration::from_secs(150),
             max_rounds: 30,
+            abort: Arc::default(),
         }
     }
 }
@@ -112,14 +118,22 @@ fn hello_for(vm: &Vm) -> Hello {
     }
 }
 
-/// Keeps the average rate at or under a limit by sleeping.
+/// Keeps the average rate at or under a limit by sleeping, and notices an abort.
 struct Throttle {
     limit: Option<u64>,
     started: Instant,
     sent: u64,
+    abort: Arc<AtomicBool>,
 }
 
 impl Throttle {
+    fn check_abort(&self) -> Result<(), MigrationError> {
+        if self.abort.load(Ordering::SeqCst) {
+            return Err(MigrationError::Cancelled("aborted on request".into()));
+        }
+        Ok(())
+    }
+
     fn account(&mut self, bytes: u64) {
         self.sent += bytes;
         if let Some(limit) = self.limit.filter(|l| *l > 0) {
@@ -148,10 +162,9 @@ impl Vm {
                 .map_err(|e| VmError::Memory(crate::memory::MemoryError::Map(e.to_string())))?;
             let mut buf = vec![0u8; slice.len()];
             slice.copy_to(&mut buf[..]);
-            let before = pw.bytes_sent;
             pw.push(w, gpa, &buf)?;
-            throttle.account(pw.bytes_sent - before);
-            Ok(())
+            throttle.account(buf.len() as u64);
+            throttle.check_abort()
         };
         for gpa in pages {
             run = match run {
@@ -249,6 +262,7 @@ impl Vm {
             limit: config.bandwidth_limit,
             started: Instant::now(),
             sent: 0,
+            abort: config.abort.clone(),
         };
         let t = Instant::now();
         self.send_pages(
@@ -270,6 +284,7 @@ impl Vm {
             if let Some(end) = self.end.get() {
                 return Err(MigrationError::NotRunning(end.to_string()));
             }
+            throttle.check_abort()?;
             pending = self.dirty_log()?;
             let interval = last.elapsed().as_secs_f64().max(1e-6);
             last = Instant::now();

@@ -1,0 +1,186 @@
+//! Live migration between two launcher processes in two network namespaces standing in for two
+//! nodes (joined by a veth pair): `run --socket` on node A, `receive --listen` on node B,
+//! `virt-launcher migrate` between them. The guest (the probe's `dirty` test) finishes on B.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tests::NetNs;
+
+struct Nodes {
+    a: NetNs,
+    b: NetNs,
+}
+
+/// Two namespaces joined by veth: A is 10.77.0.1, B is 10.77.0.2.
+fn nodes(tag: &str) -> Nodes {
+    let a = NetNs::new(&format!("{tag}a"));
+    let b = NetNs::new(&format!("{tag}b"));
+    a.exec(&[
+        "ip", "link", "add", "mva", "type", "veth", "peer", "name", "mvb",
+    ]);
+    a.exec(&["ip", "link", "set", "mvb", "netns", &b.name]);
+    a.exec(&["ip", "addr", "add", "10.77.0.1/24", "dev", "mva"]);
+    a.exec(&["ip", "link", "set", "mva", "up"]);
+    b.exec(&["ip", "addr", "add", "10.77.0.2/24", "dev", "mvb"]);
+    b.exec(&["ip", "link", "set", "mvb", "up"]);
+    Nodes { a, b }
+}
+
+fn in_ns(ns: &NetNs, args: &[&str]) -> Command {
+    let mut c = Command::new("ip");
+    c.args([
+        "netns",
+        "exec",
+        &ns.name,
+        env!("CARGO_BIN_EXE_virt-launcher"),
+    ]);
+    c.args(args);
+    c.env("RUST_LOG", "error");
+    c
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mv-migcli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn wait_for(path: &Path, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if text.contains(needle) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {needle:?} in {}:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn vm_args<'a>(probe: &'a str, console: &'a str) -> Vec<&'a str> {
+    vec![
+        "--kernel",
+        probe,
+        "--cmdline",
+        "console=ttyS0 probe.test=dirty probe.passes=150",
+        "--vcpus",
+        "2",
+        "--memory",
+        "256",
+        "--no-console-input",
+        "--console-log",
+        console,
+    ]
+}
+
+#[test]
+fn migrate_between_two_node_namespaces() {
+    tests::require_kvm();
+    let n = nodes("mig");
+    let dir = scratch("nodes");
+    let probe = tests::probe_path().display().to_string();
+    let (ca, cb) = (dir.join("a.log"), dir.join("b.log"));
+    let (ca_s, cb_s) = (ca.display().to_string(), cb.display().to_string());
+    let socket = dir.join("a.sock");
+    let mut target = in_ns(&n.b, &["receive", "--listen", "10.77.0.2:7301"])
+        .args(vm_args(&probe, &cb_s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut source = in_ns(&n.a, &["run", "--socket", &socket.display().to_string()])
+        .args(vm_args(&probe, &ca_s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(&socket, Duration::from_secs(10));
+    wait_for(&ca, "PROBE PROGRESS dirty pass=5\n");
+    let out: Output = in_ns(
+        &n.a,
+        &["migrate", "--socket", &socket.display().to_string()],
+    )
+    .args(["--to", "10.77.0.2:7301"])
+    .output()
+    .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("migrated to 10.77.0.2:7301"), "{said}");
+    let s = source.wait().unwrap();
+    let mut serr = String::new();
+    std::io::Read::read_to_string(source.stderr.as_mut().unwrap(), &mut serr).unwrap();
+    assert_eq!(s.code(), Some(0), "{serr}");
+    assert!(serr.contains("migrated to another host"), "{serr}");
+    let text = wait_for(&cb, "PROBE RESULT dirty");
+    assert!(
+        text.contains("PROBE RESULT dirty OK passes=150 cpus=2"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("probe guest: hello"),
+        "the target booted afresh:\n{text}"
+    );
+    let t = target.wait().unwrap();
+    assert_eq!(t.code(), Some(0));
+    // The source's console stopped where the target's began.
+    let a_text = std::fs::read_to_string(&ca).unwrap();
+    assert!(!a_text.contains("PROBE RESULT"), "{a_text}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_refused_migration_keeps_the_vm_on_its_node() {
+    tests::require_kvm();
+    let n = nodes("mgr");
+    let dir = scratch("refused");
+    let probe = tests::probe_path().display().to_string();
+    let (ca, cb) = (dir.join("a.log"), dir.join("b.log"));
+    let (ca_s, cb_s) = (ca.display().to_string(), cb.display().to_string());
+    let socket = dir.join("a.sock");
+    // The target was prepared for a different machine (1 vCPU).
+    let mut args_b = vm_args(&probe, &cb_s);
+    args_b[5] = "1";
+    let mut target = in_ns(&n.b, &["receive", "--listen", "10.77.0.2:7302"])
+        .args(args_b)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut source = in_ns(&n.a, &["run", "--socket", &socket.display().to_string()])
+        .args(vm_args(&probe, &ca_s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(&socket, Duration::from_secs(10));
+    wait_for(&ca, "PROBE PROGRESS dirty pass=2\n");
+    let out = in_ns(
+        &n.a,
+        &["migrate", "--socket", &socket.display().to_string()],
+    )
+    .args(["--to", "10.77.0.2:7302"])
+    .output()
+    .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("refused by the target") && said.contains("keeps running here"),
+        "{said}"
+    );
+    assert_eq!(target.wait().unwrap().code(), Some(1));
+    let mut terr = String::new();
+    std::io::Read::read_to_string(target.stderr.as_mut().unwrap(), &mut terr).unwrap();
+    assert!(terr.contains("prepared for 1 and 256"), "{terr}");
+    // The guest carries on at home and finishes there.
+    let text = wait_for(&ca, "PROBE RESULT dirty");
+    assert!(text.contains("PROBE RESULT dirty OK"), "{text}");
+    assert_eq!(source.wait().unwrap().code(), Some(0));
+    std::fs::remove_dir_all(dir).unwrap();
+}
