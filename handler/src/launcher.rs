@@ -1,0 +1,124 @@
+//! The handler's side of the launcher control protocol (`api::protocol`), async: one
+//! connection per reconcile, greeted with the newest version; an answer that is not the
+//! protocol is reported as such, never trusted.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use api::protocol::{Request, Response, StatusReport, PROTOCOL_VERSION};
+use api::VirtualMachineInstance;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// Where a launcher Pod's control socket is on the node: the Pod's `sockets` emptyDir as the
+/// kubelet lays it out (the handler mounts the kubelet's pods directory).
+pub fn socket_path(pods_dir: &Path, pod_uid: &str) -> PathBuf {
+    pods_dir
+        .join(pod_uid)
+        .join("volumes/kubernetes.io~empty-dir/sockets/launcher.sock")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LauncherError {
+    #[error("launcher socket {path}: {source}")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("launcher: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("launcher did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("launcher answered something that is not the control protocol: {0}")]
+    Garbage(String),
+    #[error("launcher refused: {0}")]
+    Refused(String),
+}
+
+pub struct LauncherClient {
+    reader: BufReader<tokio::net::unix::OwnedReadHalf>,
+    writer: tokio::net::unix::OwnedWriteHalf,
+    pub launcher_version: String,
+    timeout: Duration,
+}
+
+impl LauncherClient {
+    pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
+        let err = |source| LauncherError::Connect {
+            path: path.display().to_string(),
+            source,
+        };
+        // A socket path is limited to 107 bytes, and the kubelet's pods directory plus a Pod
+        // UID and the volume layout can be longer: connect through the directory's descriptor
+        // (/proc/self/fd/N/NAME) instead.
+        let dir = std::fs::File::open(path.parent().unwrap_or(Path::new("/"))).map_err(err)?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let short = format!(
+            "/proc/self/fd/{}/{name}",
+            std::os::fd::AsRawFd::as_raw_fd(&dir)
+        );
+        let stream = tokio::time::timeout(timeout, UnixStream::connect(&short))
+            .await
+            .map_err(|_| LauncherError::Timeout(timeout))?
+            .map_err(err)?;
+        drop(dir);
+        let (r, w) = stream.into_split();
+        let mut c = LauncherClient {
+            reader: BufReader::new(r),
+            writer: w,
+            launcher_version: String::new(),
+            timeout,
+        };
+        match c
+            .call(&Request::Hello {
+                version: PROTOCOL_VERSION,
+            })
+            .await?
+        {
+            Response::Hello { launcher, .. } => c.launcher_version = launcher,
+            Response::Error { message } => return Err(LauncherError::Refused(message)),
+            other => return Err(LauncherError::Garbage(format!("{other:?}"))),
+        }
+        Ok(c)
+    }
+
+    pub async fn call(&mut self, r: &Request) -> Result<Response, LauncherError> {
+        let mut line = serde_json::to_string(r).expect("serializable");
+        line.push('\n');
+        self.writer.write_all(line.as_bytes()).await?;
+        let mut answer = String::new();
+        let n = tokio::time::timeout(self.timeout, self.reader.read_line(&mut answer))
+            .await
+            .map_err(|_| LauncherError::Timeout(self.timeout))??;
+        if n == 0 {
+            return Err(LauncherError::Io(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the launcher closed the connection",
+            )));
+        }
+        serde_json::from_str(&answer)
+            .map_err(|_| LauncherError::Garbage(answer.trim_end().chars().take(120).collect()))
+    }
+
+    pub async fn status(&mut self) -> Result<StatusReport, LauncherError> {
+        match self.call(&Request::Status).await? {
+            Response::Status(s) => Ok(*s),
+            Response::Error { message } => Err(LauncherError::Refused(message)),
+            other => Err(LauncherError::Garbage(format!("{other:?}"))),
+        }
+    }
+
+    /// Creates the VM the VMI describes (a no-op when the launcher runs one already).
+    pub async fn sync(&mut self, vmi: &VirtualMachineInstance) -> Result<(), LauncherError> {
+        match self
+            .call(&Request::Sync {
+                vmi: Box::new(vmi.clone()),
+            })
+            .await?
+        {
+            Response::Ok => Ok(()),
+            Response::Error { message } => Err(LauncherError::Refused(message)),
+            other => Err(LauncherError::Garbage(format!("{other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! `virt-handler run`: the DaemonSet's command (see deploy/handler.yaml).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "virt-handler", version, about = "microvirt's node agent")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve this node: sync the VMIs scheduled here into their launchers and report their
+    /// status. Uses $KUBECONFIG, or the in-cluster service account.
+    Run {
+        /// The node this handler runs on.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: String,
+        /// The kubelet's pods directory (launcher sockets are in each Pod's `sockets` volume).
+        #[arg(long, default_value = "/var/lib/kubelet/pods")]
+        pods_dir: PathBuf,
+        /// Seconds between status checks of a running VMI.
+        #[arg(long, default_value_t = 2)]
+        resync_seconds: u64,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Run {
+            node_name,
+            pods_dir,
+            resync_seconds,
+        } => {
+            let client = match kube::Client::try_default().await {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("virt-handler: no Kubernetes API to talk to: {e} (set KUBECONFIG, or run in a cluster)");
+                    return ExitCode::from(2);
+                }
+            };
+            let mut config = handler::HandlerConfig::new(node_name);
+            config.pods_dir = pods_dir;
+            config.resync = std::time::Duration::from_secs(resync_seconds.max(1));
+            handler::run(client, config).await;
+            ExitCode::SUCCESS
+        }
+    }
+}

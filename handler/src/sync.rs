@@ -1,0 +1,345 @@
+//! The VMI reconciler of virt-handler: for each VMI scheduled to this node, find its launcher
+//! Pod's control socket, Sync the VMI into it, and keep the VMI's status true to what the
+//! launcher reports (phase, reason, conditions, launcher version).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::protocol::{StatusReport, VmState};
+use api::{VirtualMachineInstance, VirtualMachineInstanceStatus, VmiPhase};
+use controller::context::{set_condition, write_status, RetryBackoff};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client, Resource, ResourceExt};
+
+use crate::launcher::{socket_path, LauncherClient, LauncherError};
+
+/// virt-handler's settings (flags of `virt-handler run`).
+#[derive(Clone, Debug)]
+pub struct HandlerConfig {
+    /// The node this handler serves.
+    pub node: String,
+    /// The kubelet's pods directory, where launcher Pods' socket volumes are.
+    pub pods_dir: PathBuf,
+    /// How often a running VMI's status is checked against its launcher.
+    pub resync: Duration,
+    /// How long a launcher may take to answer.
+    pub launcher_timeout: Duration,
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+}
+
+impl HandlerConfig {
+    pub fn new(node: impl Into<String>) -> Self {
+        HandlerConfig {
+            node: node.into(),
+            pods_dir: "/var/lib/kubelet/pods".into(),
+            resync: Duration::from_secs(2),
+            launcher_timeout: Duration::from_secs(5),
+            retry_base: Duration::from_millis(500),
+            retry_max: Duration::from_secs(60),
+        }
+    }
+}
+
+pub struct Context {
+    pub client: Client,
+    pub config: HandlerConfig,
+    pub backoff: RetryBackoff,
+    pub recorder: Recorder,
+}
+
+impl Context {
+    pub fn new(client: Client, config: HandlerConfig) -> Arc<Context> {
+        let reporter = Reporter {
+            controller: "virt-handler".into(),
+            instance: Some(config.node.clone()),
+        };
+        Arc::new(Context {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            config,
+            backoff: RetryBackoff::default(),
+        })
+    }
+
+    async fn event(&self, vmi: &VirtualMachineInstance, warning: bool, reason: &str, note: String) {
+        let e = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(err) = self.recorder.publish(&e, &vmi.object_ref(&())).await {
+            tracing::debug!("event: {err}");
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Write(#[from] controller::context::Error),
+    #[error(transparent)]
+    Launcher(#[from] LauncherError),
+}
+
+/// The launcher Pod of `status` on `node` (from `status.activePods`: Pod UID → node).
+pub fn launcher_pod<'a>(status: &'a VirtualMachineInstanceStatus, node: &str) -> Option<&'a str> {
+    status
+        .active_pods
+        .as_ref()?
+        .iter()
+        .find(|(_, n)| n.as_str() == node)
+        .map(|(uid, _)| uid.as_str())
+}
+
+/// The status a launcher's report means for the VMI. Pure, so the table is tested directly.
+pub fn observed_status(
+    old: &VirtualMachineInstanceStatus,
+    report: &StatusReport,
+    node: &str,
+    launcher_version: &str,
+) -> VirtualMachineInstanceStatus {
+    let mut s = old.clone();
+    let (phase, reason) = match report.state {
+        VmState::Running | VmState::Paused => (Some(VmiPhase::Running), None),
+        VmState::ShutDown => (Some(VmiPhase::Succeeded), report.end.clone()),
+        VmState::Crashed => (Some(VmiPhase::Failed), report.end.clone()),
+        // Nothing runs (yet), or the VM left by migration: the phase is not the launcher's to
+        // say.
+        VmState::NoVm | VmState::WaitingForMigration | VmState::Migrated => {
+            (old.phase, old.reason.clone())
+        }
+    };
+    s.phase = phase;
+    s.reason = reason;
+    s.node_name = Some(node.to_string());
+    s.launcher_container_image_version = Some(launcher_version.to_string());
+    let running = report.state == VmState::Running;
+    let paused = report.state == VmState::Paused;
+    set_condition(
+        &mut s.conditions,
+        "Ready",
+        running,
+        (!running).then_some(match report.state {
+            VmState::Paused => "Paused",
+            VmState::ShutDown | VmState::Crashed => "GuestNotRunning",
+            _ => "GuestNotRunning",
+        }),
+        None,
+    );
+    if paused {
+        set_condition(
+            &mut s.conditions,
+            "Paused",
+            true,
+            Some("PausedByUser"),
+            Some("the VMI was paused".into()),
+        );
+    } else {
+        controller::context::remove_condition(&mut s.conditions, "Paused");
+    }
+    set_condition(&mut s.conditions, "Synchronized", true, None, None);
+    if report.software_emulated_kvm {
+        set_condition(
+            &mut s.conditions,
+            "SoftwareEmulation",
+            true,
+            Some("SoftwareEmulatedKVM"),
+            Some("this node's KVM has no hardware virtualization (no vmx/svm): the guest runs ~1000x slower".into()),
+        );
+    } else {
+        controller::context::remove_condition(&mut s.conditions, "SoftwareEmulation");
+    }
+    s
+}
+
+fn is_finished(phase: Option<VmiPhase>) -> bool {
+    matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed))
+}
+
+pub async fn reconcile(
+    vmi: Arc<VirtualMachineInstance>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let node = ctx.config.node.as_str();
+    let status = vmi.status.clone().unwrap_or_default();
+    // Deletion is the controller's (it deletes the Pod; the launcher shuts the guest down on
+    // SIGTERM); a finished VMI is history.
+    if vmi.metadata.deletion_timestamp.is_some() || is_finished(status.phase) {
+        return Ok(Action::await_change());
+    }
+    if !matches!(status.phase, Some(VmiPhase::Scheduled | VmiPhase::Running))
+        || status.node_name.as_deref().is_some_and(|n| n != node)
+    {
+        return Ok(Action::await_change());
+    }
+    // A migration's target side is the migration legs' business, not a fresh Sync.
+    let Some(pod_uid) = launcher_pod(&status, node) else {
+        return Ok(Action::requeue(ctx.config.resync));
+    };
+    let socket = socket_path(&ctx.config.pods_dir, pod_uid);
+    if !socket.exists() {
+        // The launcher container has not created its socket yet.
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
+    let api: Api<VirtualMachineInstance> =
+        Api::namespaced(ctx.client.clone(), &vmi.namespace().unwrap_or_default());
+    let mut launcher = match LauncherClient::connect(&socket, ctx.config.launcher_timeout).await {
+        Ok(l) => l,
+        Err(e) => {
+            let mut s = status.clone();
+            set_condition(
+                &mut s.conditions,
+                "Synchronized",
+                false,
+                Some("LauncherUnreachable"),
+                Some(e.to_string()),
+            );
+            write_status(&api, &vmi, s).await?;
+            return Err(e.into());
+        }
+    };
+    let mut report = launcher.status().await?;
+    if report.state == VmState::NoVm {
+        match launcher.sync(&vmi).await {
+            Ok(()) => {
+                ctx.event(&vmi, false, "Started", format!("VMI started on {node}"))
+                    .await;
+                report = launcher.status().await?;
+            }
+            Err(LauncherError::Refused(message)) => {
+                // The launcher cannot run this VMI (bad input, a missing disk): it fails
+                // with the launcher's reason, and stays failed.
+                let mut s = status.clone();
+                s.phase = Some(VmiPhase::Failed);
+                s.reason = Some(format!("SyncFailed: {message}"));
+                set_condition(
+                    &mut s.conditions,
+                    "Synchronized",
+                    false,
+                    Some("SyncFailed"),
+                    Some(message.clone()),
+                );
+                write_status(&api, &vmi, s).await?;
+                ctx.event(&vmi, true, "SyncFailed", message).await;
+                return Ok(Action::await_change());
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let new = observed_status(&status, &report, node, &launcher.launcher_version);
+    let was = status.phase;
+    write_status(&api, &vmi, new.clone()).await?;
+    if was != new.phase {
+        if let Some(p) = new.phase {
+            ctx.event(
+                &vmi,
+                p == VmiPhase::Failed,
+                &format!("{p:?}"),
+                new.reason
+                    .clone()
+                    .unwrap_or_else(|| format!("the VMI is {p:?} on {node}")),
+            )
+            .await;
+        }
+    }
+    ctx.backoff.reset(&key(&vmi));
+    Ok(if is_finished(new.phase) {
+        Action::await_change()
+    } else {
+        Action::requeue(ctx.config.resync)
+    })
+}
+
+fn key(vmi: &VirtualMachineInstance) -> String {
+    format!("{}/{}", vmi.namespace().unwrap_or_default(), vmi.name_any())
+}
+
+/// Retry with per-VMI exponential backoff: an unreachable launcher is asked again, never in a
+/// tight loop.
+pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Context>) -> Action {
+    let conflict = match err {
+        Error::Kube(e) => controller::context::is_conflict(e),
+        Error::Write(controller::context::Error::Kube(e)) => controller::context::is_conflict(e),
+        _ => false,
+    };
+    let base = if conflict {
+        ctx.config.retry_base / 4
+    } else {
+        ctx.config.retry_base
+    };
+    let delay = ctx.backoff.delay(&key(&vmi), base, ctx.config.retry_max);
+    if conflict {
+        // The controller wrote the VMI meanwhile: expected, retried with a fresh read.
+        tracing::debug!(vmi = %key(&vmi), retry_in = ?delay, "conflict, retrying");
+    } else {
+        tracing::warn!(vmi = %key(&vmi), error = %err, retry_in = ?delay, "sync failed");
+    }
+    Action::requeue(delay)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(state: VmState) -> StatusReport {
+        StatusReport {
+            state,
+            name: Some("vm".into()),
+            vcpus: 1,
+            memory_mib: 64,
+            uptime_seconds: 1.0,
+            software_emulated_kvm: true,
+            end: Some("guest powered off".into()),
+            disks: vec![],
+            nics: vec![],
+        }
+    }
+
+    fn cond<'a>(s: &'a VirtualMachineInstanceStatus, t: &str) -> Option<&'a str> {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .map(|c| c.status.as_str())
+    }
+
+    #[test]
+    fn launcher_states_map_to_kubevirt_phases_and_conditions() {
+        let old = VirtualMachineInstanceStatus {
+            phase: Some(VmiPhase::Scheduled),
+            ..Default::default()
+        };
+        let s = observed_status(&old, &report(VmState::Running), "n1", "0.1.0");
+        assert_eq!(s.phase, Some(VmiPhase::Running));
+        assert_eq!(cond(&s, "Ready"), Some("True"));
+        assert_eq!(cond(&s, "Paused"), None);
+        assert_eq!(cond(&s, "SoftwareEmulation"), Some("True"));
+        assert_eq!(s.node_name.as_deref(), Some("n1"));
+        assert_eq!(s.launcher_container_image_version.as_deref(), Some("0.1.0"));
+        let p = observed_status(&s, &report(VmState::Paused), "n1", "0.1.0");
+        assert_eq!(p.phase, Some(VmiPhase::Running));
+        assert_eq!(
+            (cond(&p, "Ready"), cond(&p, "Paused")),
+            (Some("False"), Some("True"))
+        );
+        let r = observed_status(&p, &report(VmState::Running), "n1", "0.1.0");
+        assert_eq!(cond(&r, "Paused"), None, "unpaused");
+        let done = observed_status(&r, &report(VmState::ShutDown), "n1", "0.1.0");
+        assert_eq!(done.phase, Some(VmiPhase::Succeeded));
+        let crashed = observed_status(&r, &report(VmState::Crashed), "n1", "0.1.0");
+        assert_eq!(crashed.phase, Some(VmiPhase::Failed));
+        assert_eq!(crashed.reason.as_deref(), Some("guest powered off"));
+        let waiting = observed_status(&old, &report(VmState::NoVm), "n1", "0.1.0");
+        assert_eq!(waiting.phase, Some(VmiPhase::Scheduled));
+    }
+}
