@@ -663,6 +663,9 @@ pub struct MigrationState {
     pub completed: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<bool>,
+    /// Why the migration failed, as virt-handler saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abort_status: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -166,7 +166,11 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         write(&vmis, vmi, None, status).await?;
         return Ok(Action::await_change());
     }
-    remove_condition(&mut status.conditions, "Synchronized");
+    // Only the controller's own verdict goes: virt-handler reports its sync with launchers
+    // in the same condition type, with reasons of its own.
+    status
+        .conditions
+        .retain(|c| !(c.type_ == "Synchronized" && c.reason.as_deref() == Some("FailedCreate")));
 
     let all = pods_of(&pods, &uid).await?;
     let active_uids: Vec<String> = status

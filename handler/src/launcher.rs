@@ -86,6 +86,11 @@ impl LauncherClient {
         let mut line = serde_json::to_string(r).expect("serializable");
         line.push('\n');
         self.writer.write_all(line.as_bytes()).await?;
+        self.next_answer().await
+    }
+
+    /// The next line the launcher sends (a streamed event, or the answer after them).
+    pub async fn next_answer(&mut self) -> Result<Response, LauncherError> {
         let mut answer = String::new();
         let n = tokio::time::timeout(self.timeout, self.reader.read_line(&mut answer))
             .await

@@ -6,6 +6,7 @@
 //! the migration legs, per-VMI metrics.
 
 pub mod launcher;
+pub mod migration;
 pub mod sync;
 
 use futures::StreamExt;
@@ -14,19 +15,26 @@ use kube::{Api, Client};
 
 pub use sync::{Context, HandlerConfig};
 
-/// Runs the VMI reconciler for this node until the process is told to stop.
+/// Runs the reconcilers for this node until the process is told to stop: the VMIs that run
+/// here, and the VMIs migrating here.
 pub async fn run(client: Client, config: HandlerConfig) {
     let vmis: Api<api::VirtualMachineInstance> = Api::all(client.clone());
-    let selector = format!("kubevirt.io/nodeName={}", config.node);
+    let here = format!("kubevirt.io/nodeName={}", config.node);
+    let incoming = format!("kubevirt.io/migrationTargetNodeName={}", config.node);
     tracing::info!(node = %config.node, pods_dir = %config.pods_dir.display(), "virt-handler running");
     let ctx = Context::new(client, config);
-    Controller::new(vmis, watcher::Config::default().labels(&selector))
+    let log = |r: Result<_, _>| async move {
+        if let Err(e) = r {
+            tracing::debug!("reconcile: {e}");
+        }
+    };
+    let vmis_here = Controller::new(vmis.clone(), watcher::Config::default().labels(&here))
         .shutdown_on_signal()
-        .run(sync::reconcile, sync::error_policy, ctx)
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!("reconcile: {e}");
-            }
-        })
-        .await;
+        .run(sync::reconcile, sync::error_policy, ctx.clone())
+        .for_each(log);
+    let targets = Controller::new(vmis, watcher::Config::default().labels(&incoming))
+        .shutdown_on_signal()
+        .run(migration::reconcile_target, sync::error_policy, ctx)
+        .for_each(log);
+    futures::join!(vmis_here, targets);
 }

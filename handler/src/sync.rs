@@ -48,6 +48,7 @@ pub struct Context {
     pub config: HandlerConfig,
     pub backoff: RetryBackoff,
     pub recorder: Recorder,
+    pub legs: crate::migration::Legs,
 }
 
 impl Context {
@@ -61,6 +62,7 @@ impl Context {
             client,
             config,
             backoff: RetryBackoff::default(),
+            legs: Default::default(),
         })
     }
 
@@ -183,7 +185,6 @@ pub async fn reconcile(
     {
         return Ok(Action::await_change());
     }
-    // A migration's target side is the migration legs' business, not a fresh Sync.
     let Some(pod_uid) = launcher_pod(&status, node) else {
         return Ok(Action::requeue(ctx.config.resync));
     };
@@ -210,7 +211,8 @@ pub async fn reconcile(
         }
     };
     let mut report = launcher.status().await?;
-    if report.state == VmState::NoVm {
+    let migrating = crate::migration::source_leg(&vmi, &ctx, &socket).await?;
+    if report.state == VmState::NoVm && !migrating {
         match launcher.sync(&vmi).await {
             Ok(()) => {
                 ctx.event(&vmi, false, "Started", format!("VMI started on {node}"))
@@ -283,7 +285,7 @@ pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Cont
         // The controller wrote the VMI meanwhile: expected, retried with a fresh read.
         tracing::debug!(vmi = %key(&vmi), retry_in = ?delay, "conflict, retrying");
     } else {
-        tracing::warn!(vmi = %key(&vmi), error = %err, retry_in = ?delay, "sync failed");
+        tracing::warn!(vmi = %key(&vmi), rv = ?vmi.metadata.resource_version, error = %err, retry_in = ?delay, "sync failed");
     }
     Action::requeue(delay)
 }

@@ -42,6 +42,11 @@ impl Drop for Proc {
 /// What a kubelet does for a launcher Pod bound to this node: the `compute` container, i.e.
 /// `virt-launcher daemon` with its socket in the Pod's `sockets` volume.
 fn start_launcher(pods_dir: &Path, uid: &str, work: &Path) -> Proc {
+    start_launcher_in(None, pods_dir, uid, work)
+}
+
+/// `start_launcher`, in a network namespace standing in for the Pod's node.
+fn start_launcher_in(netns: Option<&str>, pods_dir: &Path, uid: &str, work: &Path) -> Proc {
     // In the Pod the launcher binds a short path in its `sockets` volume; the node sees it
     // under the kubelet's (long) pods directory. A symlink stands in for that mount.
     let socket = handler::launcher::socket_path(pods_dir, uid);
@@ -50,7 +55,15 @@ fn start_launcher(pods_dir: &Path, uid: &str, work: &Path) -> Proc {
     let _ = std::fs::remove_file(&short);
     let _ = std::fs::remove_file(&socket);
     std::os::unix::fs::symlink(&short, &socket).unwrap();
-    let child = Command::new(launcher_bin())
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(launcher_bin());
+            c
+        }
+        None => Command::new(launcher_bin()),
+    };
+    let child = cmd
         .arg("daemon")
         .arg("--socket")
         .arg(&short)
@@ -68,14 +81,18 @@ fn start_launcher(pods_dir: &Path, uid: &str, work: &Path) -> Proc {
 }
 
 fn start_handler(cluster: &Cluster, pods_dir: &Path, work: &Path) -> Proc {
-    let kubeconfig = work.join("handler.kubeconfig");
+    start_handler_on(NODE, cluster, pods_dir, work)
+}
+
+fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path) -> Proc {
+    let kubeconfig = work.join(format!("handler-{node}.kubeconfig"));
     cluster.api.write_kubeconfig(
         &kubeconfig,
         Some(&service_account_user("microvirt", "virt-handler")),
     );
     Proc(
         Command::new(env!("CARGO_BIN_EXE_virt-handler"))
-            .args(["run", "--node-name", NODE, "--resync-seconds", "1"])
+            .args(["run", "--node-name", node, "--resync-seconds", "1"])
             .arg("--pods-dir")
             .arg(pods_dir)
             .env("KUBECONFIG", &kubeconfig)
@@ -205,5 +222,137 @@ async fn handler_syncs_the_launcher_and_keeps_the_vmi_status_true() {
         (v.status?.phase == Some(VmiPhase::Failed)).then_some(())
     })
     .await;
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// The kubelet reports the Pod's IP (the node namespace's address in these tests).
+async fn kubelet_pod_ip(cluster: &Cluster, pod: &str, ip: &str) {
+    use kube::api::{Patch, PatchParams};
+    cluster
+        .api::<k8s_openapi::api::core::v1::Pod>()
+        .patch_status(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"podIP": ip, "podIPs": [{"ip": ip}]}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// A migration through the API: virt-controller makes the target Pod, the target node's
+/// handler prepares its launcher and publishes the address, the source node's handler has the
+/// source launcher send the VM; the VMIM ends Succeeded with the guest running on node-2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_moves_the_guest_between_two_node_namespaces() {
+    use api::{MigrationPhase, VirtualMachineInstanceMigration};
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-mig");
+    let pods_dir = work.join("pods");
+    // Two nodes joined by a veth pair: node-1 is 10.78.0.1, node-2 10.78.0.2.
+    let n1 = tests::NetNs::new("hm1");
+    let n2 = tests::NetNs::new("hm2");
+    n1.exec(&[
+        "ip", "link", "add", "hv1", "type", "veth", "peer", "name", "hv2",
+    ]);
+    n1.exec(&["ip", "link", "set", "hv2", "netns", &n2.name]);
+    n1.exec(&["ip", "addr", "add", "10.78.0.1/24", "dev", "hv1"]);
+    n1.exec(&["ip", "link", "set", "hv1", "up"]);
+    n2.exec(&["ip", "addr", "add", "10.78.0.2/24", "dev", "hv2"]);
+    n2.exec(&["ip", "link", "set", "hv2", "up"]);
+
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            &VMI.replace("probe.test=console", "probe.test=dirty probe.passes=100000"),
+        )
+        .await;
+    let t = Duration::from_secs(30);
+    let vmi = eventually("the VMI", t, || async {
+        vmis.get_opt("probe").await.unwrap()
+    })
+    .await;
+    let source = eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await;
+    let source_name = source.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&source_name, "node-1").await;
+    kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
+    let source_uid = source.metadata.uid.clone().unwrap();
+    let _l1 = start_launcher_in(Some(&n1.name), &pods_dir, &source_uid, &work);
+    let _h1 = start_handler_on("node-1", &cluster, &pods_dir, &work);
+    let _h2 = start_handler_on("node-2", &cluster, &pods_dir, &work);
+    eventually("VMI Running on node-1", Duration::from_secs(60), || async {
+        let v = vmis.get("probe").await.unwrap();
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+
+    let m = cluster
+        .apply_yaml::<VirtualMachineInstanceMigration>(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {name: mig}\nspec: {vmiName: probe}\n",
+        )
+        .await;
+    let target = cluster.target_pod(&m.metadata.uid.clone().unwrap()).await;
+    let target_name = target.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&target_name, "node-2").await;
+    kubelet_pod_ip(&cluster, &target_name, "10.78.0.2").await;
+    let target_uid = target.metadata.uid.clone().unwrap();
+    let _l2 = start_launcher_in(Some(&n2.name), &pods_dir, &target_uid, &work);
+
+    let migrations = cluster.api::<VirtualMachineInstanceMigration>();
+    let done = eventually("the migration to end", Duration::from_secs(90), || async {
+        let m = migrations.get("mig").await.unwrap();
+        let p = m.status.as_ref()?.phase?;
+        matches!(p, MigrationPhase::Succeeded | MigrationPhase::Failed).then_some(m)
+    })
+    .await;
+    let vmi = vmis.get("probe").await.unwrap();
+    let ms = vmi
+        .status
+        .clone()
+        .unwrap()
+        .migration_state
+        .unwrap_or_default();
+    assert_eq!(
+        done.status.as_ref().unwrap().phase,
+        Some(MigrationPhase::Succeeded),
+        "{ms:?}"
+    );
+    assert_eq!(
+        ms.target_node_address
+            .as_deref()
+            .map(|a| a.starts_with("10.78.0.2:")),
+        Some(true)
+    );
+    assert!(
+        ms.start_timestamp.is_some() && ms.end_timestamp.is_some(),
+        "{ms:?}"
+    );
+    assert_eq!(
+        vmi.status.as_ref().unwrap().node_name.as_deref(),
+        Some("node-2")
+    );
+    // The guest runs on in the target launcher, reported by node-2's handler.
+    let mut c = handler::launcher::LauncherClient::connect(
+        &handler::launcher::socket_path(&pods_dir, &target_uid),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        c.status().await.unwrap().state,
+        api::protocol::VmState::Running
+    );
+    eventually("VMI Running on node-2", t, || async {
+        let v = vmis.get("probe").await.unwrap();
+        let s = v.status?;
+        (s.phase == Some(VmiPhase::Running) && s.node_name.as_deref() == Some("node-2"))
+            .then_some(())
+    })
+    .await;
+    drop((n1, n2));
     let _ = std::fs::remove_dir_all(work);
 }

@@ -1,0 +1,285 @@
+//! The migration legs. Target node: once virt-controller has handed a VMI over
+//! (`status.migrationState` names this node and a target Pod, the VMI is labelled
+//! `kubevirt.io/migrationTargetNodeName`), ask the target Pod's launcher to listen (MigrateIn)
+//! and publish `targetNodeAddress` (the Pod's IP and the port) → TargetReady. Source node: once
+//! the address is there, set `startTimestamp` (→ Running) and have the source launcher
+//! MigrateOut with the hand-off's migration configuration; set `completed` or `failed` with
+//! the launcher's reason. A failed migration leaves the VM running on the source (the
+//! launcher guarantees it); a hand-off marked failed meanwhile (the migration was deleted)
+//! cancels the transfer.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use api::protocol::{Event, MigrationOptions, Request, Response};
+use api::{MigrationState, VirtualMachineInstance};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+
+use crate::launcher::{socket_path, LauncherClient};
+use crate::sync::{Context, Error};
+
+/// What this handler has started, so a reconcile that runs again does not start it twice.
+#[derive(Default)]
+pub struct Legs {
+    /// Migration uid → the address the target launcher listens on.
+    incoming: Mutex<HashMap<String, String>>,
+    /// Migration uids whose MigrateOut this handler runs or ran: a reconcile working from a
+    /// stale read must never start one again.
+    outgoing: Mutex<HashSet<String>>,
+    /// Those whose MigrateOut has ended.
+    finished: Mutex<HashSet<String>>,
+}
+
+/// The launcher's options from the hand-off's migration configuration (KubeVirt's fields).
+pub fn options(ms: &MigrationState) -> MigrationOptions {
+    let c = ms.migration_configuration.clone().unwrap_or_default();
+    MigrationOptions {
+        bandwidth_bytes_per_second: c
+            .bandwidth_per_migration
+            .and_then(|q| api::quantity::parse_bytes(&q.0).ok())
+            .filter(|b| *b > 0),
+        completion_timeout_per_gib: c.completion_timeout_per_gi_b.map(|s| s.max(1) as u64),
+        max_downtime_ms: c.max_downtime_ms.map(|m| m.max(1) as u64),
+    }
+}
+
+/// Edits the VMI's migration state, re-reading on conflicts.
+async fn edit_state(
+    api: &Api<VirtualMachineInstance>,
+    name: &str,
+    muid: &str,
+    f: impl Fn(&mut MigrationState),
+) -> Result<(), kube::Error> {
+    for _ in 0..20 {
+        let mut v = api.get(name).await?;
+        let Some(ms) = v.status.as_mut().and_then(|s| s.migration_state.as_mut()) else {
+            return Ok(());
+        };
+        if ms.migration_uid.as_deref() != Some(muid) {
+            return Ok(()); // another migration's hand-off by now
+        }
+        f(ms);
+        match api.replace_status(name, &PostParams::default(), &v).await {
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            r => return r.map(|_| ()),
+        }
+    }
+    Ok(())
+}
+
+/// The target leg, for VMIs labelled `kubevirt.io/migrationTargetNodeName=<this node>`.
+pub async fn reconcile_target(
+    vmi: Arc<VirtualMachineInstance>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let node = ctx.config.node.as_str();
+    let Some(ms) = vmi.status.as_ref().and_then(|s| s.migration_state.clone()) else {
+        return Ok(Action::await_change());
+    };
+    let Some(muid) = ms.migration_uid.clone() else {
+        return Ok(Action::await_change());
+    };
+    if ms.target_node.as_deref() != Some(node)
+        || ms.completed == Some(true)
+        || ms.failed == Some(true)
+        || ms.target_node_address.is_some()
+    {
+        return Ok(Action::await_change());
+    }
+    let ns = vmi.namespace().unwrap_or_default();
+    let Some(pod_name) = ms.target_pod.clone() else {
+        return Ok(Action::await_change());
+    };
+    let pod = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
+        .get(&pod_name)
+        .await?;
+    let (Some(uid), Some(ip)) = (
+        pod.metadata.uid.clone(),
+        pod.status.as_ref().and_then(|s| s.pod_ip.clone()),
+    ) else {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    };
+    let socket = socket_path(&ctx.config.pods_dir, &uid);
+    if !socket.exists() {
+        return Ok(Action::requeue(Duration::from_millis(500)));
+    }
+    let known = ctx.legs.incoming.lock().unwrap().get(&muid).cloned();
+    let address = match known {
+        Some(a) => a,
+        None => {
+            let mut l = LauncherClient::connect(&socket, ctx.config.launcher_timeout).await?;
+            let listening = l
+                .call(&Request::MigrateIn {
+                    vmi: Box::new((*vmi).clone()),
+                    listen: "0.0.0.0:0".into(),
+                })
+                .await?;
+            let port = match listening {
+                Response::MigrationListening { address } => address
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| p.parse::<u16>().ok())
+                    .ok_or_else(|| {
+                        crate::launcher::LauncherError::Garbage(format!("listening on {address:?}"))
+                    })?,
+                Response::Error { message } => {
+                    edit_state(
+                        &Api::namespaced(ctx.client.clone(), &ns),
+                        &vmi.name_any(),
+                        &muid,
+                        |m| {
+                            m.failed = Some(true);
+                            m.failure_reason =
+                                Some(format!("the target launcher cannot receive: {message}"));
+                        },
+                    )
+                    .await?;
+                    return Ok(Action::await_change());
+                }
+                other => {
+                    return Err(
+                        crate::launcher::LauncherError::Garbage(format!("{other:?}")).into(),
+                    )
+                }
+            };
+            let a = format!("{ip}:{port}");
+            ctx.legs
+                .incoming
+                .lock()
+                .unwrap()
+                .insert(muid.clone(), a.clone());
+            a
+        }
+    };
+    let api = Api::namespaced(ctx.client.clone(), &ns);
+    edit_state(&api, &vmi.name_any(), &muid, |m| {
+        m.target_node_address = Some(address.clone())
+    })
+    .await?;
+    tracing::info!(vmi = %vmi.name_any(), %address, "migration target ready");
+    Ok(Action::await_change())
+}
+
+/// The source leg, from the VMI reconciler of this node: starts MigrateOut once the target is
+/// ready, cancels it when the hand-off is marked failed. Returns whether a migration is in
+/// progress (the caller then leaves the status to the migration).
+pub async fn source_leg(
+    vmi: &VirtualMachineInstance,
+    ctx: &Arc<Context>,
+    socket: &std::path::Path,
+) -> Result<bool, Error> {
+    let node = ctx.config.node.as_str();
+    let Some(ms) = vmi.status.as_ref().and_then(|s| s.migration_state.clone()) else {
+        return Ok(false);
+    };
+    let Some(muid) = ms.migration_uid.clone() else {
+        return Ok(false);
+    };
+    if ms.source_node.as_deref() != Some(node) || ms.completed == Some(true) {
+        return Ok(false);
+    }
+    let started_here = ctx.legs.outgoing.lock().unwrap().contains(&muid);
+    let running_here = started_here && !ctx.legs.finished.lock().unwrap().contains(&muid);
+    if ms.failed == Some(true) {
+        if running_here {
+            // The migration was deleted or failed elsewhere: stop sending; the VM stays.
+            if let Ok(mut l) = LauncherClient::connect(socket, ctx.config.launcher_timeout).await {
+                let _ = l.call(&Request::MigrateCancel).await;
+            }
+        }
+        return Ok(false);
+    }
+    let Some(address) = ms.target_node_address.clone() else {
+        return Ok(false);
+    };
+    if started_here {
+        return Ok(running_here);
+    }
+    ctx.legs.outgoing.lock().unwrap().insert(muid.clone());
+    let api: Api<VirtualMachineInstance> =
+        Api::namespaced(ctx.client.clone(), &vmi.namespace().unwrap_or_default());
+    let name = vmi.name_any();
+    edit_state(&api, &name, &muid, |m| {
+        m.start_timestamp
+            .get_or_insert_with(controller::context::now_rfc3339);
+    })
+    .await?;
+    let socket = socket.to_path_buf();
+    let opts = options(&ms);
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let outcome = migrate_out(&socket, &address, opts).await;
+        let r = edit_state(&api, &name, &muid, |m| {
+            if m.completed == Some(true) || m.failed == Some(true) {
+                return; // decided already
+            }
+            m.end_timestamp = Some(controller::context::now_rfc3339());
+            match &outcome {
+                Ok(()) => m.completed = Some(true),
+                Err(reason) => {
+                    m.failed = Some(true);
+                    m.failure_reason = Some(reason.clone());
+                }
+            }
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::warn!(vmi = %name, "recording the migration's end: {e}");
+        }
+        match outcome {
+            Ok(()) => tracing::info!(vmi = %name, %address, "migrated"),
+            Err(reason) => tracing::warn!(vmi = %name, %reason, "migration failed"),
+        }
+        ctx.legs.finished.lock().unwrap().insert(muid);
+    });
+    Ok(true)
+}
+
+/// Runs MigrateOut on the source launcher to its end.
+async fn migrate_out(
+    socket: &std::path::Path,
+    address: &str,
+    options: MigrationOptions,
+) -> Result<(), String> {
+    // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
+    let mut l = LauncherClient::connect(socket, Duration::from_secs(3600))
+        .await
+        .map_err(|e| e.to_string())?;
+    let first = l
+        .call(&Request::MigrateOut {
+            address: address.to_string(),
+            options,
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut answer = first;
+    loop {
+        match answer {
+            Response::Event(Event::MigrationProgress {
+                round,
+                data_processed_bytes,
+                data_remaining_bytes,
+                ..
+            }) => {
+                tracing::debug!(
+                    round,
+                    data_processed_bytes,
+                    data_remaining_bytes,
+                    "migration progress"
+                );
+            }
+            Response::Event(_) => {}
+            Response::Migration(r) => {
+                tracing::info!(?r, "migration report");
+                return Ok(());
+            }
+            Response::Error { message } => return Err(message),
+            other => return Err(format!("unexpected answer {other:?}")),
+        }
+        answer = l.next_answer().await.map_err(|e| e.to_string())?;
+    }
+}
