@@ -176,6 +176,10 @@ pub struct StatusReport {
 pub struct DiskCounters {
     pub name: String,
     pub requests: u64,
+    #[serde(default)]
+    pub reads: u64,
+    #[serde(default)]
+    pub writes: u64,
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub flushes: u64,

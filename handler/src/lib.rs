@@ -6,6 +6,7 @@
 //! the migration legs, per-VMI metrics.
 
 pub mod launcher;
+pub mod metrics;
 pub mod migration;
 pub mod sync;
 
@@ -17,12 +18,24 @@ pub use sync::{Context, HandlerConfig};
 
 /// Runs the reconcilers for this node until the process is told to stop: the VMIs that run
 /// here, and the VMIs migrating here.
-pub async fn run(client: Client, config: HandlerConfig) {
+pub async fn run(
+    client: Client,
+    config: HandlerConfig,
+    metrics_listener: Option<tokio::net::TcpListener>,
+) {
     let vmis: Api<api::VirtualMachineInstance> = Api::all(client.clone());
     let here = format!("kubevirt.io/nodeName={}", config.node);
     let incoming = format!("kubevirt.io/migrationTargetNodeName={}", config.node);
     tracing::info!(node = %config.node, pods_dir = %config.pods_dir.display(), "virt-handler running");
     let ctx = Context::new(client, config);
+    if let Some(l) = metrics_listener {
+        let m = ctx.metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = metrics::serve(l, m).await {
+                tracing::error!("metrics endpoint: {e}");
+            }
+        });
+    }
     let log = |r: Result<_, _>| async move {
         if let Err(e) = r {
             tracing::debug!("reconcile: {e}");

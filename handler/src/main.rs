@@ -26,6 +26,9 @@ enum Command {
         /// Seconds between status checks of a running VMI.
         #[arg(long, default_value_t = 2)]
         resync_seconds: u64,
+        /// Where to serve /metrics and /healthz.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        metrics_addr: String,
     },
 }
 
@@ -42,7 +45,18 @@ async fn main() -> ExitCode {
             node_name,
             pods_dir,
             resync_seconds,
+            metrics_addr,
         } => {
+            let listener = match tokio::net::TcpListener::bind(&metrics_addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("virt-handler: --metrics-addr {metrics_addr}: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            if let Ok(a) = listener.local_addr() {
+                eprintln!("virt-handler: metrics on http://{a}/metrics");
+            }
             let client = match kube::Client::try_default().await {
                 Ok(c) => c,
                 Err(e) => {
@@ -53,7 +67,7 @@ async fn main() -> ExitCode {
             let mut config = handler::HandlerConfig::new(node_name);
             config.pods_dir = pods_dir;
             config.resync = std::time::Duration::from_secs(resync_seconds.max(1));
-            handler::run(client, config).await;
+            handler::run(client, config, Some(listener)).await;
             ExitCode::SUCCESS
         }
     }

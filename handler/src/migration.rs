@@ -211,8 +211,18 @@ pub async fn source_leg(
     let socket = socket.to_path_buf();
     let opts = options(&ms);
     let ctx = ctx.clone();
+    let ns = vmi.namespace().unwrap_or_default();
     tokio::spawn(async move {
-        let outcome = migrate_out(&socket, &address, opts).await;
+        let metrics = ctx.metrics.clone();
+        let outcome = migrate_out(&socket, &address, opts, &mut |p| {
+            metrics.record_migration(&ns, &name, Some(p))
+        })
+        .await;
+        match &outcome {
+            // The VMI lives on the target node now: its figures are that handler's.
+            Ok(()) => ctx.metrics.forget(&ns, &name),
+            Err(_) => ctx.metrics.record_migration(&ns, &name, None),
+        }
         let r = edit_state(&api, &name, &muid, |m| {
             if m.completed == Some(true) || m.failed == Some(true) {
                 return; // decided already
@@ -244,6 +254,7 @@ async fn migrate_out(
     socket: &std::path::Path,
     address: &str,
     options: MigrationOptions,
+    progress: &mut (dyn FnMut(crate::metrics::MigrationSample) + Send),
 ) -> Result<(), String> {
     // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
     let mut l = LauncherClient::connect(socket, Duration::from_secs(3600))
@@ -263,7 +274,8 @@ async fn migrate_out(
                 round,
                 data_processed_bytes,
                 data_remaining_bytes,
-                ..
+                dirty_memory_rate_bytes,
+                memory_transfer_rate_bytes,
             }) => {
                 tracing::debug!(
                     round,
@@ -271,6 +283,12 @@ async fn migrate_out(
                     data_remaining_bytes,
                     "migration progress"
                 );
+                progress(crate::metrics::MigrationSample {
+                    data_processed_bytes,
+                    data_remaining_bytes,
+                    dirty_memory_rate_bytes,
+                    memory_transfer_rate_bytes,
+                });
             }
             Response::Event(_) => {}
             Response::Migration(r) => {

@@ -49,6 +49,7 @@ pub struct Context {
     pub backoff: RetryBackoff,
     pub recorder: Recorder,
     pub legs: crate::migration::Legs,
+    pub metrics: Arc<crate::metrics::NodeMetrics>,
 }
 
 impl Context {
@@ -60,6 +61,7 @@ impl Context {
         Arc::new(Context {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            metrics: crate::metrics::NodeMetrics::new(&config.node),
             config,
             backoff: RetryBackoff::default(),
             legs: Default::default(),
@@ -178,6 +180,8 @@ pub async fn reconcile(
     // Deletion is the controller's (it deletes the Pod; the launcher shuts the guest down on
     // SIGTERM); a finished VMI is history.
     if vmi.metadata.deletion_timestamp.is_some() || is_finished(status.phase) {
+        ctx.metrics
+            .forget(&vmi.namespace().unwrap_or_default(), &vmi.name_any());
         return Ok(Action::await_change());
     }
     if !matches!(status.phase, Some(VmiPhase::Scheduled | VmiPhase::Running))
@@ -239,6 +243,8 @@ pub async fn reconcile(
             Err(e) => return Err(e.into()),
         }
     }
+    let ns = vmi.namespace().unwrap_or_default();
+    ctx.metrics.record(&ns, &vmi.name_any(), report.clone());
     let new = observed_status(&status, &report, node, &launcher.launcher_version);
     let was = status.phase;
     write_status(&api, &vmi, new.clone()).await?;

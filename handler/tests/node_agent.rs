@@ -31,7 +31,7 @@ fn launcher_bin() -> PathBuf {
     tests::repo_root().join("target/debug/virt-launcher")
 }
 
-struct Proc(Child);
+struct Proc(Child, Option<std::net::SocketAddr>);
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -77,7 +77,7 @@ fn start_launcher_in(netns: Option<&str>, pods_dir: &Path, uid: &str, work: &Pat
         .spawn()
         .unwrap();
     tests::wait_for_path(&short, Duration::from_secs(10));
-    Proc(child)
+    Proc(child, None)
 }
 
 fn start_handler(cluster: &Cluster, pods_dir: &Path, work: &Path) -> Proc {
@@ -90,18 +90,33 @@ fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path)
         &kubeconfig,
         Some(&service_account_user("microvirt", "virt-handler")),
     );
-    Proc(
-        Command::new(env!("CARGO_BIN_EXE_virt-handler"))
-            .args(["run", "--node-name", node, "--resync-seconds", "1"])
-            .arg("--pods-dir")
-            .arg(pods_dir)
-            .env("KUBECONFIG", &kubeconfig)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    )
+    let mut child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
+        .args(["run", "--node-name", node, "--resync-seconds", "1"])
+        .args(["--metrics-addr", "127.0.0.1:0"])
+        .arg("--pods-dir")
+        .arg(pods_dir)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first line names the metrics address; the rest is passed through.
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("no metrics address in {first:?}"))
+        .parse()
+        .unwrap();
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            eprintln!("{l}");
+        }
+    });
+    Proc(child, Some(addr))
 }
 
 const VMI: &str = r#"
@@ -177,6 +192,13 @@ async fn handler_syncs_the_launcher_and_keeps_the_vmi_status_true() {
     assert_eq!(
         condition(&running, "SoftwareEmulation").is_some(),
         kvm.acceleration.is_software_emulated()
+    );
+
+    // Per-VMI metrics under KubeVirt's names.
+    let text = tests::cluster::http_get(handler.1.unwrap(), "/metrics").await;
+    assert!(
+        text.contains(&format!("kubevirt_vmi_memory_domain_bytes{{node=\"{NODE}\",namespace=\"default\",name=\"probe\"}} 67108864")),
+        "{text}"
     );
 
     // A handler restart leaves the guest alone: the same launcher still runs the same VM.

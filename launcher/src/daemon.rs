@@ -405,6 +405,8 @@ impl Daemon {
                         DiskCounters {
                             name: b.id.clone(),
                             requests: c.requests,
+                            reads: c.reads,
+                            writes: c.writes,
                             read_bytes: c.read_bytes,
                             write_bytes: c.write_bytes,
                             flushes: c.flushes,

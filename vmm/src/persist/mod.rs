@@ -34,7 +34,7 @@ pub trait Persist: Sized {
 
 pub const STATE_MAGIC: [u8; 8] = *b"MVRTSTAT";
 /// Bumped whenever `MachineState`'s encoding changes; a restore refuses any other version.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const VMM_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Far above any real state (a few KiB per vCPU): a length beyond it is corruption.
 const MAX_PAYLOAD: u64 = 64 << 20;

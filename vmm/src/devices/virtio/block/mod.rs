@@ -43,6 +43,9 @@ const MAX_DISCARD_SECTORS: u32 = u32::MAX >> SECTOR_SHIFT;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BlockCounters {
     pub requests: u64,
+    /// Completed read and write requests (what KubeVirt reports as IOPS totals).
+    pub reads: u64,
+    pub writes: u64,
     pub read_bytes: u64,
     pub write_bytes: u64,
     pub flushes: u64,
@@ -223,6 +226,7 @@ fn run(
                 off += len as u64;
             }
             counters.read_bytes += req.data_len();
+            counters.reads += 1;
             Ok(req.data_len() as u32)
         }
         RequestType::Out => {
@@ -235,6 +239,7 @@ fn run(
                 off += len as u64;
             }
             counters.write_bytes += req.data_len();
+            counters.writes += 1;
             Ok(0)
         }
         RequestType::Flush => {

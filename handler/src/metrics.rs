@@ -1,0 +1,357 @@
+//! virt-handler's `/metrics`: per-VMI figures from each launcher's status report and from
+//! migrations in progress, under KubeVirt's names: `kubevirt_vmi_network_{receive,transmit}_
+//! {bytes,packets,errors}_total`, `kubevirt_vmi_storage_{read,write}_traffic_bytes_total`,
+//! `kubevirt_vmi_storage_iops_{read,write}_total`, `kubevirt_vmi_storage_flush_requests_total`,
+//! `kubevirt_vmi_memory_domain_bytes`, `kubevirt_vmi_node_vcpus` and
+//! `kubevirt_vmi_migration_{data_processed_bytes,data_remaining_bytes,dirty_memory_rate_bytes,
+//! memory_transfer_rate_bytes}`. The launchers own the counters; the handler keeps the last
+//! report of each VMI and encodes it when scraped.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use api::protocol::StatusReport;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+/// Where a migration is, for the migration gauges.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MigrationSample {
+    pub data_processed_bytes: u64,
+    pub data_remaining_bytes: u64,
+    pub dirty_memory_rate_bytes: u64,
+    pub memory_transfer_rate_bytes: u64,
+}
+
+#[derive(Debug, Default)]
+struct Sample {
+    report: Option<StatusReport>,
+    migration: Option<MigrationSample>,
+}
+
+#[derive(Debug)]
+pub struct NodeMetrics {
+    node: String,
+    vmis: Mutex<BTreeMap<(String, String), Sample>>,
+}
+
+impl NodeMetrics {
+    pub fn new(node: &str) -> Arc<NodeMetrics> {
+        Arc::new(NodeMetrics {
+            node: node.to_string(),
+            vmis: Mutex::default(),
+        })
+    }
+
+    pub fn record(&self, namespace: &str, name: &str, report: StatusReport) {
+        self.vmis
+            .lock()
+            .unwrap()
+            .entry((namespace.into(), name.into()))
+            .or_default()
+            .report = Some(report);
+    }
+
+    pub fn record_migration(&self, namespace: &str, name: &str, m: Option<MigrationSample>) {
+        self.vmis
+            .lock()
+            .unwrap()
+            .entry((namespace.into(), name.into()))
+            .or_default()
+            .migration = m;
+    }
+
+    /// The VMI no longer runs here.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        self.vmis
+            .lock()
+            .unwrap()
+            .remove(&(namespace.to_string(), name.to_string()));
+    }
+
+    pub fn render(self: &Arc<Self>) -> String {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(self.clone()));
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &r)
+            .expect("encoding to a String cannot fail");
+        out
+    }
+}
+
+/// One family: its name, help, type, and its samples as (labels, value).
+struct FamilyOut {
+    name: &'static str,
+    help: &'static str,
+    counter: bool,
+    samples: Vec<(Labels, u64)>,
+}
+
+impl Collector for NodeMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let vmis = self.vmis.lock().unwrap();
+        let mut families: Vec<FamilyOut> = Vec::new();
+        let mut add = |name, help, counter, labels: Labels, value: u64| match families
+            .iter_mut()
+            .find(|f| f.name == name)
+        {
+            Some(f) => f.samples.push((labels, value)),
+            None => families.push(FamilyOut {
+                name,
+                help,
+                counter,
+                samples: vec![(labels, value)],
+            }),
+        };
+        for ((ns, name), s) in vmis.iter() {
+            let base = vec![
+                ("node".to_string(), self.node.clone()),
+                ("namespace".to_string(), ns.clone()),
+                ("name".to_string(), name.clone()),
+            ];
+            if let Some(r) = &s.report {
+                add(
+                    "kubevirt_vmi_memory_domain_bytes",
+                    "Guest memory of the VMI",
+                    false,
+                    base.clone(),
+                    r.memory_mib << 20,
+                );
+                add(
+                    "kubevirt_vmi_node_vcpus",
+                    "vCPUs of the VMI",
+                    false,
+                    base.clone(),
+                    r.vcpus as u64,
+                );
+                for n in &r.nics {
+                    let mut l = base.clone();
+                    l.push(("interface".into(), n.name.clone()));
+                    add(
+                        "kubevirt_vmi_network_receive_bytes",
+                        "Bytes the guest received",
+                        true,
+                        l.clone(),
+                        n.rx_bytes,
+                    );
+                    add(
+                        "kubevirt_vmi_network_transmit_bytes",
+                        "Bytes the guest sent",
+                        true,
+                        l.clone(),
+                        n.tx_bytes,
+                    );
+                    add(
+                        "kubevirt_vmi_network_receive_packets",
+                        "Frames the guest received",
+                        true,
+                        l.clone(),
+                        n.rx_frames,
+                    );
+                    add(
+                        "kubevirt_vmi_network_transmit_packets",
+                        "Frames the guest sent",
+                        true,
+                        l.clone(),
+                        n.tx_frames,
+                    );
+                    add(
+                        "kubevirt_vmi_network_receive_errors",
+                        "Frames that could not be delivered to the guest",
+                        true,
+                        l.clone(),
+                        n.rx_errors,
+                    );
+                    add(
+                        "kubevirt_vmi_network_transmit_errors",
+                        "Guest frames that could not be sent",
+                        true,
+                        l,
+                        n.tx_errors,
+                    );
+                }
+                for d in &r.disks {
+                    let mut l = base.clone();
+                    l.push(("drive".into(), d.name.clone()));
+                    add(
+                        "kubevirt_vmi_storage_read_traffic_bytes",
+                        "Bytes the guest read from the disk",
+                        true,
+                        l.clone(),
+                        d.read_bytes,
+                    );
+                    add(
+                        "kubevirt_vmi_storage_write_traffic_bytes",
+                        "Bytes the guest wrote to the disk",
+                        true,
+                        l.clone(),
+                        d.write_bytes,
+                    );
+                    add(
+                        "kubevirt_vmi_storage_iops_read",
+                        "Read requests completed",
+                        true,
+                        l.clone(),
+                        d.reads,
+                    );
+                    add(
+                        "kubevirt_vmi_storage_iops_write",
+                        "Write requests completed",
+                        true,
+                        l.clone(),
+                        d.writes,
+                    );
+                    add(
+                        "kubevirt_vmi_storage_flush_requests",
+                        "Flush requests completed",
+                        true,
+                        l,
+                        d.flushes,
+                    );
+                }
+            }
+            if let Some(m) = &s.migration {
+                add(
+                    "kubevirt_vmi_migration_data_processed_bytes",
+                    "Bytes this migration has sent",
+                    false,
+                    base.clone(),
+                    m.data_processed_bytes,
+                );
+                add(
+                    "kubevirt_vmi_migration_data_remaining_bytes",
+                    "Dirty bytes this migration still has to send",
+                    false,
+                    base.clone(),
+                    m.data_remaining_bytes,
+                );
+                add(
+                    "kubevirt_vmi_migration_dirty_memory_rate_bytes",
+                    "Bytes per second the guest dirties",
+                    false,
+                    base.clone(),
+                    m.dirty_memory_rate_bytes,
+                );
+                add(
+                    "kubevirt_vmi_migration_memory_transfer_rate_bytes",
+                    "Bytes per second this migration sends",
+                    false,
+                    base.clone(),
+                    m.memory_transfer_rate_bytes,
+                );
+            }
+        }
+        for f in &families {
+            let t = if f.counter {
+                MetricType::Counter
+            } else {
+                MetricType::Gauge
+            };
+            let mut d = encoder.encode_descriptor(f.name, f.help, None, t)?;
+            for (labels, v) in &f.samples {
+                let e = d.encode_family(labels)?;
+                if f.counter {
+                    ConstCounter::new(*v).encode(e)?;
+                } else {
+                    ConstGauge::new(*v as i64).encode(e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves `/metrics` and `/healthz` over plain HTTP.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<NodeMetrics>,
+) -> std::io::Result<()> {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = metrics.clone();
+                async move {
+                    (
+                        [(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }));
+    axum::serve(listener, app).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::protocol::{DiskCounters, NicCounters, VmState};
+
+    #[test]
+    fn renders_kubevirt_names_with_labels() {
+        let m = NodeMetrics::new("n1");
+        m.record(
+            "default",
+            "vm1",
+            StatusReport {
+                state: VmState::Running,
+                name: Some("vm1".into()),
+                vcpus: 2,
+                memory_mib: 64,
+                uptime_seconds: 1.0,
+                software_emulated_kvm: false,
+                end: None,
+                disks: vec![DiskCounters {
+                    name: "vda".into(),
+                    requests: 5,
+                    reads: 3,
+                    writes: 2,
+                    read_bytes: 1536,
+                    write_bytes: 1024,
+                    flushes: 1,
+                    errors: 0,
+                }],
+                nics: vec![NicCounters {
+                    name: "eth0".into(),
+                    rx_frames: 4,
+                    rx_bytes: 400,
+                    tx_frames: 6,
+                    tx_bytes: 600,
+                    rx_errors: 0,
+                    tx_errors: 0,
+                }],
+            },
+        );
+        m.record_migration(
+            "default",
+            "vm1",
+            Some(MigrationSample {
+                data_processed_bytes: 4096,
+                ..Default::default()
+            }),
+        );
+        let text = m.render();
+        for line in [
+            "kubevirt_vmi_network_receive_bytes_total{node=\"n1\",namespace=\"default\",name=\"vm1\",interface=\"eth0\"} 400",
+            "kubevirt_vmi_storage_iops_read_total{node=\"n1\",namespace=\"default\",name=\"vm1\",drive=\"vda\"} 3",
+            "kubevirt_vmi_storage_write_traffic_bytes_total{node=\"n1\",namespace=\"default\",name=\"vm1\",drive=\"vda\"} 1024",
+            "kubevirt_vmi_memory_domain_bytes{node=\"n1\",namespace=\"default\",name=\"vm1\"} 67108864",
+            "kubevirt_vmi_migration_data_processed_bytes{node=\"n1\",namespace=\"default\",name=\"vm1\"} 4096",
+        ] {
+            assert!(text.contains(line), "{line} missing in:\n{text}");
+        }
+        m.forget("default", "vm1");
+        assert!(!m.render().contains("vm1"));
+    }
+}
