@@ -2,9 +2,10 @@
 //! launcher Pod's control socket in the kubelet's pods directory, Syncs the VMI into the
 //! launcher and keeps the VMI's status true to what the launcher reports.
 //!
-//! Still to come (the handler issue): pod network wiring with TAP hand-over, device plugins,
-//! the migration legs, per-VMI metrics.
+//! Still to come (the handler issue): pod network wiring with TAP hand-over, mutual TLS on the
+//! migration legs.
 
+pub mod deviceplugin;
 pub mod launcher;
 pub mod metrics;
 pub mod migration;

@@ -29,6 +29,15 @@ enum Command {
         /// Where to serve /metrics and /healthz.
         #[arg(long, default_value = "0.0.0.0:8080")]
         metrics_addr: String,
+        /// The kubelet's device-plugins directory (its `kubelet.sock` and the plugins' sockets).
+        #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+        device_plugins_dir: PathBuf,
+        /// Do not serve the kvm, tun and vhost-net device plugins.
+        #[arg(long)]
+        no_device_plugins: bool,
+        /// Where the device nodes are looked for (tests).
+        #[arg(long, default_value = "/", hide = true)]
+        device_root: PathBuf,
     },
 }
 
@@ -46,7 +55,13 @@ async fn main() -> ExitCode {
             pods_dir,
             resync_seconds,
             metrics_addr,
+            device_plugins_dir,
+            no_device_plugins,
+            device_root,
         } => {
+            if !no_device_plugins {
+                tokio::spawn(handler::deviceplugin::run(device_plugins_dir, device_root));
+            }
             let listener = match tokio::net::TcpListener::bind(&metrics_addr).await {
                 Ok(l) => l,
                 Err(e) => {

@@ -92,7 +92,7 @@ fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path)
     );
     let mut child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
         .args(["run", "--node-name", node, "--resync-seconds", "1"])
-        .args(["--metrics-addr", "127.0.0.1:0"])
+        .args(["--metrics-addr", "127.0.0.1:0", "--no-device-plugins"])
         .arg("--pods-dir")
         .arg(pods_dir)
         .env("KUBECONFIG", &kubeconfig)
