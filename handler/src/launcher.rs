@@ -127,3 +127,69 @@ impl LauncherClient {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// A socket that answers like something else entirely is reported, not trusted.
+    #[tokio::test]
+    async fn garbage_and_wrong_versions_are_reported() {
+        let dir = std::env::temp_dir().join(format!("mvh-lc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, answer) in [
+            "HTTP/1.1 400 Bad Request\r\n\r\n".to_string(),
+            "{\"response\":\"error\",\"message\":\"protocol version 3 is not supported\"}\n".into(),
+            "{\"response\":\"pong\"}\n".into(),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let path = dir.join(format!("s{i}.sock"));
+            let l = tokio::net::UnixListener::bind(&path).unwrap();
+            let server = tokio::spawn(async move {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut b = [0u8; 256];
+                let _ = s.read(&mut b).await;
+                s.write_all(answer.as_bytes()).await.unwrap();
+            });
+            let e = LauncherClient::connect(&path, Duration::from_secs(5))
+                .await
+                .err()
+                .expect("refused");
+            match i {
+                0 => assert!(
+                    matches!(e, LauncherError::Garbage(ref g) if g.starts_with("HTTP/1.1")),
+                    "{e}"
+                ),
+                1 => assert!(
+                    matches!(e, LauncherError::Refused(ref m) if m.contains("not supported")),
+                    "{e}"
+                ),
+                _ => assert!(matches!(e, LauncherError::Garbage(_)), "{e}"),
+            }
+            server.await.unwrap();
+        }
+        // Nobody listening, or silence: errors with the path, or a timeout.
+        let e = LauncherClient::connect(&dir.join("none.sock"), Duration::from_secs(1))
+            .await
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("none.sock"), "{e}");
+        let path = dir.join("silent.sock");
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let _keep = tokio::spawn(async move {
+            let (s, _) = l.accept().await.unwrap();
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            drop(s);
+        });
+        let e = LauncherClient::connect(&path, Duration::from_millis(300))
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(e, LauncherError::Timeout(_)), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
