@@ -68,16 +68,35 @@ pub enum Request {
     MigrateIn {
         vmi: Box<VirtualMachineInstance>,
         listen: String,
+        /// Mutual TLS for the migration stream; None: plain TCP (KubeVirt's `disableTLS`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tls: Option<MigrationTls>,
     },
     /// Live-migrate the running VM to the target listening at `address`. Since version 3.
     MigrateOut {
         address: String,
         #[serde(default)]
         options: MigrationOptions,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tls: Option<MigrationTls>,
     },
     /// Abort a running MigrateOut; the VM stays here. Since version 3.
     MigrateCancel,
 }
+
+/// The certificates of a mutually authenticated migration stream, PEM-encoded: the CA both
+/// ends trust, and this end's certificate and key. The server's certificate must name
+/// `MIGRATION_TLS_NAME`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationTls {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+/// The DNS name a migration target's certificate is issued for (all nodes share it).
+pub const MIGRATION_TLS_NAME: &str = "migration.microvirt.internal";
 
 /// KubeVirt's migration configuration as the launcher takes it.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

@@ -35,6 +35,11 @@ enum Command {
         /// Do not serve the kvm, tun and vhost-net device plugins.
         #[arg(long)]
         no_device_plugins: bool,
+        /// Mutual TLS for migrations between nodes: a directory with `ca.crt`, `tls.crt` and
+        /// `tls.key` (the certificate for migration.microvirt.internal, server and client use).
+        /// Without it migration streams are plain TCP.
+        #[arg(long)]
+        migration_tls_dir: Option<PathBuf>,
         /// Where the device nodes are looked for (tests).
         #[arg(long, default_value = "/", hide = true)]
         device_root: PathBuf,
@@ -58,7 +63,23 @@ async fn main() -> ExitCode {
             device_plugins_dir,
             no_device_plugins,
             device_root,
+            migration_tls_dir,
         } => {
+            let migration_tls = match &migration_tls_dir {
+                Some(d) => match handler::sync::load_migration_tls(d) {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        eprintln!("virt-handler: --migration-tls-dir: {e}");
+                        return ExitCode::from(2);
+                    }
+                },
+                None => {
+                    tracing::warn!(
+                        "no --migration-tls-dir: migrations between nodes are not encrypted"
+                    );
+                    None
+                }
+            };
             if !no_device_plugins {
                 tokio::spawn(handler::deviceplugin::run(device_plugins_dir, device_root));
             }
@@ -82,6 +103,7 @@ async fn main() -> ExitCode {
             let mut config = handler::HandlerConfig::new(node_name);
             config.pods_dir = pods_dir;
             config.resync = std::time::Duration::from_secs(resync_seconds.max(1));
+            config.migration_tls = migration_tls;
             handler::run(client, config, Some(listener)).await;
             ExitCode::SUCCESS
         }

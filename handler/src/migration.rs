@@ -116,6 +116,7 @@ pub async fn reconcile_target(
                 .call(&Request::MigrateIn {
                     vmi: Box::new((*vmi).clone()),
                     listen: "0.0.0.0:0".into(),
+                    tls: ctx.config.migration_tls.clone(),
                 })
                 .await?;
             let port = match listening {
@@ -210,11 +211,12 @@ pub async fn source_leg(
     .await?;
     let socket = socket.to_path_buf();
     let opts = options(&ms);
+    let tls = ctx.config.migration_tls.clone();
     let ctx = ctx.clone();
     let ns = vmi.namespace().unwrap_or_default();
     tokio::spawn(async move {
         let metrics = ctx.metrics.clone();
-        let outcome = migrate_out(&socket, &address, opts, &mut |p| {
+        let outcome = migrate_out(&socket, &address, opts, tls, &mut |p| {
             metrics.record_migration(&ns, &name, Some(p))
         })
         .await;
@@ -254,6 +256,7 @@ async fn migrate_out(
     socket: &std::path::Path,
     address: &str,
     options: MigrationOptions,
+    tls: Option<api::protocol::MigrationTls>,
     progress: &mut (dyn FnMut(crate::metrics::MigrationSample) + Send),
 ) -> Result<(), String> {
     // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
@@ -264,6 +267,7 @@ async fn migrate_out(
         .call(&Request::MigrateOut {
             address: address.to_string(),
             options,
+            tls,
         })
         .await
         .map_err(|e| e.to_string())?;

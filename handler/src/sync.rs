@@ -28,6 +28,21 @@ pub struct HandlerConfig {
     pub launcher_timeout: Duration,
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// Mutual TLS for migration streams between nodes (the Secret in deploy/); None: plain.
+    pub migration_tls: Option<api::protocol::MigrationTls>,
+}
+
+/// Reads `ca.crt`, `tls.crt` and `tls.key` from `dir` (a kubernetes.io/tls Secret with the CA
+/// added, mounted into the handler).
+pub fn load_migration_tls(dir: &std::path::Path) -> Result<api::protocol::MigrationTls, String> {
+    let read = |f: &str| {
+        std::fs::read_to_string(dir.join(f)).map_err(|e| format!("{}: {e}", dir.join(f).display()))
+    };
+    Ok(api::protocol::MigrationTls {
+        ca_pem: read("ca.crt")?,
+        cert_pem: read("tls.crt")?,
+        key_pem: read("tls.key")?,
+    })
 }
 
 impl HandlerConfig {
@@ -39,6 +54,7 @@ impl HandlerConfig {
             launcher_timeout: Duration::from_secs(5),
             retry_base: Duration::from_millis(500),
             retry_max: Duration::from_secs(60),
+            migration_tls: None,
         }
     }
 }

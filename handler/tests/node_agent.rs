@@ -85,6 +85,16 @@ fn start_handler(cluster: &Cluster, pods_dir: &Path, work: &Path) -> Proc {
 }
 
 fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path) -> Proc {
+    start_handler_with(node, cluster, pods_dir, work, None)
+}
+
+fn start_handler_with(
+    node: &str,
+    cluster: &Cluster,
+    pods_dir: &Path,
+    work: &Path,
+    tls_dir: Option<&Path>,
+) -> Proc {
     let kubeconfig = work.join(format!("handler-{node}.kubeconfig"));
     cluster.api.write_kubeconfig(
         &kubeconfig,
@@ -93,6 +103,7 @@ fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path)
     let mut child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
         .args(["run", "--node-name", node, "--resync-seconds", "1"])
         .args(["--metrics-addr", "127.0.0.1:0", "--no-device-plugins"])
+        .args(tls_dir.map(|d| format!("--migration-tls-dir={}", d.display())))
         .arg("--pods-dir")
         .arg(pods_dir)
         .env("KUBECONFIG", &kubeconfig)
@@ -101,16 +112,15 @@ fn start_handler_on(node: &str, cluster: &Cluster, pods_dir: &Path, work: &Path)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // The first line names the metrics address; the rest is passed through.
+    // A line names the metrics address; everything is passed through.
     let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .split("http://")
-        .nth(1)
-        .and_then(|a| a.strip_suffix("/metrics"))
-        .unwrap_or_else(|| panic!("no metrics address in {first:?}"))
-        .parse()
-        .unwrap();
+    let addr = loop {
+        let line = lines.next().expect("virt-handler ended").unwrap();
+        eprintln!("{line}");
+        if let Some(a) = line.split("metrics on http://").nth(1) {
+            break a.trim_end_matches("/metrics").parse().unwrap();
+        }
+    };
     std::thread::spawn(move || {
         for l in lines.map_while(Result::ok) {
             eprintln!("{l}");
@@ -247,6 +257,30 @@ async fn handler_syncs_the_launcher_and_keeps_the_vmi_status_true() {
     let _ = std::fs::remove_dir_all(work);
 }
 
+/// ca.crt, tls.crt and tls.key for `MIGRATION_TLS_NAME`, as the deploy/ Secret holds them.
+fn write_migration_tls(dir: &Path) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    std::fs::create_dir_all(dir).unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut p =
+        CertificateParams::new(vec![api::protocol::MIGRATION_TLS_NAME.to_string()]).unwrap();
+    p.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    std::fs::write(dir.join("ca.crt"), ca.pem()).unwrap();
+    std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
+    std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
+}
+
 /// The kubelet reports the Pod's IP (the node namespace's address in these tests).
 async fn kubelet_pod_ip(cluster: &Cluster, pod: &str, ip: &str) {
     use kube::api::{Patch, PatchParams};
@@ -304,8 +338,11 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
     let source_uid = source.metadata.uid.clone().unwrap();
     let _l1 = start_launcher_in(Some(&n1.name), &pods_dir, &source_uid, &work);
-    let _h1 = start_handler_on("node-1", &cluster, &pods_dir, &work);
-    let _h2 = start_handler_on("node-2", &cluster, &pods_dir, &work);
+    // The handlers' migration Secret: a CA and a certificate for both ends.
+    let tls = work.join("tls");
+    write_migration_tls(&tls);
+    let _h1 = start_handler_with("node-1", &cluster, &pods_dir, &work, Some(&tls));
+    let _h2 = start_handler_with("node-2", &cluster, &pods_dir, &work, Some(&tls));
     eventually("VMI Running on node-1", Duration::from_secs(60), || async {
         let v = vmis.get("probe").await.unwrap();
         (v.status?.phase == Some(VmiPhase::Running)).then_some(())

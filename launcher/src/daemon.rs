@@ -188,6 +188,7 @@ impl Daemon {
         self: &Arc<Self>,
         vmi: VirtualMachineInstance,
         listen: &str,
+        tls: Option<MigrationTls>,
     ) -> Result<String, String> {
         {
             let g = self.inner.lock().unwrap();
@@ -213,8 +214,9 @@ impl Daemon {
             let arrived = listener
                 .accept()
                 .map_err(|e| e.to_string())
-                .and_then(|(mut s, peer)| {
-                    tracing::info!(%peer, "incoming migration");
+                .and_then(|(s, peer)| {
+                    tracing::info!(%peer, tls = tls.is_some(), "incoming migration");
+                    let mut s = crate::migration_tls::server(s, tls.as_ref())?;
                     Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string())
                 });
             me.inner.lock().unwrap().awaiting_migration = false;
@@ -239,6 +241,7 @@ impl Daemon {
         &self,
         address: &str,
         options: &MigrationOptions,
+        tls: Option<&MigrationTls>,
         progress: &mut dyn FnMut(Event),
     ) -> Result<MigrationReport, String> {
         use std::net::ToSocketAddrs;
@@ -259,9 +262,10 @@ impl Daemon {
                 .map_err(|e| format!("{address}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("{address}: no address"))?;
-            let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+            let tcp = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10))
                 .map_err(|e| format!("connecting to {address}: {e}"))?;
-            let _ = stream.set_nodelay(true);
+            let _ = tcp.set_nodelay(true);
+            let mut stream = crate::migration_tls::client(tcp, tls)?;
             vm.migrate_out(&mut stream, &config, &mut |p| {
                 let e = Event::MigrationProgress {
                     round: p.round,
@@ -489,7 +493,7 @@ impl Daemon {
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
-            Request::MigrateIn { vmi, listen } => match self.migrate_in(*vmi, &listen) {
+            Request::MigrateIn { vmi, listen, tls } => match self.migrate_in(*vmi, &listen, tls) {
                 Ok(address) => Response::MigrationListening { address },
                 Err(message) => Response::Error { message },
             },
@@ -623,9 +627,13 @@ impl Daemon {
                         },
                     )?;
                 }
-                Request::MigrateOut { address, options } => {
+                Request::MigrateOut {
+                    address,
+                    options,
+                    tls,
+                } => {
                     let mut sink = out.try_clone()?;
-                    let r = self.migrate_out(&address, &options, &mut |e| {
+                    let r = self.migrate_out(&address, &options, tls.as_ref(), &mut |e| {
                         let _ = send(&mut sink, &Response::Event(e));
                     });
                     send(

@@ -5,5 +5,6 @@ pub mod client;
 pub mod cloudinit;
 pub mod daemon;
 pub mod manifest;
+pub mod migration_tls;
 pub mod network;
 pub mod translate;

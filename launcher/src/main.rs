@@ -681,6 +681,7 @@ fn migrate(args: MigrateArgs) -> ExitCode {
             completion_timeout_per_gib: args.timeout_per_gib,
             max_downtime_ms: args.max_downtime,
         },
+        tls: None,
     };
     if let Err(e) = c.send(&req) {
         return host_error(e);

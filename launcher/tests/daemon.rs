@@ -400,6 +400,7 @@ fn migrate_in_and_out_between_two_daemons() {
     let address = match cb.call(Request::MigrateIn {
         vmi: Box::new(vmi),
         listen: "127.0.0.1:0".into(),
+        tls: None,
     }) {
         Response::MigrationListening { address } => address,
         other => panic!("{other:?}"),
@@ -410,6 +411,7 @@ fn migrate_in_and_out_between_two_daemons() {
         b.client().call(Request::MigrateIn {
             vmi: Box::new(probe_vmi("dirty", 30)),
             listen: "127.0.0.1:0".into(),
+            tls: None,
         }),
         Response::Error { .. }
     ));
@@ -417,6 +419,7 @@ fn migrate_in_and_out_between_two_daemons() {
     ca.send(&Request::MigrateOut {
         address,
         options: MigrationOptions::default(),
+        tls: None,
     });
     let mut rounds = 0;
     let report = loop {
@@ -427,7 +430,7 @@ fn migrate_in_and_out_between_two_daemons() {
         }
     };
     assert!(rounds >= 1 && report.bytes_sent > 0, "{report:?}");
-    assert_eq!(b.client().status().state, VmState::Running);
+    wait_running(&b);
     let console = UnixStream::connect(&b.socket).unwrap();
     console
         .set_read_timeout(Some(Duration::from_secs(60)))
@@ -448,4 +451,103 @@ fn migrate_in_and_out_between_two_daemons() {
         Some(0),
         "the source launcher ends once its VM left"
     );
+}
+
+/// The target resumes the guest right after the source's Go: wait for it to say so.
+fn wait_running(l: &Launcher) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = l.client().status().state;
+        if state == VmState::Running {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the target is {state:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Certificates for `MIGRATION_TLS_NAME` signed by a fresh CA (as the handlers' Secret holds).
+fn migration_tls() -> MigrationTls {
+    use rcgen::{
+        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(vec![MIGRATION_TLS_NAME.to_string()]).unwrap();
+    p.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    MigrationTls {
+        ca_pem: ca.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    }
+}
+
+#[test]
+fn migration_over_mutual_tls_and_a_stranger_refused() {
+    let a = Launcher::start("tls-a");
+    let b = Launcher::start("tls-b");
+    let mut vmi = probe_vmi("dirty", 30);
+    if let Some(k) = vmi
+        .spec
+        .domain
+        .firmware
+        .as_mut()
+        .and_then(|f| f.kernel_boot.as_mut())
+    {
+        k.kernel_args = Some("console=ttyS0 probe.test=dirty probe.passes=100000".into());
+    }
+    let mut ca = a.client();
+    assert_eq!(
+        ca.call(Request::Sync {
+            vmi: Box::new(vmi.clone())
+        }),
+        Response::Ok
+    );
+    let ours = migration_tls();
+    let prepare = |tls: MigrationTls| match b.client().call(Request::MigrateIn {
+        vmi: Box::new(vmi.clone()),
+        listen: "127.0.0.1:0".into(),
+        tls: Some(tls),
+    }) {
+        Response::MigrationListening { address } => address,
+        other => panic!("{other:?}"),
+    };
+    let migrate = |ca: &mut Client, address: String, tls: MigrationTls| {
+        ca.send(&Request::MigrateOut {
+            address,
+            options: MigrationOptions::default(),
+            tls: Some(tls),
+        });
+        loop {
+            match ca.recv() {
+                Response::Event(_) => continue,
+                other => return other,
+            }
+        }
+    };
+    // A source whose certificate another CA signed is turned away; the VM stays home.
+    let address = prepare(ours.clone());
+    let stranger = migration_tls();
+    match migrate(&mut ca, address, stranger) {
+        Response::Error { message } => assert!(!message.is_empty()),
+        other => panic!("a stranger migrated: {other:?}"),
+    }
+    assert_eq!(ca.status().state, VmState::Running);
+    std::thread::sleep(Duration::from_millis(300));
+    // With the shared CA it goes through.
+    let address = prepare(ours.clone());
+    match migrate(&mut ca, address, ours) {
+        Response::Migration(r) => assert!(r.bytes_sent > 0),
+        other => panic!("{other:?}"),
+    }
+    wait_running(&b);
+    assert_eq!(a.exit_code(), Some(0));
 }
