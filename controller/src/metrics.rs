@@ -255,20 +255,28 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: std::sync::Arc<Metrics>,
 ) -> std::io::Result<()> {
+    serve_text(listener, move || metrics.render()).await
+}
+
+/// Serves `/metrics` (what `render` returns when scraped, in OpenMetrics text) and `/healthz`
+/// over plain HTTP; virt-handler's endpoint is this one too.
+pub async fn serve_text(
+    listener: tokio::net::TcpListener,
+    render: impl Fn() -> String + Clone + Send + Sync + 'static,
+) -> std::io::Result<()> {
     use axum::routing::get;
-    let m = metrics.clone();
     let app = axum::Router::new()
         .route(
             "/metrics",
             get(move || {
-                let m = m.clone();
+                let render = render.clone();
                 async move {
                     (
                         [(
                             "content-type",
                             "application/openmetrics-text; version=1.0.0; charset=utf-8",
                         )],
-                        m.render(),
+                        render(),
                     )
                 }
             }),

@@ -267,30 +267,12 @@ impl Collector for NodeMetrics {
     }
 }
 
-/// Serves `/metrics` and `/healthz` over plain HTTP.
+/// Serves `/metrics` and `/healthz` over plain HTTP (virt-controller's server).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<NodeMetrics>,
 ) -> std::io::Result<()> {
-    use axum::routing::get;
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let m = metrics.clone();
-                async move {
-                    (
-                        [(
-                            "content-type",
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        m.render(),
-                    )
-                }
-            }),
-        )
-        .route("/healthz", get(|| async { "ok" }));
-    axum::serve(listener, app).await
+    controller::metrics::serve_text(listener, move || metrics.render()).await
 }
 
 #[cfg(test)]

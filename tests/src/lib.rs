@@ -163,6 +163,35 @@ pub fn probe_config(test: &str, vcpus: u8, memory_mib: u64, console: &Console) -
     c
 }
 
+/// The probe's `dirty` test: `passes` passes over its working set on `vcpus` vCPUs.
+pub fn dirty_config(vcpus: u8, memory_mib: u64, passes: u32, console: &Console) -> VmConfig {
+    let mut c = probe_config("dirty", vcpus, memory_mib, console);
+    c.cmdline.push_str(&format!(" probe.passes={passes}"));
+    c
+}
+
+/// Waits for the probe's `PROBE PROGRESS <test> <what>` line; fails the test after `timeout`.
+pub fn wait_progress(console: &Console, test: &str, what: &str, timeout: Duration) {
+    let needle = format!("PROBE PROGRESS {test} {what}\n");
+    assert!(
+        console.wait_for(&needle, timeout),
+        "no {needle:?} within {timeout:?}; console:\n{}",
+        console.text()
+    );
+}
+
+/// The run's result line, which must be `test` OK, and a powered-off end.
+pub fn expect_probe_ok(run: &ProbeRun, test: &str) -> ProbeResult {
+    let r = run
+        .result
+        .clone()
+        .unwrap_or_else(|| panic!("no result; end={:?}; console:\n{}", run.end, run.console));
+    assert_eq!(r.test, test);
+    assert!(r.ok, "probe failed: {}\n{}", r.details, run.console);
+    assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
+    r
+}
+
 /// Boots the probe with `probe.test=<test>` and waits for the VM to end.
 pub fn run_probe(test: &str, vcpus: u8, memory_mib: u64, timeout: Duration) -> ProbeRun {
     require_kvm();

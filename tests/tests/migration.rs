@@ -11,32 +11,6 @@ use vmm::{Vm, VmConfig, VmEnd};
 
 const T: Duration = Duration::from_secs(120);
 
-fn dirty_config(vcpus: u8, mib: u64, passes: u32, console: &Console) -> VmConfig {
-    let mut c = probe_config("dirty", vcpus, mib, console);
-    c.cmdline.push_str(&format!(" probe.passes={passes}"));
-    c
-}
-
-fn progress(console: &Console, test: &str, what: &str) {
-    let needle = format!("PROBE PROGRESS {test} {what}\n");
-    assert!(
-        console.wait_for(&needle, T),
-        "no {needle:?}; console:\n{}",
-        console.text()
-    );
-}
-
-fn expect_ok(run: &ProbeRun, test: &str) -> ProbeResult {
-    let r = run
-        .result
-        .clone()
-        .unwrap_or_else(|| panic!("no result; end={:?}; console:\n{}", run.end, run.console));
-    assert_eq!(r.test, test);
-    assert!(r.ok, "probe failed: {}\n{}", r.details, run.console);
-    assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
-    r
-}
-
 /// A target listening on loopback; returns its address and the thread that receives the VM
 /// (with `config`'s console replaced by its own) and runs it to its end.
 fn target(
@@ -66,7 +40,7 @@ fn dirty_guest_migrates_and_finishes_on_the_target() {
         let console = Console::default();
         let config = dirty_config(vcpus, mib, 150, &console);
         let vm = Vm::build(&config).unwrap();
-        progress(&console, "dirty", "pass=3");
+        wait_progress(&console, "dirty", "pass=3", T);
         let (addr, receiver) = target(&config);
         let mut s = TcpStream::connect(addr).unwrap();
         let mut rounds = Vec::new();
@@ -76,7 +50,7 @@ fn dirty_guest_migrates_and_finishes_on_the_target() {
         assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
         assert_eq!(vm.wait(), VmEnd::Migrated);
         let run = receiver.join().unwrap().expect("target");
-        let r = expect_ok(&run, "dirty");
+        let r = expect_probe_ok(&run, "dirty");
         assert_eq!(r.field("passes"), Some("150"));
         assert_eq!(r.field("cpus"), Some(vcpus.to_string().as_str()));
         assert!(
@@ -96,7 +70,7 @@ fn a_refused_migration_leaves_the_guest_running_on_the_source() {
     let console = Console::default();
     let config = dirty_config(1, 128, 30, &console);
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "dirty", "pass=1");
+    wait_progress(&console, "dirty", "pass=1", T);
     let mut other = config.clone();
     other.memory_mib = 256;
     let (addr, receiver) = target(&other);
@@ -113,7 +87,7 @@ fn a_refused_migration_leaves_the_guest_running_on_the_source() {
         Err(MigrationError::Refused(_))
     ));
     let run = run_to_end(vm, &console, T);
-    expect_ok(&run, "dirty");
+    expect_probe_ok(&run, "dirty");
 }
 
 #[test]
@@ -122,7 +96,7 @@ fn a_target_that_dies_or_a_timeout_leaves_the_guest_on_the_source() {
     let console = Console::default();
     let config = dirty_config(2, 128, 60, &console);
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "dirty", "pass=1");
+    wait_progress(&console, "dirty", "pass=1", T);
     // A target that says Ready and then goes away.
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -160,7 +134,7 @@ fn a_target_that_dies_or_a_timeout_leaves_the_guest_on_the_source() {
         Err(MigrationError::Cancelled(_))
     ));
     let run = run_to_end(vm, &console, T);
-    expect_ok(&run, "dirty");
+    expect_probe_ok(&run, "dirty");
 }
 
 #[test]
@@ -179,7 +153,7 @@ fn a_disk_being_written_migrates_with_its_guest() {
     config.cmdline.push_str(" probe.writes=512");
     config.disks = vec![vmm::config::DiskConfig::new(&image)];
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "blkstream", "writes=64");
+    wait_progress(&console, "blkstream", "writes=64", T);
     let (addr, receiver) = target(&config);
     vm.migrate_out(
         &mut TcpStream::connect(addr).unwrap(),
@@ -190,7 +164,10 @@ fn a_disk_being_written_migrates_with_its_guest() {
     // The source lets go of the disk; the target takes its lock.
     drop(vm);
     let run = receiver.join().unwrap().expect("target");
-    assert_eq!(expect_ok(&run, "blkstream").field("written"), Some("512"));
+    assert_eq!(
+        expect_probe_ok(&run, "blkstream").field("written"),
+        Some("512")
+    );
     let bytes = std::fs::read(&image).unwrap();
     for s in 0..512 * 8usize {
         let tag = format!("MVPROBE sector {s}");

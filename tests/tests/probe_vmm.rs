@@ -8,23 +8,6 @@ use vmm::{Vm, VmEnd};
 
 const T: Duration = Duration::from_secs(60);
 
-fn expect_ok(run: &ProbeRun, test: &str) -> ProbeResult {
-    let r = run.result.clone().unwrap_or_else(|| {
-        panic!(
-            "no result line; end={:?}; console:\n{}",
-            run.end, run.console
-        )
-    });
-    assert_eq!(r.test, test);
-    assert!(
-        r.ok,
-        "probe reported failure: {}\n{}",
-        r.details, run.console
-    );
-    assert_eq!(run.end, VmEnd::PoweredOff, "console:\n{}", run.console);
-    r
-}
-
 /// RAM the e820 map must report for a guest of `mib`: all of it but the EBDA..1 MiB hole.
 fn expected_ram_kib(mib: u64) -> u64 {
     (mib * MIB - (HIMEM_START - EBDA_START)) >> 10
@@ -39,7 +22,7 @@ fn boot_reports_e820_matching_config() {
             "{}",
             run.console
         );
-        let r = expect_ok(&run, "boot");
+        let r = expect_probe_ok(&run, "boot");
         assert_eq!(
             r.field("ram_kib"),
             Some(expected_ram_kib(mib).to_string().as_str()),
@@ -55,7 +38,7 @@ fn boot_reports_e820_matching_config() {
 #[test]
 fn memory_pattern_across_all_ram() {
     for mib in [64u64, 1024, 3072] {
-        let r = expect_ok(&run_probe("memory", 1, mib, T), "memory");
+        let r = expect_probe_ok(&run_probe("memory", 1, mib, T), "memory");
         assert_eq!(r.field("above_4g"), Some("0"));
         assert_eq!(r.field("top"), Some(format!("{:#x}", mib * MIB).as_str()));
     }
@@ -66,12 +49,12 @@ fn memory_above_the_mmio_gap() {
     // 5 GiB: 3 GiB below the gap, 2 GiB above 4 GiB.
     let mib = 5 * 1024;
     let run = run_probe("memory", 2, mib, T);
-    let r = expect_ok(&run, "memory");
+    let r = expect_probe_ok(&run, "memory");
     assert_ne!(r.field("above_4g"), Some("0"));
     let top = 0x1_0000_0000u64 + (mib * MIB - MMIO_GAP_START);
     assert_eq!(r.field("top"), Some(format!("{top:#x}").as_str()));
     let run = run_probe("boot", 1, mib, T);
-    let r = expect_ok(&run, "boot");
+    let r = expect_probe_ok(&run, "boot");
     assert_eq!(r.field("e820"), Some("4"));
     assert_eq!(
         r.field("ram_kib"),
@@ -83,7 +66,7 @@ fn memory_above_the_mmio_gap() {
 fn smp_every_vcpu_checks_in() {
     for vcpus in [1u8, 2, 4] {
         let run = run_probe("smp", vcpus, 128, T);
-        let r = expect_ok(&run, "smp");
+        let r = expect_probe_ok(&run, "smp");
         assert_eq!(
             r.field("cpus"),
             Some(vcpus.to_string().as_str()),
@@ -128,7 +111,7 @@ fn unemulated_instruction_is_reported_with_its_bytes() {
         }
     } else {
         // Hardware KVM runs POPCNT natively.
-        expect_ok(&run, "popcnt");
+        expect_probe_ok(&run, "popcnt");
     }
 }
 
@@ -177,7 +160,7 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     use std::io::Write;
     input.write_all(b"hello\n").unwrap();
     let run = run_to_end(vm, &console, T);
-    let r = expect_ok(&run, "console");
+    let r = expect_probe_ok(&run, "console");
     assert_eq!(r.field("received"), Some("hello"));
     std::fs::remove_dir_all(dir).unwrap();
 }
@@ -190,6 +173,6 @@ fn ctrl_alt_del_reaches_the_guest_keyboard() {
     assert!(console.wait_for("keyboard ready", T), "{}", console.text());
     vm.ctrl_alt_del();
     let run = run_to_end(vm, &console, T);
-    let r = expect_ok(&run, "keyboard");
+    let r = expect_probe_ok(&run, "keyboard");
     assert!(r.details.starts_with("ctrl-alt-del"), "{}", r.details);
 }

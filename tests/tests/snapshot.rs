@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tests::*;
-use vmm::{SnapshotPaths, Vm, VmConfig, VmEnd};
+use vmm::{SnapshotPaths, Vm, VmConfig};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -15,32 +15,6 @@ fn scratch(tag: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn dirty_config(vcpus: u8, mib: u64, passes: u32, console: &Console) -> VmConfig {
-    let mut c = probe_config("dirty", vcpus, mib, console);
-    c.cmdline.push_str(&format!(" probe.passes={passes}"));
-    c
-}
-
-fn progress(console: &Console, test: &str, what: &str, timeout: Duration) {
-    let needle = format!("PROBE PROGRESS {test} {what}\n");
-    assert!(
-        console.wait_for(&needle, timeout),
-        "no {needle:?} within {timeout:?}; console:\n{}",
-        console.text()
-    );
-}
-
-fn expect_ok(run: &ProbeRun, test: &str) -> ProbeResult {
-    let r = run
-        .result
-        .clone()
-        .unwrap_or_else(|| panic!("no result; end={:?}; console:\n{}", run.end, run.console));
-    assert_eq!(r.test, test);
-    assert!(r.ok, "probe failed: {}\n{}", r.details, run.console);
-    assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
-    r
 }
 
 /// Snapshots `vm` into `dir`, then ends it (as if the process had been killed).
@@ -58,7 +32,7 @@ fn pause_stops_device_io_and_leaves_memory_bit_identical() {
     require_kvm();
     let console = Console::default();
     let vm = Vm::build(&dirty_config(2, 256, 1000, &console)).unwrap();
-    progress(&console, "dirty", "pass=1", T);
+    wait_progress(&console, "dirty", "pass=1", T);
     vm.pause();
     assert!(vm.is_paused());
     let snap = |vm: &Vm| {
@@ -74,7 +48,7 @@ fn pause_stops_device_io_and_leaves_memory_bit_identical() {
     assert!(before == after, "guest memory changed while paused");
     assert_eq!(console.len(), printed, "the guest printed while paused");
     vm.resume();
-    progress(&console, "dirty", "pass=3", T);
+    wait_progress(&console, "dirty", "pass=3", T);
     vm.stop();
 }
 
@@ -87,7 +61,7 @@ fn dirty_probe_survives_snapshot_kill_restore() {
         let console = Console::default();
         let config = dirty_config(vcpus, mib, 12, &console);
         let vm = Vm::build(&config).unwrap();
-        progress(&console, "dirty", "pass=3", T);
+        wait_progress(&console, "dirty", "pass=3", T);
         let stats = snapshot_and_drop(vm, &dir);
         assert!(
             stats.state_bytes > 0 && stats.state_bytes <= 64 << 10,
@@ -103,7 +77,7 @@ fn dirty_probe_survives_snapshot_kill_restore() {
         config2.serial.output = console2.output();
         let vm = Vm::restore(&config2, &SnapshotPaths::in_dir(&dir)).expect("restore");
         let run = run_to_end(vm, &console2, T);
-        let r = expect_ok(&run, "dirty");
+        let r = expect_probe_ok(&run, "dirty");
         assert_eq!(r.field("passes"), Some("12"));
         assert_eq!(r.field("cpus"), Some(vcpus.to_string().as_str()));
         assert!(
@@ -133,7 +107,7 @@ fn three_snapshot_restore_cycles_in_a_row() {
     let mut vm = Vm::build(&config).unwrap();
     let mut console = console;
     for round in 1..=3 {
-        progress(&console, "dirty", &format!("pass={}", round * 8), T);
+        wait_progress(&console, "dirty", &format!("pass={}", round * 8), T);
         snapshot_and_drop(vm, &dir);
         console = Console::default();
         let mut c = config.clone();
@@ -141,7 +115,7 @@ fn three_snapshot_restore_cycles_in_a_row() {
         vm = Vm::restore(&c, &SnapshotPaths::in_dir(&dir)).expect("restore");
     }
     let run = run_to_end(vm, &console, T);
-    assert_eq!(expect_ok(&run, "dirty").field("passes"), Some("40"));
+    assert_eq!(expect_probe_ok(&run, "dirty").field("passes"), Some("40"));
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -151,15 +125,15 @@ fn snapshot_without_stop_keeps_the_source_running() {
     let dir = scratch("live");
     let console = Console::default();
     let vm = Vm::build(&dirty_config(1, 128, 30, &console)).unwrap();
-    progress(&console, "dirty", "pass=2", T);
+    wait_progress(&console, "dirty", "pass=2", T);
     let stats = vm.snapshot(&SnapshotPaths::in_dir(&dir), false).unwrap();
     assert!(!vm.is_paused());
     assert!(stats.paused_for < Duration::from_secs(10), "{stats:?}");
     let run = run_to_end(vm, &console, T);
-    expect_ok(&run, "dirty");
+    expect_probe_ok(&run, "dirty");
     // The snapshot taken along the way restores too.
     let run = restore_to_end(&dirty_config(1, 128, 30, &Console::default()), &dir);
-    expect_ok(&run, "dirty");
+    expect_probe_ok(&run, "dirty");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -171,7 +145,7 @@ fn a_corrupted_page_in_the_memory_file_fails_the_dirty_probe() {
     let console = Console::default();
     let config = dirty_config(1, 256, 12, &console);
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "dirty", "pass=3", T);
+    wait_progress(&console, "dirty", "pass=3", T);
     snapshot_and_drop(vm, &dir);
     {
         use std::os::unix::fs::FileExt;
@@ -198,10 +172,10 @@ fn timer_interrupts_keep_coming_after_restore() {
     let mut config = probe_config("timer", 1, 64, &console);
     config.cmdline.push_str(" probe.ticks=80");
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "timer", "ticks=20", T);
+    wait_progress(&console, "timer", "ticks=20", T);
     snapshot_and_drop(vm, &dir);
     let run = restore_to_end(&config, &dir);
-    let r = expect_ok(&run, "timer");
+    let r = expect_probe_ok(&run, "timer");
     assert!(r.field("ticks").unwrap().parse::<u64>().unwrap() >= 80);
     assert!(
         run.console.contains("PROBE PROGRESS timer ticks=70"),
@@ -225,10 +199,10 @@ fn disk_being_written_holds_exactly_what_the_guest_wrote() {
     config.cmdline.push_str(" probe.writes=512");
     config.disks = vec![vmm::config::DiskConfig::new(&image)];
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "blkstream", "writes=128", T);
+    wait_progress(&console, "blkstream", "writes=128", T);
     snapshot_and_drop(vm, &dir);
     let run = restore_to_end(&config, &dir);
-    let r = expect_ok(&run, "blkstream");
+    let r = expect_probe_ok(&run, "blkstream");
     assert_eq!(r.field("written"), Some("512"));
     let bytes = std::fs::read(&image).unwrap();
     for s in 0..512 * 8u64 {
@@ -324,7 +298,7 @@ fn nic_keeps_echoing_across_restore() {
         done.resize(60, 0);
         wire.send(&done);
         let run = run_to_end(vm, &console, t);
-        let r = expect_ok(&run, "net");
+        let r = expect_probe_ok(&run, "net");
         assert_eq!(r.field("echoed"), Some("6"));
     })
     .join()
@@ -347,7 +321,7 @@ fn bad_snapshots_are_refused_with_a_clear_error() {
     let mut config = dirty_config(1, 128, 1000, &console);
     config.disks = vec![vmm::config::DiskConfig::new(&image)];
     let vm = Vm::build(&config).unwrap();
-    progress(&console, "dirty", "pass=1", T);
+    wait_progress(&console, "dirty", "pass=1", T);
     snapshot_and_drop(vm, &dir);
     let paths = SnapshotPaths::in_dir(&dir);
     let good = std::fs::read(&paths.state).unwrap();
@@ -407,7 +381,7 @@ fn dirty_log_covers_every_page_the_guest_changed() {
     require_kvm();
     let console = Console::default();
     let vm = Vm::build(&dirty_config(2, 256, 100_000, &console)).unwrap();
-    progress(&console, "dirty", "pass=1", T);
+    wait_progress(&console, "dirty", "pass=1", T);
     let copy = |vm: &Vm| {
         use vm_memory::{Bytes, GuestAddress};
         let mut buf = vec![0u8; 256 << 20];
@@ -419,7 +393,7 @@ fn dirty_log_covers_every_page_the_guest_changed() {
     let _ = vm.dirty_log().unwrap();
     let a = copy(&vm);
     vm.resume();
-    progress(&console, "dirty", "pass=4", T);
+    wait_progress(&console, "dirty", "pass=4", T);
     vm.pause();
     let b = copy(&vm);
     let log = vm.dirty_log().unwrap();
@@ -440,7 +414,7 @@ fn dirty_log_covers_every_page_the_guest_changed() {
     assert_eq!(vm.dirty_log().unwrap().page_count(), 0);
     vm.stop_dirty_log().unwrap();
     vm.resume();
-    progress(&console, "dirty", "pass=6", T);
+    wait_progress(&console, "dirty", "pass=6", T);
     vm.stop();
 }
 
@@ -449,7 +423,7 @@ fn a_failed_snapshot_leaves_the_vm_running() {
     require_kvm();
     let console = Console::default();
     let vm = Vm::build(&dirty_config(1, 128, 20, &console)).unwrap();
-    progress(&console, "dirty", "pass=1", T);
+    wait_progress(&console, "dirty", "pass=1", T);
     let nowhere = SnapshotPaths::in_dir(std::path::Path::new("/proc/no-such-dir"));
     let e = vm.snapshot(&nowhere, true).expect_err("cannot write there");
     assert!(e.to_string().contains("/proc/no-such-dir"), "{e}");
@@ -458,5 +432,5 @@ fn a_failed_snapshot_leaves_the_vm_running() {
         "a failed snapshot must resume the VM even with stay_paused"
     );
     let run = run_to_end(vm, &console, T);
-    expect_ok(&run, "dirty");
+    expect_probe_ok(&run, "dirty");
 }
