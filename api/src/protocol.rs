@@ -95,6 +95,22 @@ pub struct MigrationTls {
     pub key_pem: String,
 }
 
+impl MigrationTls {
+    /// Reads `ca.crt`, `tls.crt` and `tls.key` from `dir` (a kubernetes.io/tls Secret with the
+    /// CA added, as deploy/ mounts it into virt-handler).
+    pub fn from_dir(dir: &std::path::Path) -> Result<MigrationTls, String> {
+        let read = |f: &str| {
+            std::fs::read_to_string(dir.join(f))
+                .map_err(|e| format!("{}: {e}", dir.join(f).display()))
+        };
+        Ok(MigrationTls {
+            ca_pem: read("ca.crt")?,
+            cert_pem: read("tls.crt")?,
+            key_pem: read("tls.key")?,
+        })
+    }
+}
+
 /// The DNS name a migration target's certificate is issued for (all nodes share it).
 pub const MIGRATION_TLS_NAME: &str = "migration.microvirt.internal";
 

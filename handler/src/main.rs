@@ -66,7 +66,7 @@ async fn main() -> ExitCode {
             migration_tls_dir,
         } => {
             let migration_tls = match &migration_tls_dir {
-                Some(d) => match handler::sync::load_migration_tls(d) {
+                Some(d) => match api::protocol::MigrationTls::from_dir(d) {
                     Ok(t) => Some(t),
                     Err(e) => {
                         eprintln!("virt-handler: --migration-tls-dir: {e}");

@@ -32,19 +32,6 @@ pub struct HandlerConfig {
     pub migration_tls: Option<api::protocol::MigrationTls>,
 }
 
-/// Reads `ca.crt`, `tls.crt` and `tls.key` from `dir` (a kubernetes.io/tls Secret with the CA
-/// added, mounted into the handler).
-pub fn load_migration_tls(dir: &std::path::Path) -> Result<api::protocol::MigrationTls, String> {
-    let read = |f: &str| {
-        std::fs::read_to_string(dir.join(f)).map_err(|e| format!("{}: {e}", dir.join(f).display()))
-    };
-    Ok(api::protocol::MigrationTls {
-        ca_pem: read("ca.crt")?,
-        cert_pem: read("tls.crt")?,
-        key_pem: read("tls.key")?,
-    })
-}
-
 impl HandlerConfig {
     pub fn new(node: impl Into<String>) -> Self {
         HandlerConfig {

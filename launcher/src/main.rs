@@ -63,6 +63,9 @@ struct MigrateArgs {
     /// Give up (the VM stays) after this many seconds per GiB of guest memory [default: 150].
     #[arg(long, value_name = "SECONDS")]
     timeout_per_gib: Option<u64>,
+    /// Mutual TLS: a directory with ca.crt, tls.crt and tls.key (see deploy/README.md).
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -70,6 +73,9 @@ struct ReceiveArgs {
     /// Where to listen for the source.
     #[arg(long, value_name = "HOST:PORT")]
     listen: String,
+    /// Mutual TLS: a directory with ca.crt, tls.crt and tls.key (see deploy/README.md).
+    #[arg(long, value_name = "DIR")]
+    tls_dir: Option<PathBuf>,
     #[command(flatten)]
     run: RunArgs,
 }
@@ -249,7 +255,18 @@ fn main() -> ExitCode {
             launch(&args.run, Start::Restore(paths))
         }
         Command::Migrate(args) => migrate(args),
-        Command::Receive(args) => launch(&args.run, Start::Receive(args.listen.clone())),
+        Command::Receive(args) => {
+            let tls = match args
+                .tls_dir
+                .as_deref()
+                .map(api::protocol::MigrationTls::from_dir)
+            {
+                None => None,
+                Some(Ok(t)) => Some(t),
+                Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
+            };
+            launch(&args.run, Start::Receive(args.listen.clone(), tls))
+        }
     }
 }
 
@@ -402,8 +419,8 @@ fn recorded_config(paths: &vmm::SnapshotPaths, args: &RunArgs) -> Result<VmConfi
 enum Start {
     Boot,
     Restore(vmm::SnapshotPaths),
-    /// Live migration from a source connecting to this address.
-    Receive(String),
+    /// Live migration from a source connecting to this address (over mutual TLS when given).
+    Receive(String, Option<api::protocol::MigrationTls>),
 }
 
 /// `run`, `restore` and `receive`: the config from -f, from flags or (restore only) from the
@@ -520,7 +537,7 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
     let built = match start {
         Start::Boot => Vm::build(&config),
         Start::Restore(paths) => Vm::restore(&config, paths),
-        Start::Receive(listen) => {
+        Start::Receive(listen, tls) => {
             let listener = match std::net::TcpListener::bind(listen) {
                 Ok(l) => l,
                 Err(e) => return bad_config(format!("--listen {listen}: {e}")),
@@ -529,7 +546,10 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
             let received = listener
                 .accept()
                 .map_err(|e| e.to_string())
-                .and_then(|(mut s, _)| Vm::migrate_in(&mut s, &config).map_err(|e| e.to_string()));
+                .and_then(|(s, _)| {
+                    let mut s = launcher::migration_tls::server(s, tls.as_ref())?;
+                    Vm::migrate_in(&mut s, &config).map_err(|e| e.to_string())
+                });
             match received {
                 Ok(vm) => {
                     eprintln!("virt-launcher: the VM arrived");
@@ -669,6 +689,15 @@ fn stderr_is_terminal() -> bool {
 /// `migrate`: asks the launcher on --socket to live-migrate its VM to --to.
 fn migrate(args: MigrateArgs) -> ExitCode {
     use api::protocol::{Event, MigrationOptions, Request, Response, MIGRATION_SINCE};
+    let tls = match args
+        .tls_dir
+        .as_deref()
+        .map(api::protocol::MigrationTls::from_dir)
+    {
+        None => None,
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
+    };
     let mut c = match launcher::client::ControlClient::connect(&args.socket, MIGRATION_SINCE) {
         Ok(c) => c,
         Err(e) if e.starts_with("--socket") => return bad_config(e),
@@ -681,7 +710,7 @@ fn migrate(args: MigrateArgs) -> ExitCode {
             completion_timeout_per_gib: args.timeout_per_gib,
             max_downtime_ms: args.max_downtime,
         },
-        tls: None,
+        tls,
     };
     if let Err(e) = c.send(&req) {
         return host_error(e);
