@@ -64,6 +64,26 @@ fn wait_for(path: &Path, needle: &str) -> String {
     }
 }
 
+/// The whole console line that starts with `prefix`, once its newline is written (the console
+/// file grows byte by byte).
+fn wait_for_line(path: &Path, prefix: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if let Some(at) = text.find(prefix) {
+            if let Some(len) = text[at..].find('\n') {
+                return text[at..at + len].to_string();
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {prefix:?} line in {}:\n{text}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn vm_args<'a>(probe: &'a str, console: &'a str) -> Vec<&'a str> {
     vec![
         "--kernel",
@@ -118,11 +138,12 @@ fn migrate_between_two_node_namespaces() {
     std::io::Read::read_to_string(source.stderr.as_mut().unwrap(), &mut serr).unwrap();
     assert_eq!(s.code(), Some(0), "{serr}");
     assert!(serr.contains("migrated to another host"), "{serr}");
-    let text = wait_for(&cb, "PROBE RESULT dirty");
+    let result = wait_for_line(&cb, "PROBE RESULT dirty");
     assert!(
-        text.contains("PROBE RESULT dirty OK passes=150 cpus=2"),
-        "{text}"
+        result.starts_with("PROBE RESULT dirty OK passes=150 cpus=2"),
+        "{result}"
     );
+    let text = std::fs::read_to_string(&cb).unwrap();
     assert!(
         !text.contains("probe guest: hello"),
         "the target booted afresh:\n{text}"
@@ -179,8 +200,8 @@ fn a_refused_migration_keeps_the_vm_on_its_node() {
     std::io::Read::read_to_string(target.stderr.as_mut().unwrap(), &mut terr).unwrap();
     assert!(terr.contains("prepared for 1 and 256"), "{terr}");
     // The guest carries on at home and finishes there.
-    let text = wait_for(&ca, "PROBE RESULT dirty");
-    assert!(text.contains("PROBE RESULT dirty OK"), "{text}");
+    let result = wait_for_line(&ca, "PROBE RESULT dirty");
+    assert!(result.starts_with("PROBE RESULT dirty OK"), "{result}");
     assert_eq!(source.wait().unwrap().code(), Some(0));
     std::fs::remove_dir_all(dir).unwrap();
 }
