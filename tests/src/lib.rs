@@ -170,6 +170,43 @@ pub fn dirty_config(vcpus: u8, memory_mib: u64, passes: u32, console: &Console) 
     c
 }
 
+/// The probe's `blkstream` test writing `writes` 4 KiB requests to a fresh 8 MiB image in `dir`;
+/// returns the config and the image's path.
+pub fn blkstream_config(dir: &Path, writes: u64, console: &Console) -> (VmConfig, PathBuf) {
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let mut config = probe_config("blkstream", 1, 64, console);
+    config.cmdline.push_str(&format!(" probe.writes={writes}"));
+    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    (config, image)
+}
+
+/// The image holds exactly what `blkstream` wrote: each sector's tag and pattern for the first
+/// `writes * 8` sectors, zeroes after them.
+pub fn assert_blkstream_image(image: &Path, writes: u64) {
+    let bytes = std::fs::read(image).unwrap();
+    let sectors = writes * 8;
+    for s in 0..sectors {
+        let sector = &bytes[s as usize * 512..(s as usize + 1) * 512];
+        let tag = format!("MVPROBE sector {s}");
+        assert_eq!(&sector[..tag.len()], tag.as_bytes(), "sector {s}");
+        for (i, &b) in sector.iter().enumerate().skip(tag.len() + 20) {
+            assert_eq!(
+                b,
+                (s as u8).wrapping_mul(31).wrapping_add(i as u8),
+                "sector {s} byte {i}"
+            );
+        }
+    }
+    assert!(
+        bytes[sectors as usize * 512..].iter().all(|&b| b == 0),
+        "written beyond what the guest wrote"
+    );
+}
+
 /// Waits for the probe's `PROBE PROGRESS <test> <what>` line; fails the test after `timeout`.
 pub fn wait_progress(console: &Console, test: &str, what: &str, timeout: Duration) {
     let needle = format!("PROBE PROGRESS {test} {what}\n");

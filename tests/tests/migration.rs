@@ -143,15 +143,8 @@ fn a_disk_being_written_migrates_with_its_guest() {
     let dir = std::env::temp_dir().join(format!("mv-mig-blk-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
     let console = Console::default();
-    let mut config = probe_config("blkstream", 1, 64, &console);
-    config.cmdline.push_str(" probe.writes=512");
-    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    let (config, image) = blkstream_config(&dir, 512, &console);
     let vm = Vm::build(&config).unwrap();
     wait_progress(&console, "blkstream", "writes=64", T);
     let (addr, receiver) = target(&config);
@@ -168,16 +161,7 @@ fn a_disk_being_written_migrates_with_its_guest() {
         expect_probe_ok(&run, "blkstream").field("written"),
         Some("512")
     );
-    let bytes = std::fs::read(&image).unwrap();
-    for s in 0..512 * 8usize {
-        let tag = format!("MVPROBE sector {s}");
-        assert_eq!(
-            &bytes[s * 512..s * 512 + tag.len()],
-            tag.as_bytes(),
-            "sector {s}"
-        );
-    }
-    assert!(bytes[512 * 8 * 512..].iter().all(|&b| b == 0));
+    assert_blkstream_image(&image, 512);
     std::fs::remove_dir_all(dir).unwrap();
 }
 

@@ -189,38 +189,15 @@ fn timer_interrupts_keep_coming_after_restore() {
 fn disk_being_written_holds_exactly_what_the_guest_wrote() {
     require_kvm();
     let dir = scratch("blk");
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
     let console = Console::default();
-    let mut config = probe_config("blkstream", 1, 64, &console);
-    config.cmdline.push_str(" probe.writes=512");
-    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    let (config, image) = blkstream_config(&dir, 512, &console);
     let vm = Vm::build(&config).unwrap();
     wait_progress(&console, "blkstream", "writes=128", T);
     snapshot_and_drop(vm, &dir);
     let run = restore_to_end(&config, &dir);
     let r = expect_probe_ok(&run, "blkstream");
     assert_eq!(r.field("written"), Some("512"));
-    let bytes = std::fs::read(&image).unwrap();
-    for s in 0..512 * 8u64 {
-        let sector = &bytes[s as usize * 512..(s as usize + 1) * 512];
-        let tag = format!("MVPROBE sector {s}");
-        assert_eq!(&sector[..tag.len()], tag.as_bytes(), "sector {s}");
-        for (i, &b) in sector.iter().enumerate().skip(tag.len() + 20) {
-            assert_eq!(
-                b,
-                (s as u8).wrapping_mul(31).wrapping_add(i as u8),
-                "sector {s} byte {i}"
-            );
-        }
-    }
-    assert!(
-        bytes[512 * 8 * 512..].iter().all(|&b| b == 0),
-        "written beyond what the guest wrote"
-    );
+    assert_blkstream_image(&image, 512);
     std::fs::remove_dir_all(dir).unwrap();
 }
 
