@@ -9,9 +9,10 @@
 //!
 //! Versions: 1 is the lifecycle above. 2 adds `Snapshot`, answered by zero or more
 //! `Event(SnapshotProgress)` lines on the same connection and then `Snapshot` (or `Error`).
-//! 3 adds live migration: `MigrateIn` on the target (answered at once with the address it
-//! listens on), `MigrateOut` on the source (zero or more `Event(MigrationProgress)` lines, then
-//! `Migration` or `Error`) and `MigrateCancel`. A
+//! 3 adds live migration: `PrepareMigrationTarget` on the target (answered at once with the
+//! address it listens on), `MigrateOut` on the source (zero or more `Event(MigrationProgress)`
+//! lines, then `Migration` or `Error`) and `CancelMigration`. Migration addresses are
+//! `tcp:HOST:PORT` (or plain `HOST:PORT`) and `unix:PATH`. A
 //! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
 //! `Hello` with the version the client asked for; a version-1 client sees version 1 exactly.
 
@@ -63,25 +64,25 @@ pub enum Request {
         #[serde(default)]
         stop: bool,
     },
-    /// Prepare to receive this VMI by live migration: listen on `listen` (`host:port`, port 0
-    /// for any) for one source. Since version 3.
-    MigrateIn {
+    /// Prepare to receive this VMI by live migration: listen on `listen` (`tcp:HOST:PORT`,
+    /// port 0 for any, or `unix:PATH`) for one source. Since version 3.
+    PrepareMigrationTarget {
         vmi: Box<VirtualMachineInstance>,
         listen: String,
         /// Mutual TLS for the migration stream; None: plain TCP (KubeVirt's `disableTLS`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tls: Option<MigrationTls>,
     },
-    /// Live-migrate the running VM to the target listening at `address`. Since version 3.
+    /// Live-migrate the running VM to the target listening at `target`. Since version 3.
     MigrateOut {
-        address: String,
+        target: String,
         #[serde(default)]
         options: MigrationOptions,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tls: Option<MigrationTls>,
     },
     /// Abort a running MigrateOut; the VM stays here. Since version 3.
-    MigrateCancel,
+    CancelMigration,
 }
 
 /// The certificates of a mutually authenticated migration stream, PEM-encoded: the CA both
@@ -124,9 +125,35 @@ pub struct MigrationOptions {
     /// Seconds per GiB of guest memory before the migration is cancelled (KubeVirt: 150).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_timeout_per_gib: Option<u64>,
-    /// Longest acceptable pause for the final copy, in milliseconds (default 300).
+    /// Longest acceptable pause for the final copy, in milliseconds (KubeVirt: 900).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_downtime_ms: Option<u64>,
+    /// Seconds without a new low of the data still to send before the migration is cancelled
+    /// (KubeVirt: 150).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_timeout_seconds: Option<u64>,
+    /// Throttle the vCPUs while the guest dirties memory faster than it is sent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_auto_converge: bool,
+}
+
+impl MigrationOptions {
+    /// Refuses values no migration can run with, naming the option.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.bandwidth_bytes_per_second == Some(0) {
+            return Err("bandwidth: 0 is not a limit a migration can finish under; leave it unset for unlimited".into());
+        }
+        if self.completion_timeout_per_gib == Some(0) {
+            return Err("completionTimeoutPerGiB: must be at least 1 second".into());
+        }
+        if self.progress_timeout_seconds == Some(0) {
+            return Err("progressTimeout: must be at least 1 second".into());
+        }
+        if self.max_downtime_ms == Some(0) {
+            return Err("maxDowntimeMs: must be at least 1 ms".into());
+        }
+        Ok(())
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -144,7 +171,7 @@ pub enum Response {
     Status(Box<StatusReport>),
     Event(Event),
     Snapshot(SnapshotReport),
-    /// MigrateIn: where the target listens.
+    /// PrepareMigrationTarget: where the target listens.
     MigrationListening {
         address: String,
     },
@@ -154,10 +181,16 @@ pub enum Response {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct MigrationReport {
-    pub rounds: u32,
+    /// Pre-copy passes, the first full one included.
+    pub passes: u32,
+    /// Bytes on the wire.
     pub bytes_sent: u64,
     pub total_ms: u64,
+    /// Source paused → target running, in milliseconds.
     pub downtime_ms: u64,
+    /// Auto-converge's highest vCPU throttle, in percent.
+    #[serde(default)]
+    pub max_throttle_percent: u8,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -183,7 +216,7 @@ pub enum VmState {
     Crashed,
     /// The VM now runs on another host.
     Migrated,
-    /// A MigrateIn target waiting for its source.
+    /// A PrepareMigrationTarget target waiting for its source.
     WaitingForMigration,
 }
 
@@ -253,14 +286,21 @@ pub enum Event {
         done: u64,
         total: u64,
     },
-    /// A migration's progress after each round (KubeVirt's migration metrics).
+    /// A migration's progress after each pass (KubeVirt's migration metrics).
     #[serde(rename_all = "camelCase")]
     MigrationProgress {
-        round: u32,
+        /// `pre-copy`, `completed`.
+        phase: String,
+        pass: u32,
         data_processed_bytes: u64,
         data_remaining_bytes: u64,
         dirty_memory_rate_bytes: u64,
         memory_transfer_rate_bytes: u64,
+        /// What the final pause would take if the migration stopped iterating now.
+        expected_downtime_ms: u64,
+        /// Auto-converge's vCPU throttle, in percent.
+        #[serde(default)]
+        throttle_percent: u8,
     },
     /// The VM left for another host, or arrived from one.
     MigratedOut,

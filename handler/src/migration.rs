@@ -1,6 +1,6 @@
 //! The migration legs. Target node: once virt-controller has handed a VMI over
 //! (`status.migrationState` names this node and a target Pod, the VMI is labelled
-//! `kubevirt.io/migrationTargetNodeName`), ask the target Pod's launcher to listen (MigrateIn)
+//! `kubevirt.io/migrationTargetNodeName`), ask the target Pod's launcher to listen (PrepareMigrationTarget)
 //! and publish `targetNodeAddress` (the Pod's IP and the port) → TargetReady. Source node: once
 //! the address is there, set `startTimestamp` (→ Running) and have the source launcher
 //! MigrateOut with the hand-off's migration configuration; set `completed` or `failed` with
@@ -44,6 +44,8 @@ pub fn options(ms: &MigrationState) -> MigrationOptions {
             .filter(|b| *b > 0),
         completion_timeout_per_gib: c.completion_timeout_per_gi_b.map(|s| s.max(1) as u64),
         max_downtime_ms: c.max_downtime_ms.map(|m| m.max(1) as u64),
+        progress_timeout_seconds: c.progress_timeout.map(|s| s.max(1) as u64),
+        allow_auto_converge: c.allow_auto_converge.unwrap_or(false),
     }
 }
 
@@ -113,7 +115,7 @@ pub async fn reconcile_target(
         None => {
             let mut l = LauncherClient::connect(&socket, ctx.config.launcher_timeout).await?;
             let listening = l
-                .call(&Request::MigrateIn {
+                .call(&Request::PrepareMigrationTarget {
                     vmi: Box::new((*vmi).clone()),
                     listen: "0.0.0.0:0".into(),
                     tls: ctx.config.migration_tls.clone(),
@@ -189,7 +191,7 @@ pub async fn source_leg(
         if running_here {
             // The migration was deleted or failed elsewhere: stop sending; the VM stays.
             if let Ok(mut l) = LauncherClient::connect(socket, ctx.config.launcher_timeout).await {
-                let _ = l.call(&Request::MigrateCancel).await;
+                let _ = l.call(&Request::CancelMigration).await;
             }
         }
         return Ok(false);
@@ -265,7 +267,7 @@ async fn migrate_out(
         .map_err(|e| e.to_string())?;
     let first = l
         .call(&Request::MigrateOut {
-            address: address.to_string(),
+            target: address.to_string(),
             options,
             tls,
         })
@@ -275,14 +277,17 @@ async fn migrate_out(
     loop {
         match answer {
             Response::Event(Event::MigrationProgress {
-                round,
+                phase,
+                pass,
                 data_processed_bytes,
                 data_remaining_bytes,
                 dirty_memory_rate_bytes,
                 memory_transfer_rate_bytes,
+                ..
             }) => {
                 tracing::debug!(
-                    round,
+                    %phase,
+                    pass,
                     data_processed_bytes,
                     data_remaining_bytes,
                     "migration progress"

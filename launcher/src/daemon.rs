@@ -55,10 +55,12 @@ struct Inner {
     grace_seconds: u64,
     console_input: Option<std::fs::File>,
     ephemeral: Vec<PathBuf>,
-    /// A MigrateIn listener is waiting for its source.
+    /// A PrepareMigrationTarget listener is waiting for its source.
     awaiting_migration: bool,
     /// Set to abort the MigrateOut in progress.
     migration_abort: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Where the VM went, once it has migrated away.
+    migrated_to: Option<String>,
 }
 
 /// A VMI ready to become a VM here: its config, and what to clean up if it never does.
@@ -197,28 +199,21 @@ impl Daemon {
             }
         }
         let p = self.prepare(vmi)?;
-        let listener = match std::net::TcpListener::bind(listen) {
+        let listener = match crate::migration_link::MigrationListener::bind(listen) {
             Ok(l) => l,
             Err(e) => {
                 p.discard();
-                return Err(format!("listen on {listen}: {e}"));
+                return Err(e);
             }
         };
-        let address = listener
-            .local_addr()
-            .map(|a| a.to_string())
-            .map_err(|e| e.to_string())?;
+        let address = listener.address();
         self.inner.lock().unwrap().awaiting_migration = true;
         let me = self.clone();
         std::thread::spawn(move || {
             let arrived = listener
-                .accept()
-                .map_err(|e| e.to_string())
-                .and_then(|(s, peer)| {
-                    tracing::info!(%peer, tls = tls.is_some(), "incoming migration");
-                    let mut s = crate::migration_tls::server(s, tls.as_ref())?;
-                    Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string())
-                });
+                .accept(tls.as_ref())
+                .and_then(|mut s| Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string()));
+            drop(listener);
             me.inner.lock().unwrap().awaiting_migration = false;
             match arrived {
                 Ok(vm) => {
@@ -244,48 +239,52 @@ impl Daemon {
         tls: Option<&MigrationTls>,
         progress: &mut dyn FnMut(Event),
     ) -> Result<MigrationReport, String> {
-        use std::net::ToSocketAddrs;
+        options.validate()?;
         let vm = self.vm()?;
-        let mut config = vmm::migration::MigrationConfig::default();
-        if let Some(ms) = options.max_downtime_ms {
-            config.max_downtime = Duration::from_millis(ms);
+        let config = migration_config(options, vm.info.memory_mib);
+        {
+            let mut g = self.inner.lock().unwrap();
+            if g.migration_abort.is_some() {
+                return Err("a migration of this VM is already in progress".into());
+            }
+            g.migration_abort = Some(config.abort.clone());
         }
-        config.bandwidth_limit = options.bandwidth_bytes_per_second.filter(|b| *b > 0);
-        config = config.with_timeout_per_gib(
-            options.completion_timeout_per_gib.unwrap_or(150),
-            vm.info.memory_mib,
-        );
-        self.inner.lock().unwrap().migration_abort = Some(config.abort.clone());
+        let mut paused_on_source = false;
         let result = (|| {
-            let addr = address
-                .to_socket_addrs()
-                .map_err(|e| format!("{address}: {e}"))?
-                .next()
-                .ok_or_else(|| format!("{address}: no address"))?;
-            let tcp = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10))
-                .map_err(|e| format!("connecting to {address}: {e}"))?;
-            let _ = tcp.set_nodelay(true);
-            let mut stream = crate::migration_tls::client(tcp, tls)?;
+            let mut stream = crate::migration_link::connect(address, tls)?;
             vm.migrate_out(&mut stream, &config, &mut |p| {
                 let e = Event::MigrationProgress {
-                    round: p.round,
+                    phase: p.phase.to_string(),
+                    pass: p.pass,
                     data_processed_bytes: p.data_processed_bytes,
                     data_remaining_bytes: p.data_remaining_bytes,
                     dirty_memory_rate_bytes: p.dirty_rate_bytes_per_s as u64,
                     memory_transfer_rate_bytes: p.transfer_rate_bytes_per_s as u64,
+                    expected_downtime_ms: p.expected_downtime.as_millis() as u64,
+                    throttle_percent: p.throttle_percent,
                 };
                 self.emit(e.clone());
                 progress(e);
             })
-            .map_err(|e| e.to_string())
+            .map_err(|e| {
+                paused_on_source = !e.vm_stays_on_source();
+                e.to_string()
+            })
         })();
+        if paused_on_source {
+            self.inner.lock().unwrap().paused = true;
+        }
         self.inner.lock().unwrap().migration_abort = None;
         match result {
-            Ok(s) => Ok(MigrationReport {
-                rounds: s.rounds,
-                bytes_sent: s.bytes_sent,
-                total_ms: s.total_time.as_millis() as u64,
-                downtime_ms: s.downtime.as_millis() as u64,
+            Ok(s) => Ok({
+                self.inner.lock().unwrap().migrated_to = Some(address.to_string());
+                MigrationReport {
+                    passes: s.passes,
+                    bytes_sent: s.bytes_sent,
+                    total_ms: s.total_time.as_millis() as u64,
+                    downtime_ms: s.downtime.as_millis() as u64,
+                    max_throttle_percent: s.max_throttle_percent,
+                }
             }),
             Err(reason) => {
                 self.emit(Event::MigrationFailed {
@@ -493,11 +492,13 @@ impl Daemon {
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
-            Request::MigrateIn { vmi, listen, tls } => match self.migrate_in(*vmi, &listen, tls) {
-                Ok(address) => Response::MigrationListening { address },
-                Err(message) => Response::Error { message },
-            },
-            Request::MigrateCancel => {
+            Request::PrepareMigrationTarget { vmi, listen, tls } => {
+                match self.migrate_in(*vmi, &listen, tls) {
+                    Ok(address) => Response::MigrationListening { address },
+                    Err(message) => Response::Error { message },
+                }
+            }
+            Request::CancelMigration => {
                 let abort = self.inner.lock().unwrap().migration_abort.clone();
                 match abort {
                     Some(a) => {
@@ -617,7 +618,9 @@ impl Daemon {
                         },
                     )?;
                 }
-                Request::MigrateIn { .. } | Request::MigrateOut { .. } | Request::MigrateCancel
+                Request::PrepareMigrationTarget { .. }
+                | Request::MigrateOut { .. }
+                | Request::CancelMigration
                     if version < MIGRATION_SINCE =>
                 {
                     send(
@@ -628,12 +631,12 @@ impl Daemon {
                     )?;
                 }
                 Request::MigrateOut {
-                    address,
+                    target,
                     options,
                     tls,
                 } => {
                     let mut sink = out.try_clone()?;
-                    let r = self.migrate_out(&address, &options, tls.as_ref(), &mut |e| {
+                    let r = self.migrate_out(&target, &options, tls.as_ref(), &mut |e| {
                         let _ = send(&mut sink, &Response::Event(e));
                     });
                     send(
@@ -661,6 +664,11 @@ impl Daemon {
                 }
             }
         }
+    }
+
+    /// The target the VM migrated to, once it has.
+    pub fn migrated_to(&self) -> Option<String> {
+        self.inner.lock().unwrap().migrated_to.clone()
     }
 
     /// The VM's end, once it has ended.
@@ -700,4 +708,24 @@ pub fn listen(daemon: Arc<Daemon>, socket: &Path) -> std::io::Result<()> {
         }
     });
     Ok(())
+}
+
+/// The VMM's migration settings from the protocol's options, KubeVirt's defaults for the rest.
+pub fn migration_config(
+    options: &MigrationOptions,
+    memory_mib: u64,
+) -> vmm::migration::MigrationConfig {
+    let mut config = vmm::migration::MigrationConfig::default();
+    if let Some(ms) = options.max_downtime_ms {
+        config.max_downtime = Duration::from_millis(ms);
+    }
+    if let Some(s) = options.progress_timeout_seconds {
+        config.progress_timeout = Duration::from_secs(s);
+    }
+    config.bandwidth_limit = options.bandwidth_bytes_per_second.filter(|b| *b > 0);
+    config.auto_converge = options.allow_auto_converge;
+    config.with_timeout_per_gib(
+        options.completion_timeout_per_gib.unwrap_or(150),
+        memory_mib,
+    )
 }

@@ -5,6 +5,7 @@ pub mod client;
 pub mod cloudinit;
 pub mod daemon;
 pub mod manifest;
+pub mod migration_link;
 pub mod migration_tls;
 pub mod network;
 pub mod translate;

@@ -38,12 +38,10 @@ enum Command {
     /// terminal; the machine continues where it was. The snapshot's own record of disks and
     /// NICs is used unless -f, --kernel, --disk or --net say otherwise.
     Restore(RestoreArgs),
-    /// Live-migrate the VM of a launcher serving --socket to a target (`receive`, or a daemon
-    /// given MigrateIn) listening at --to HOST:PORT.
+    /// Live-migrate the VM of a launcher serving --socket to a target (`run --incoming`, or a
+    /// daemon given PrepareMigrationTarget) listening at --to ADDR. Exit code 0 once the
+    /// target runs the VM; otherwise the reason, and the VM keeps running here.
     Migrate(MigrateArgs),
-    /// Wait on --listen HOST:PORT for one live migration of the VM that -f or --kernel ...
-    /// describe, then run it with the console on this terminal.
-    Receive(ReceiveArgs),
 }
 
 #[derive(Args)]
@@ -51,33 +49,28 @@ struct MigrateArgs {
     /// The control socket of the launcher running the VM.
     #[arg(long)]
     socket: PathBuf,
-    /// The target's migration address.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The target: tcp:HOST:PORT (or HOST:PORT) or unix:PATH.
+    #[arg(long, value_name = "ADDR")]
     to: String,
-    /// At most this many MiB/s.
-    #[arg(long, value_name = "MIB_PER_S")]
-    bandwidth: Option<u64>,
-    /// The longest pause the final copy may take, in ms [default: 300].
+    /// At most this much per second, a Kubernetes quantity (64Mi, 1G, ...) [default: unlimited].
+    #[arg(long, value_name = "QUANTITY")]
+    bandwidth: Option<String>,
+    /// The longest pause the final copy may take [default: 900, as KubeVirt].
     #[arg(long, value_name = "MS")]
-    max_downtime: Option<u64>,
+    max_downtime_ms: Option<u64>,
     /// Give up (the VM stays) after this many seconds per GiB of guest memory [default: 150].
     #[arg(long, value_name = "SECONDS")]
-    timeout_per_gib: Option<u64>,
+    completion_timeout_per_gib: Option<u64>,
+    /// Give up (the VM stays) when the data left to send has not shrunk for this long
+    /// [default: 150].
+    #[arg(long, value_name = "SECONDS")]
+    progress_timeout: Option<u64>,
+    /// Slow the vCPUs down in steps while the guest dirties memory faster than it is sent.
+    #[arg(long)]
+    auto_converge: bool,
     /// Mutual TLS: a directory with ca.crt, tls.crt and tls.key (see deploy/README.md).
     #[arg(long, value_name = "DIR")]
     tls_dir: Option<PathBuf>,
-}
-
-#[derive(Args)]
-struct ReceiveArgs {
-    /// Where to listen for the source.
-    #[arg(long, value_name = "HOST:PORT")]
-    listen: String,
-    /// Mutual TLS: a directory with ca.crt, tls.crt and tls.key (see deploy/README.md).
-    #[arg(long, value_name = "DIR")]
-    tls_dir: Option<PathBuf>,
-    #[command(flatten)]
-    run: RunArgs,
 }
 
 #[derive(Args)]
@@ -236,6 +229,14 @@ struct RunArgs {
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
+    /// Do not boot: wait at ADDR (tcp:HOST:PORT, HOST:PORT or unix:PATH) for one live
+    /// migration of the VM described by -f or --kernel ..., then run it here.
+    #[arg(long, value_name = "ADDR")]
+    incoming: Option<String>,
+    /// With --incoming: require mutual TLS with the certificates in DIR (ca.crt, tls.crt,
+    /// tls.key; see deploy/README.md).
+    #[arg(long, value_name = "DIR", requires = "incoming")]
+    tls_dir: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -247,7 +248,21 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Run(args) => launch(&args, Start::Boot),
+        Command::Run(args) => match &args.incoming {
+            None => launch(&args, Start::Boot),
+            Some(addr) => {
+                let tls = match args
+                    .tls_dir
+                    .as_deref()
+                    .map(api::protocol::MigrationTls::from_dir)
+                {
+                    None => None,
+                    Some(Ok(t)) => Some(t),
+                    Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
+                };
+                launch(&args, Start::Receive(addr.clone(), tls))
+            }
+        },
         Command::Daemon(args) => daemon(args),
         Command::Snapshot(args) => snapshot(args),
         Command::Restore(args) => {
@@ -255,18 +270,6 @@ fn main() -> ExitCode {
             launch(&args.run, Start::Restore(paths))
         }
         Command::Migrate(args) => migrate(args),
-        Command::Receive(args) => {
-            let tls = match args
-                .tls_dir
-                .as_deref()
-                .map(api::protocol::MigrationTls::from_dir)
-            {
-                None => None,
-                Some(Ok(t)) => Some(t),
-                Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
-            };
-            launch(&args.run, Start::Receive(args.listen.clone(), tls))
-        }
     }
 }
 
@@ -538,18 +541,18 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
         Start::Boot => Vm::build(&config),
         Start::Restore(paths) => Vm::restore(&config, paths),
         Start::Receive(listen, tls) => {
-            let listener = match std::net::TcpListener::bind(listen) {
+            let listener = match launcher::migration_link::MigrationListener::bind(listen) {
                 Ok(l) => l,
-                Err(e) => return bad_config(format!("--listen {listen}: {e}")),
+                Err(e) => return bad_config(format!("--incoming: {e}")),
             };
-            eprintln!("virt-launcher: waiting for a live migration on {listen}");
+            eprintln!(
+                "virt-launcher: waiting for a live migration on {}",
+                listener.address()
+            );
             let received = listener
-                .accept()
-                .map_err(|e| e.to_string())
-                .and_then(|(s, _)| {
-                    let mut s = launcher::migration_tls::server(s, tls.as_ref())?;
-                    Vm::migrate_in(&mut s, &config).map_err(|e| e.to_string())
-                });
+                .accept(tls.as_ref())
+                .and_then(|mut s| Vm::migrate_in(&mut s, &config).map_err(|e| e.to_string()));
+            drop(listener);
             match received {
                 Ok(vm) => {
                     eprintln!("virt-launcher: the VM arrived");
@@ -616,7 +619,10 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
     if let Some(socket) = &console.socket {
         let _ = std::fs::remove_file(socket);
     }
-    eprintln!("virt-launcher: {end}");
+    match (&end, daemon.as_ref().and_then(|d| d.migrated_to())) {
+        (vmm::VmEnd::Migrated, Some(to)) => eprintln!("virt-launcher: the VM migrated to {to}"),
+        _ => eprintln!("virt-launcher: {end}"),
+    }
     ExitCode::from(end.exit_code() as u8)
 }
 
@@ -703,33 +709,71 @@ fn migrate(args: MigrateArgs) -> ExitCode {
         Err(e) if e.starts_with("--socket") => return bad_config(e),
         Err(e) => return host_error(e),
     };
+    let bandwidth = match args.bandwidth.as_deref().map(api::quantity::parse_bytes) {
+        None => None,
+        Some(Ok(b)) => Some(b),
+        Some(Err(e)) => return bad_config(format!("--bandwidth: {e}")),
+    };
+    let options = MigrationOptions {
+        bandwidth_bytes_per_second: bandwidth,
+        completion_timeout_per_gib: args.completion_timeout_per_gib,
+        max_downtime_ms: args.max_downtime_ms,
+        progress_timeout_seconds: args.progress_timeout,
+        allow_auto_converge: args.auto_converge,
+    };
+    if let Err(e) = options.validate() {
+        return bad_config(format!("migrate: {e}"));
+    }
+    if let Err(e) = args
+        .to
+        .parse::<launcher::migration_link::MigrationAddress>()
+    {
+        return bad_config(format!("--to {e}"));
+    }
     let req = Request::MigrateOut {
-        address: args.to.clone(),
-        options: MigrationOptions {
-            bandwidth_bytes_per_second: args.bandwidth.map(|m| m << 20),
-            completion_timeout_per_gib: args.timeout_per_gib,
-            max_downtime_ms: args.max_downtime,
-        },
+        target: args.to.clone(),
+        options,
         tls,
     };
     if let Err(e) = c.send(&req) {
         return host_error(e);
     }
     let terminal = stderr_is_terminal();
+    let mut first_dirty = None;
     loop {
         match c.receive() {
             Ok(Response::Event(Event::MigrationProgress {
-                round,
+                phase,
+                pass,
                 data_processed_bytes,
                 data_remaining_bytes,
-                ..
+                memory_transfer_rate_bytes,
+                dirty_memory_rate_bytes,
+                expected_downtime_ms,
+                throttle_percent,
             })) => {
+                // The bar fills as the dirty set shrinks from what the first pass left over.
+                let base = *first_dirty.get_or_insert(data_remaining_bytes.max(1));
+                let done = 1.0 - (data_remaining_bytes as f64 / base as f64).clamp(0.0, 1.0);
+                let filled = (done * 20.0).round() as usize;
+                let line = format!(
+                    "[{}{}] {phase} pass {pass}: {} MiB sent, {} KiB dirty, {} MiB/s, dirtying {} MiB/s, downtime ~{expected_downtime_ms} ms{}",
+                    "#".repeat(filled),
+                    ".".repeat(20 - filled),
+                    data_processed_bytes >> 20,
+                    data_remaining_bytes >> 10,
+                    memory_transfer_rate_bytes >> 20,
+                    dirty_memory_rate_bytes >> 20,
+                    if throttle_percent > 0 {
+                        format!(", vCPUs throttled {throttle_percent}%")
+                    } else {
+                        String::new()
+                    }
+                );
                 if terminal {
-                    eprint!(
-                        "\rvirt-launcher: migration round {round}: {} MiB sent, {} MiB dirty",
-                        data_processed_bytes >> 20,
-                        data_remaining_bytes >> 20
-                    );
+                    eprint!("\r\x1b[Kvirt-launcher: {line}");
+                } else {
+                    eprintln!("virt-launcher: {line}");
                 }
             }
             Ok(Response::Event(_)) => {}
@@ -738,12 +782,17 @@ fn migrate(args: MigrateArgs) -> ExitCode {
                     eprintln!();
                 }
                 eprintln!(
-                    "virt-launcher: migrated to {} in {} ms ({} rounds, {} MiB sent, guest paused {} ms)",
+                    "virt-launcher: migrated to {} in {} ms: {} passes, {:.1} MiB on the wire, guest paused {} ms{}",
                     args.to,
                     r.total_ms,
-                    r.rounds,
-                    r.bytes_sent >> 20,
-                    r.downtime_ms
+                    r.passes,
+                    r.bytes_sent as f64 / (1u64 << 20) as f64,
+                    r.downtime_ms,
+                    if r.max_throttle_percent > 0 {
+                        format!(", vCPUs throttled up to {}%", r.max_throttle_percent)
+                    } else {
+                        String::new()
+                    }
                 );
                 return ExitCode::SUCCESS;
             }
@@ -751,7 +800,12 @@ fn migrate(args: MigrateArgs) -> ExitCode {
                 if terminal {
                     eprintln!();
                 }
-                return host_error(format!("migration: {message}; the VM keeps running here"));
+                let where_ = if message.contains("stays paused here") {
+                    ""
+                } else {
+                    "; the VM keeps running here"
+                };
+                return host_error(format!("{message}{where_}"));
             }
             Ok(other) => return host_error(format!("unexpected answer {other:?}")),
             Err(e) => return host_error(e),

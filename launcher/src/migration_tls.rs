@@ -4,7 +4,6 @@
 //! memory.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 
 use api::protocol::{MigrationTls, MIGRATION_TLS_NAME};
@@ -39,7 +38,10 @@ fn roots(tls: &MigrationTls) -> Result<rustls::RootCertStore, String> {
 }
 
 /// The target's end of an accepted connection.
-pub fn server(tcp: TcpStream, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+pub fn server<S: Read + Write + Send + 'static>(
+    tcp: S,
+    tls: Option<&MigrationTls>,
+) -> Result<Box<dyn Duplex>, String> {
     let Some(tls) = tls else {
         return Ok(Box::new(tcp));
     };
@@ -60,7 +62,10 @@ pub fn server(tcp: TcpStream, tls: Option<&MigrationTls>) -> Result<Box<dyn Dupl
 }
 
 /// The source's end of a connection to the target.
-pub fn client(tcp: TcpStream, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+pub fn client<S: Read + Write + Send + 'static>(
+    tcp: S,
+    tls: Option<&MigrationTls>,
+) -> Result<Box<dyn Duplex>, String> {
     let Some(tls) = tls else {
         return Ok(Box::new(tcp));
     };

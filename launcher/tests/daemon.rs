@@ -397,7 +397,7 @@ fn migrate_in_and_out_between_two_daemons() {
         Response::Ok
     );
     let mut cb = b.client();
-    let address = match cb.call(Request::MigrateIn {
+    let address = match cb.call(Request::PrepareMigrationTarget {
         vmi: Box::new(vmi),
         listen: "127.0.0.1:0".into(),
         tls: None,
@@ -406,9 +406,9 @@ fn migrate_in_and_out_between_two_daemons() {
         other => panic!("{other:?}"),
     };
     assert_eq!(cb.status().state, VmState::WaitingForMigration);
-    // A second MigrateIn while one waits is refused.
+    // A second PrepareMigrationTarget while one waits is refused.
     assert!(matches!(
-        b.client().call(Request::MigrateIn {
+        b.client().call(Request::PrepareMigrationTarget {
             vmi: Box::new(probe_vmi("dirty", 30)),
             listen: "127.0.0.1:0".into(),
             tls: None,
@@ -417,7 +417,7 @@ fn migrate_in_and_out_between_two_daemons() {
     ));
     std::thread::sleep(Duration::from_millis(500));
     ca.send(&Request::MigrateOut {
-        address,
+        target: address,
         options: MigrationOptions::default(),
         tls: None,
     });
@@ -512,7 +512,7 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
         Response::Ok
     );
     let ours = migration_tls();
-    let prepare = |tls: MigrationTls| match b.client().call(Request::MigrateIn {
+    let prepare = |tls: MigrationTls| match b.client().call(Request::PrepareMigrationTarget {
         vmi: Box::new(vmi.clone()),
         listen: "127.0.0.1:0".into(),
         tls: Some(tls),
@@ -522,7 +522,7 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
     };
     let migrate = |ca: &mut Client, address: String, tls: MigrationTls| {
         ca.send(&Request::MigrateOut {
-            address,
+            target: address,
             options: MigrationOptions::default(),
             tls: Some(tls),
         });

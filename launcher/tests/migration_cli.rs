@@ -1,5 +1,5 @@
 //! Live migration between two launcher processes in two network namespaces standing in for two
-//! nodes (joined by a veth pair): `run --socket` on node A, `receive --listen` on node B,
+//! nodes (joined by a veth pair): `run --socket` on node A, `run --incoming` on node B,
 //! `virt-launcher migrate` between them. The guest (the probe's `dirty` test) finishes on B.
 
 use std::path::{Path, PathBuf};
@@ -109,7 +109,7 @@ fn migrate_between_two_node_namespaces() {
     let (ca, cb) = (dir.join("a.log"), dir.join("b.log"));
     let (ca_s, cb_s) = (ca.display().to_string(), cb.display().to_string());
     let socket = dir.join("a.sock");
-    let mut target = in_ns(&n.b, &["receive", "--listen", "10.77.0.2:7301"])
+    let mut target = in_ns(&n.b, &["run", "--incoming", "tcp:10.77.0.2:7301"])
         .args(vm_args(&probe, &cb_s))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -137,7 +137,7 @@ fn migrate_between_two_node_namespaces() {
     let mut serr = String::new();
     std::io::Read::read_to_string(source.stderr.as_mut().unwrap(), &mut serr).unwrap();
     assert_eq!(s.code(), Some(0), "{serr}");
-    assert!(serr.contains("migrated to another host"), "{serr}");
+    assert!(serr.contains("the VM migrated to 10.77.0.2:7301"), "{serr}");
     let result = wait_for_line(&cb, "PROBE RESULT dirty");
     assert!(
         result.starts_with("PROBE RESULT dirty OK passes=150 cpus=2"),
@@ -168,7 +168,7 @@ fn a_refused_migration_keeps_the_vm_on_its_node() {
     // The target was prepared for a different machine (1 vCPU).
     let mut args_b = vm_args(&probe, &cb_s);
     args_b[5] = "1";
-    let mut target = in_ns(&n.b, &["receive", "--listen", "10.77.0.2:7302"])
+    let mut target = in_ns(&n.b, &["run", "--incoming", "10.77.0.2:7302"])
         .args(args_b)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -203,5 +203,95 @@ fn a_refused_migration_keeps_the_vm_on_its_node() {
     let result = wait_for_line(&ca, "PROBE RESULT dirty");
     assert!(result.starts_with("PROBE RESULT dirty OK"), "{result}");
     assert_eq!(source.wait().unwrap().code(), Some(0));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn launcher() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_virt-launcher"));
+    c.env("RUST_LOG", "error");
+    c
+}
+
+/// On one host over a unix socket, with the options a user tunes; and each bad input to
+/// `migrate` named in one line with nothing changed: the VM keeps running throughout.
+#[test]
+fn migrate_over_a_unix_socket_and_refuse_bad_options() {
+    tests::require_kvm();
+    let dir = scratch("unix");
+    let probe = tests::probe_path().display().to_string();
+    let (ca, cb) = (dir.join("a.log"), dir.join("b.log"));
+    let (ca_s, cb_s) = (ca.display().to_string(), cb.display().to_string());
+    let socket = dir.join("a.sock").display().to_string();
+    let incoming = dir.join("in.sock");
+    let mut source = launcher()
+        .args(["run", "--socket", &socket])
+        .args(vm_args(&probe, &ca_s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(Path::new(&socket), Duration::from_secs(10));
+    wait_for(&ca, "PROBE PROGRESS dirty pass=3\n");
+    let migrate = |extra: &[&str]| -> Output {
+        launcher()
+            .args(["migrate", "--socket", &socket])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let to = format!("unix:{}", incoming.display());
+    for (args, code, says) in [
+        (
+            vec!["--to", "nowhere"],
+            2,
+            "tcp:HOST:PORT, HOST:PORT or unix:PATH",
+        ),
+        (vec!["--to", &to, "--bandwidth=-5Mi"], 2, "--bandwidth"),
+        (vec!["--to", &to, "--bandwidth", "0"], 2, "bandwidth: 0"),
+        (
+            vec!["--to", &to, "--progress-timeout", "0"],
+            2,
+            "progressTimeout",
+        ),
+        (vec!["--to", &to], 1, "is it waiting?"),
+    ] {
+        let out = migrate(&args);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {said}");
+        assert!(said.contains(says), "{args:?}: {said}");
+        assert_eq!(said.trim().lines().count(), 1, "one line: {said}");
+    }
+    let mut target = launcher()
+        .args(["run", "--incoming", &to])
+        .args(vm_args(&probe, &cb_s))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(&incoming, Duration::from_secs(10));
+    let out = migrate(&[
+        "--to",
+        &to,
+        "--max-downtime-ms",
+        "50",
+        "--bandwidth",
+        "1Gi",
+        "--completion-timeout-per-gib",
+        "60",
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    // Not a terminal: one progress line per pass, then the summary.
+    assert!(said.contains("pre-copy pass 0:"), "{said}");
+    assert!(said.contains(&format!("migrated to {to} in ")), "{said}");
+    assert!(said.contains(" passes, "), "{said}");
+    assert_eq!(source.wait().unwrap().code(), Some(0));
+    let mut serr = String::new();
+    std::io::Read::read_to_string(source.stderr.as_mut().unwrap(), &mut serr).unwrap();
+    assert!(serr.contains(&format!("the VM migrated to {to}")), "{serr}");
+    let result = wait_for_line(&cb, "PROBE RESULT dirty");
+    assert!(result.starts_with("PROBE RESULT dirty OK"), "{result}");
+    assert_eq!(target.wait().unwrap().code(), Some(0));
+    assert!(!incoming.exists(), "the listener's socket file is removed");
     std::fs::remove_dir_all(dir).unwrap();
 }

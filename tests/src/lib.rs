@@ -86,6 +86,12 @@ pub fn wait_for_path(path: &Path, timeout: Duration) {
 #[derive(Clone, Default)]
 pub struct Console(Arc<Mutex<Vec<u8>>>);
 
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Console({} bytes)", self.len())
+    }
+}
+
 impl Console {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()

@@ -262,10 +262,11 @@ fn linux_mounts_root_from_virtio_blk_and_gets_dhcp_over_virtio_net() {
 }
 
 /// Snapshots a Linux guest mid-boot, once it has probed its virtio-blk root disk, ends that VM
-/// and restores the snapshot in a new one, which must carry on to mount the root file system
-/// and run init. Like `boot_to`, a lost attempt (the emulated host's problem) gets one more try.
+/// and restores the snapshot in a new one; once that one runs, live-migrates it to a third VM
+/// over TCP, which must carry on to mount the root file system and run init. Like `boot_to`, a
+/// lost attempt (the emulated host's problem) gets one more try.
 #[test]
-fn linux_snapshotted_mid_boot_reaches_init_after_restore() {
+fn linux_snapshotted_then_migrated_mid_boot_reaches_init() {
     require_kvm();
     let (profile, extra) = linux_profile();
     let images = build_guest_image(&["linux", profile]);
@@ -310,9 +311,38 @@ fn linux_snapshotted_mid_boot_reaches_init_after_restore() {
         let console2 = Console::default();
         let mut config2 = config.clone();
         config2.serial.output = console2.output();
-        let vm = Vm::restore(&config2, &vmm::SnapshotPaths::in_dir(&dir)).expect("restore");
-        let (mut last_len, mut last_change) = (0, std::time::Instant::now());
+        let restored = Vm::restore(&config2, &vmm::SnapshotPaths::in_dir(&dir)).expect("restore");
         let start = std::time::Instant::now();
+        while console2.is_empty() && start.elapsed() < LIMIT / 4 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // The restored guest runs: move it.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let console3 = Console::default();
+        let mut config3 = config.clone();
+        config3.serial.output = console3.output();
+        let receiver = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            Vm::migrate_in(&mut s, &config3)
+        });
+        let migrated = restored.migrate_out(
+            &mut std::net::TcpStream::connect(addr).unwrap(),
+            &vmm::migration::MigrationConfig::default(),
+            &mut |_| {},
+        );
+        let vm = match (migrated, receiver.join().unwrap()) {
+            (Ok(_), Ok(vm)) => vm,
+            (a, b) => panic!(
+                "migration mid-boot: source {:?}, target {:?}",
+                a.err(),
+                b.err()
+            ),
+        };
+        drop(restored);
+        let restored_console = console2;
+        let console2 = console3;
+        let (mut last_len, mut last_change) = (0, std::time::Instant::now());
         let reached = loop {
             if console2.text().contains(" as init process") {
                 break true;
@@ -331,19 +361,20 @@ fn linux_snapshotted_mid_boot_reaches_init_after_restore() {
         vm.stop();
         let after = console2.text();
         if reached {
+            let both = restored_console.text() + &after;
             assert!(
-                after.contains("VFS: Mounted root (ext4 filesystem)"),
-                "root not mounted after the restore:\n{after}"
+                both.contains("VFS: Mounted root (ext4 filesystem)"),
+                "root not mounted after the restore:\n{both}"
             );
             assert!(
                 !after.contains("Linux version"),
-                "the restored guest booted again:\n{after}"
+                "the restored or migrated guest booted again:\n{after}"
             );
             assert!(stats.memory_written_bytes < 256 << 20);
             std::fs::remove_dir_all(&dir).unwrap();
             return;
         }
-        reports.push(format!("attempt {attempt}: the restored guest did not reach init (end {end:?}); before the snapshot:\n{before}\n--- after the restore:\n{after}"));
+        reports.push(format!("attempt {attempt}: the migrated guest did not reach init (end {end:?}); before the snapshot:\n{before}\n--- on the migration target:\n{after}"));
     }
     panic!("{}", reports.join("\n----- next attempt -----\n"));
 }

@@ -303,7 +303,7 @@ fn bad_snapshots_are_refused_with_a_clear_error() {
     let paths = SnapshotPaths::in_dir(&dir);
     let good = std::fs::read(&paths.state).unwrap();
     let refuse = |c: &VmConfig, expect: &str| {
-        let e = Vm::restore(c, &paths).err().expect("must be refused");
+        let e = Vm::restore(c, &paths).expect_err("must be refused");
         assert!(e.is_config_error(), "{e}");
         assert!(
             e.to_string().contains(expect),

@@ -115,7 +115,7 @@ fn a_disk_in_use_by_another_vm_is_refused() {
     first_cfg.disks = vec![DiskConfig::new(&a)];
     require_kvm();
     let first = Vm::build(&first_cfg).unwrap();
-    let err = Vm::build(&cfg).err().expect("second VM must be refused");
+    let err = Vm::build(&cfg).expect_err("second VM must be refused");
     assert!(err.is_config_error());
     assert_eq!(
         err.to_string(),

@@ -116,7 +116,7 @@ fn missing_and_busy_taps_are_refused() {
             tap: TapSource::Name("nosuchtap".into()),
             mac: None,
         }];
-        let e = Vm::build(&cfg).err().expect("missing TAP must be refused");
+        let e = Vm::build(&cfg).expect_err("missing TAP must be refused");
         assert!(e.is_config_error());
         assert!(
             e.to_string()
@@ -134,7 +134,7 @@ fn missing_and_busy_taps_are_refused() {
             tap: TapSource::Name("mvbusy".into()),
             mac: None,
         }];
-        let e = Vm::build(&cfg).err().expect("busy TAP must be refused");
+        let e = Vm::build(&cfg).expect_err("busy TAP must be refused");
         assert_eq!(
             e.to_string(),
             "--net tap=mvbusy: busy (another process has it open)"

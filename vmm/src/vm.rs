@@ -111,6 +111,16 @@ pub struct Vm {
     pub(crate) lifecycle: Mutex<()>,
 }
 
+impl std::fmt::Debug for Vm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vm")
+            .field("info", &self.info)
+            .field("state", &self.control.state())
+            .field("end", &self.end.get())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Vm {
     /// The VM's virtio-net devices, in guest order.
     pub fn nets(&self) -> &[Arc<Mutex<Net>>] {
@@ -327,6 +337,57 @@ impl Vm {
             }
         }
         Ok(())
+    }
+
+    /// Flushes every disk and releases its lock (a migration source at switch-over).
+    pub fn release_disks(&self) -> Result<(), VmError> {
+        for b in &self.blocks {
+            let r = b.lock().unwrap_or_else(|p| p.into_inner()).disk().release();
+            r.map_err(|e| VmError::Device(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Announces every NIC's MAC from this host (after a migration): one RARP at once and four
+    /// more 100 ms apart, from a thread of its own, as QEMU does, so a lost frame or a switch
+    /// still learning does not leave the guest unreachable until it sends something itself.
+    pub fn announce_network(&self) {
+        if self.nets.is_empty() {
+            return;
+        }
+        let nets = self.nets.clone();
+        let spawned = std::thread::Builder::new()
+            .name("net-announce".into())
+            .spawn(move || {
+                for round in 0..5 {
+                    if round > 0 {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    for n in &nets {
+                        let n = n.lock().unwrap_or_else(|p| p.into_inner());
+                        if let Err(e) = n.announce() {
+                            tracing::debug!(nic = %n.id, "announce: {e}");
+                        }
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("network announce thread: {e}");
+        }
+    }
+
+    /// Keeps the vCPUs out of guest mode for `d` (devices keep running): auto-converge's
+    /// throttle. Does nothing unless the VM is running.
+    pub(crate) fn hold_vcpus(&self, d: Duration) {
+        let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
+        if self.control.state() != RunState::Running {
+            return;
+        }
+        self.pause_vcpus();
+        std::thread::sleep(d);
+        if self.control.state() == RunState::Paused {
+            self.control.set(RunState::Running);
+        }
     }
 
     /// Presses Ctrl-Alt-Del on the guest's keyboard: how a guest without ACPI is asked to shut

@@ -10,8 +10,7 @@
 //!   boot timer; Firecracker: spawn → PUT /snapshot/load with resume_vm answered);
 //! - state file size, and the memory file's apparent and allocated sizes.
 //!
-//! Then microvirt's live migration of the same guests between two launchers on loopback (total
-//! time, guest downtime, bytes sent); Firecracker has no live migration to set beside it.
+//! Live migration is measured by `migration-bench` (against QEMU: Firecracker has none).
 //!
 //! Medians of BENCH_RUNS (default 3) runs. Guest speed means nothing on a software-emulated
 //! host; these are the VMMs' own costs.
@@ -20,34 +19,11 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use bench::{launcher_path, median};
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn wait_for_path(p: &Path) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !p.exists() {
-        if Instant::now() > deadline {
-            bail!("{} never appeared", p.display());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    Ok(())
-}
-
-fn kill(mut c: Child) {
-    let _ = c.kill();
-    let _ = c.wait();
-}
+use bench::{env_or, kill, launcher_path, linux_guest, median, wait_for_path, Guest};
 
 #[derive(Default, Clone, Copy)]
 struct Sample {
@@ -65,11 +41,6 @@ fn sizes(state: &Path, memory: &Path) -> Result<(u64, u64, u64)> {
     let s = std::fs::metadata(state)?;
     let m = std::fs::metadata(memory)?;
     Ok((s.len(), m.len(), m.blocks() * 512))
-}
-
-struct Guest {
-    kernel: PathBuf,
-    cmdline: String,
 }
 
 fn microvirt(launcher: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration) -> Result<Sample> {
@@ -266,65 +237,6 @@ fn firecracker(fc: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration) -> 
     })
 }
 
-/// Live migration between two launchers over loopback: (total ms, downtime ms, MiB sent).
-fn microvirt_migration(
-    launcher: &Path,
-    g: &Guest,
-    mib: u64,
-    dir: &Path,
-    settle: Duration,
-    port: u16,
-) -> Result<(f64, f64, f64)> {
-    let sock = dir.join("mig.sock");
-    let _ = std::fs::remove_file(&sock);
-    let mem = mib.to_string();
-    let common = |c: &mut Command| {
-        c.arg("--kernel")
-            .arg(&g.kernel)
-            .args(["--cmdline", &g.cmdline, "--memory", &mem])
-            .args(["--no-console-input", "--console-log", "/dev/null"])
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-    };
-    let mut target = Command::new(launcher);
-    target.args(["receive", "--listen", &format!("127.0.0.1:{port}")]);
-    common(&mut target);
-    let target = target.spawn()?;
-    let mut source = Command::new(launcher);
-    source.arg("run").arg("--socket").arg(&sock);
-    common(&mut source);
-    let source = source.spawn()?;
-    wait_for_path(&sock)?;
-    std::thread::sleep(settle);
-    let out = Command::new(launcher)
-        .args(["migrate", "--socket"])
-        .arg(&sock)
-        .args(["--to", &format!("127.0.0.1:{port}")])
-        .output()?;
-    kill(source);
-    kill(target);
-    let said = String::from_utf8_lossy(&out.stderr).to_string();
-    if !out.status.success() {
-        bail!("microvirt migration failed: {said}");
-    }
-    // "migrated to ADDR in T ms (R rounds, M MiB sent, guest paused D ms)"
-    let num = |after: &str, before: &str| -> Result<f64> {
-        Ok(said
-            .split(after)
-            .nth(1)
-            .and_then(|s| s.split(before).next())
-            .context("unexpected migrate output")?
-            .trim()
-            .parse()?)
-    };
-    Ok((
-        num(" in ", " ms")?,
-        num("guest paused ", " ms")?,
-        num("rounds, ", " MiB")?,
-    ))
-}
-
 fn main() -> Result<()> {
     let runs = env_or("BENCH_RUNS", 3).max(1) as usize;
     let settle = Duration::from_millis(env_or("BENCH_SETTLE_MS", 3000));
@@ -335,21 +247,7 @@ fn main() -> Result<()> {
     if !fc.exists() {
         bail!("no Firecracker at {} (set FIRECRACKER)", fc.display());
     }
-    let emulated = vmm::KvmContext::open()?.acceleration.is_software_emulated();
-    let profile = if emulated {
-        "emulated-kvm"
-    } else {
-        "production"
-    };
-    let kernel = tests::build_guest_image(&["linux", profile]).remove(0);
-    let mut cmdline = "console=ttyS0 reboot=k panic=-1".to_string();
-    if emulated {
-        let extra = std::fs::read_to_string(
-            tests::repo_root().join("guest-images/linux/profiles/emulated-kvm.cmdline"),
-        )?;
-        cmdline = format!("{cmdline} {}", extra.trim());
-    }
-    let guest = Guest { kernel, cmdline };
+    let (guest, profile, emulated) = linux_guest()?;
     let dir = std::env::temp_dir().join(format!("mv-snapshot-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
 
@@ -387,28 +285,6 @@ fn main() -> Result<()> {
             ratio(&mv, &f, |s| s.restore_ms),
             mv[0].state_bytes as f64 / f[0].state_bytes as f64,
             mv[0].mem_allocated as f64 / f[0].mem_allocated.max(1) as f64,
-        );
-    }
-    println!("\nlive migration (microvirt, two launchers on loopback, the same guest after the same settle time)\n");
-    println!("| guest | total | guest paused | sent |");
-    println!("| ---: | ---: | ---: | ---: |");
-    for (i, mib) in [256u64, 1024, 4096].into_iter().enumerate() {
-        let mut runs_ = Vec::new();
-        for r in 0..runs {
-            runs_.push(microvirt_migration(
-                &launcher,
-                &guest,
-                mib,
-                &dir,
-                settle,
-                7400 + (i * 10 + r) as u16,
-            )?);
-        }
-        println!(
-            "| {mib} MiB | {:.0} ms | {:.0} ms | {:.0} MiB |",
-            median(runs_.iter().map(|x| x.0).collect()),
-            median(runs_.iter().map(|x| x.1).collect()),
-            median(runs_.iter().map(|x| x.2).collect()),
         );
     }
     println!("\nmicrovirt's restore without the host's memory-slot time is the VMM's own cost (target ≤ 5 ms at 256 MiB, flat in guest size).");

@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! stream:  magic "MVRTMIGR" | protocol version (u32 LE)          (source → target, once)
-//! frame:   kind (u8) | payload length (u32 LE) | payload
+//! frame:   kind (u8) | payload length (u32 LE) | CRC-32 of kind, length, payload (u32 LE) | payload
 //! source → target: Hello (postcard `Hello`), Pages (runs of `gpa u64 | pages u32 | bytes`),
-//!                  State (a state file's bytes, checksummed), Go, Cancel (UTF-8 reason)
-//! target → source: Ready, Refuse (reason), Restored, Failed (reason)
+//!                  State (a state file's bytes), Go, Cancel (UTF-8 reason)
+//! target → source: Ready, Refuse (reason), Restored, Failed (reason), Running
 //! ```
-//! The target treats everything it reads as hostile: frame lengths are capped, every page run
-//! must lie inside guest RAM, and the state is checked like a state file.
+//! The target treats everything it reads as hostile: frame lengths are capped before anything
+//! is allocated, every frame's checksum is verified before it is looked at (a flipped bit on a
+//! link TLS does not cover must not land in guest memory), every page run must lie inside
+//! guest RAM, and the state is checked like a state file.
 
 use std::io::{Read, Write};
 
@@ -17,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use crate::memory::{RegionLayout, PAGE_SIZE};
 
 pub const MAGIC: [u8; 8] = *b"MVRTMIGR";
-pub const PROTOCOL: u32 = 1;
+/// 2: every frame checksummed; the target confirms with Running after Go.
+pub const PROTOCOL: u32 = 2;
 /// No frame is larger: a Pages frame carries at most `MAX_RUN_PAGES` pages plus run headers.
 pub const MAX_FRAME: u32 = 16 << 20;
 /// Pages per run the sender writes (a run never crosses a region).
@@ -35,10 +38,11 @@ pub enum Kind {
     Refuse = 11,
     Restored = 12,
     Failed = 13,
+    Running = 14,
 }
 
 impl Kind {
-    fn from_u8(b: u8) -> Option<Kind> {
+    pub(crate) fn from_u8(b: u8) -> Option<Kind> {
         Some(match b {
             1 => Kind::Hello,
             2 => Kind::Pages,
@@ -49,6 +53,7 @@ impl Kind {
             11 => Kind::Refuse,
             12 => Kind::Restored,
             13 => Kind::Failed,
+            14 => Kind::Running,
             _ => return None,
         })
     }
@@ -81,6 +86,8 @@ pub enum WireError {
     Unexpected { expected: &'static str, got: Kind },
     #[error("page run at {gpa:#x} of {pages} pages is not inside guest RAM")]
     OutOfRange { gpa: u64, pages: u32 },
+    #[error("{0:?} frame fails its checksum (corrupted on the way)")]
+    Checksum(Kind),
     #[error("malformed {0} frame")]
     Malformed(&'static str),
 }
@@ -103,25 +110,41 @@ pub fn read_header(r: &mut impl Read) -> Result<(), WireError> {
     Ok(())
 }
 
+/// Bytes before a frame's payload.
+pub const FRAME_HEADER: usize = 9;
+
+fn frame_crc(head: &[u8], payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(head);
+    h.update(payload);
+    h.finalize()
+}
+
 pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> std::io::Result<()> {
-    let mut h = [0u8; 5];
+    let mut h = [0u8; FRAME_HEADER];
     h[0] = kind as u8;
-    h[1..].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    h[1..5].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    let crc = frame_crc(&h[..5], payload);
+    h[5..].copy_from_slice(&crc.to_le_bytes());
     w.write_all(&h)?;
     w.write_all(payload)
 }
 
-/// Reads one frame, refusing unknown kinds and oversized lengths before allocating.
+/// Reads one frame, refusing unknown kinds and oversized lengths before allocating, and a
+/// payload that does not match its checksum.
 pub fn read_frame(r: &mut impl Read) -> Result<(Kind, Vec<u8>), WireError> {
-    let mut h = [0u8; 5];
+    let mut h = [0u8; FRAME_HEADER];
     r.read_exact(&mut h)?;
     let kind = Kind::from_u8(h[0]).ok_or(WireError::Kind(h[0]))?;
-    let len = u32::from_le_bytes(h[1..].try_into().unwrap());
+    let len = u32::from_le_bytes(h[1..5].try_into().unwrap());
     if len > MAX_FRAME {
         return Err(WireError::TooLarge(len));
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload)?;
+    if frame_crc(&h[..5], &payload) != u32::from_le_bytes(h[5..].try_into().unwrap()) {
+        return Err(WireError::Checksum(kind));
+    }
     Ok((kind, payload))
 }
 
@@ -203,7 +226,7 @@ impl PagesWriter {
             return Ok(());
         }
         write_frame(w, Kind::Pages, &self.buf)?;
-        self.bytes_sent += self.buf.len() as u64 + 5;
+        self.bytes_sent += (self.buf.len() + FRAME_HEADER) as u64;
         self.buf.clear();
         Ok(())
     }
@@ -275,14 +298,27 @@ mod tests {
         ));
         let mut f = vec![Kind::State as u8];
         f.extend_from_slice(&(MAX_FRAME + 1).to_le_bytes());
+        f.extend_from_slice(&[0; 4]);
         assert!(matches!(
             read_frame(&mut &f[..]),
             Err(WireError::TooLarge(_))
         ));
         assert!(matches!(
-            read_frame(&mut &[99u8, 0, 0, 0, 0][..]),
+            read_frame(&mut &[99u8, 0, 0, 0, 0, 0, 0, 0, 0][..]),
             Err(WireError::Kind(99))
         ));
+        // One flipped bit anywhere in a frame: refused.
+        let mut f = Vec::new();
+        write_frame(&mut f, Kind::Pages, &[7u8; 64]).unwrap();
+        for bit in [9 * 8, 20 * 8 + 3, (f.len() - 1) * 8 + 7, 5 * 8] {
+            let mut g = f.clone();
+            g[bit / 8] ^= 1 << (bit % 8);
+            assert!(matches!(
+                read_frame(&mut &g[..]),
+                Err(WireError::Checksum(Kind::Pages))
+            ));
+        }
+        assert_eq!(read_frame(&mut &f[..]).unwrap().1, vec![7u8; 64]);
     }
 
     proptest! {

@@ -118,6 +118,23 @@ impl Disk {
         Ok(())
     }
 
+    /// Flushes what the guest wrote and lets go of the lock: a migration source hands the
+    /// disk to its target at switch-over.
+    pub fn release(&self) -> Result<(), DiskError> {
+        let err = |e: std::io::Error| DiskError::Open {
+            path: self.path.display().to_string(),
+            reason: e.to_string(),
+        };
+        if !self.read_only {
+            self.file.sync_data().map_err(err)?;
+        }
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) } != 0 {
+            return Err(err(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     pub fn sectors(&self) -> u64 {
         self.size >> super::request::SECTOR_SHIFT
     }

@@ -43,6 +43,22 @@ pub const MAX_FRAME: usize = VNET_HDR_LEN + 65_535 + 14 + 4;
 
 pub use crate::config::MacAddr;
 
+/// A RARP "request reverse" frame from `mac` (RFC 903), padded to Ethernet's minimum and
+/// preceded by the zero virtio-net header the TAP expects.
+pub fn rarp_frame(mac: MacAddr) -> Vec<u8> {
+    let mut f = vec![0u8; VNET_HDR_LEN];
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&mac.0);
+    f.extend_from_slice(&[0x80, 0x35]); // EtherType RARP
+    f.extend_from_slice(&[0, 1, 0x08, 0, 6, 4, 0, 3]); // Ethernet/IPv4, op 3: request reverse
+    f.extend_from_slice(&mac.0); // sender hardware address
+    f.extend_from_slice(&[0; 4]);
+    f.extend_from_slice(&mac.0); // target hardware address
+    f.extend_from_slice(&[0; 4]);
+    f.resize(VNET_HDR_LEN + 60, 0);
+    f
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetCounters {
     pub rx_frames: u64,
@@ -118,6 +134,16 @@ impl Net {
 
     pub fn tap(&self) -> &Tap {
         &self.tap
+    }
+
+    /// Tells the network where the guest now is, after a migration: a RARP from the guest's
+    /// MAC written into the TAP, as if the guest had sent it, so bridges and switches move the
+    /// MAC to this port at once instead of when the guest next talks. The guest driver is not
+    /// involved (no VIRTIO_NET_F_GUEST_ANNOUNCE, which needs a control queue), so this works
+    /// for every guest.
+    pub fn announce(&self) -> std::io::Result<()> {
+        self.tap.write(&rarp_frame(self.mac))?;
+        Ok(())
     }
 
     /// Moves frames from the TAP into available receive buffers until either runs out.

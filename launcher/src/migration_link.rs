@@ -1,0 +1,183 @@
+//! Where a migration stream goes: `tcp:HOST:PORT` (or plain `HOST:PORT`) between nodes, or
+//! `unix:PATH` on one host; optionally wrapped in mutual TLS (`migration_tls`).
+//!
+//! Both ends get read and write timeouts: a link that goes silent (a cut cable, a node gone
+//! without a reset) must fail the migration in bounded time, not hang it in the kernel's TCP
+//! retransmissions for a quarter of an hour with the guest paused.
+
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use api::protocol::MigrationTls;
+
+use crate::migration_tls::{self, Duplex};
+
+/// How long either end waits for the other before the migration fails.
+pub const LINK_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MigrationAddress {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl std::str::FromStr for MigrationAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(format!("{s:?}: unix: needs a socket path"));
+            }
+            return Ok(MigrationAddress::Unix(path.into()));
+        }
+        let hostport = s.strip_prefix("tcp:").unwrap_or(s);
+        match hostport.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(MigrationAddress::Tcp(hostport.to_string()))
+            }
+            _ => Err(format!(
+                "{s:?}: a migration address is tcp:HOST:PORT, HOST:PORT or unix:PATH"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for MigrationAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MigrationAddress::Tcp(a) => f.write_str(a),
+            MigrationAddress::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A bound migration listener. A unix socket file is removed when it is dropped.
+pub enum MigrationListener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl MigrationListener {
+    pub fn bind(address: &str) -> Result<MigrationListener, String> {
+        match address.parse::<MigrationAddress>()? {
+            MigrationAddress::Tcp(a) => TcpListener::bind(&a)
+                .map(MigrationListener::Tcp)
+                .map_err(|e| format!("cannot listen on {a}: {e}")),
+            MigrationAddress::Unix(p) => UnixListener::bind(&p)
+                .map(|l| MigrationListener::Unix(l, p.clone()))
+                .map_err(|e| format!("cannot listen on unix:{}: {e}", p.display())),
+        }
+    }
+
+    /// Where the source must connect (a TCP port 0 resolved to the port the kernel chose).
+    pub fn address(&self) -> String {
+        match self {
+            MigrationListener::Tcp(l) => l
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|e| format!("<unknown: {e}>")),
+            MigrationListener::Unix(_, p) => MigrationAddress::Unix(p.clone()).to_string(),
+        }
+    }
+
+    /// Waits for the source and returns its stream (TLS when `tls` is given).
+    pub fn accept(&self, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+        match self {
+            MigrationListener::Tcp(l) => {
+                let (s, peer) = l.accept().map_err(|e| format!("accept: {e}"))?;
+                tracing::info!(%peer, tls = tls.is_some(), "incoming migration");
+                let _ = s.set_nodelay(true);
+                set_timeouts_tcp(&s)?;
+                migration_tls::server(s, tls)
+            }
+            MigrationListener::Unix(l, p) => {
+                let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+                tracing::info!(path = %p.display(), tls = tls.is_some(), "incoming migration");
+                set_timeouts_unix(&s)?;
+                migration_tls::server(s, tls)
+            }
+        }
+    }
+}
+
+impl Drop for MigrationListener {
+    fn drop(&mut self) {
+        if let MigrationListener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn set_timeouts_tcp(s: &TcpStream) -> Result<(), String> {
+    s.set_read_timeout(Some(LINK_TIMEOUT))
+        .and_then(|()| s.set_write_timeout(Some(LINK_TIMEOUT)))
+        .map_err(|e| e.to_string())
+}
+
+fn set_timeouts_unix(s: &UnixStream) -> Result<(), String> {
+    s.set_read_timeout(Some(LINK_TIMEOUT))
+        .and_then(|()| s.set_write_timeout(Some(LINK_TIMEOUT)))
+        .map_err(|e| e.to_string())
+}
+
+/// Connects to a target's listener.
+pub fn connect(address: &str, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+    match address.parse::<MigrationAddress>()? {
+        MigrationAddress::Tcp(a) => {
+            let addr = a
+                .to_socket_addrs()
+                .map_err(|e| format!("{a}: {e}"))?
+                .next()
+                .ok_or_else(|| format!("{a}: no address"))?;
+            let s = TcpStream::connect_timeout(&addr, Duration::from_secs(10)).map_err(|e| {
+                format!("cannot reach the migration target at {a}: {e} (is it waiting?)")
+            })?;
+            let _ = s.set_nodelay(true);
+            set_timeouts_tcp(&s)?;
+            migration_tls::client(s, tls)
+        }
+        MigrationAddress::Unix(p) => {
+            let s = UnixStream::connect(&p).map_err(|e| {
+                format!(
+                    "cannot reach the migration target at unix:{}: {e} (is it waiting?)",
+                    p.display()
+                )
+            })?;
+            set_timeouts_unix(&s)?;
+            migration_tls::client(s, tls)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses() {
+        for (s, want) in [
+            (
+                "tcp:10.0.0.1:4000",
+                MigrationAddress::Tcp("10.0.0.1:4000".into()),
+            ),
+            ("127.0.0.1:0", MigrationAddress::Tcp("127.0.0.1:0".into())),
+            ("tcp:[::1]:9", MigrationAddress::Tcp("[::1]:9".into())),
+            (
+                "unix:/run/m.sock",
+                MigrationAddress::Unix("/run/m.sock".into()),
+            ),
+        ] {
+            assert_eq!(s.parse::<MigrationAddress>().unwrap(), want, "{s}");
+        }
+        for bad in ["unix:", "localhost", "tcp:host:port", ":80", "tcp:h:70000"] {
+            let e = bad.parse::<MigrationAddress>().unwrap_err();
+            assert!(
+                e.contains("tcp:HOST:PORT") || e.contains("socket path"),
+                "{e}"
+            );
+        }
+    }
+}
