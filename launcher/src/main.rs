@@ -251,14 +251,9 @@ fn main() -> ExitCode {
         Command::Run(args) => match &args.incoming {
             None => launch(&args, Start::Boot),
             Some(addr) => {
-                let tls = match args
-                    .tls_dir
-                    .as_deref()
-                    .map(api::protocol::MigrationTls::from_dir)
-                {
-                    None => None,
-                    Some(Ok(t)) => Some(t),
-                    Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
+                let tls = match tls_from(args.tls_dir.as_deref()) {
+                    Ok(t) => t,
+                    Err(code) => return code,
                 };
                 launch(&args, Start::Receive(addr.clone(), tls))
             }
@@ -692,17 +687,21 @@ fn stderr_is_terminal() -> bool {
     unsafe { libc::isatty(2) == 1 }
 }
 
+/// `--tls-dir`: the migration certificates in DIR, if given.
+fn tls_from(
+    dir: Option<&std::path::Path>,
+) -> Result<Option<api::protocol::MigrationTls>, ExitCode> {
+    dir.map(api::protocol::MigrationTls::from_dir)
+        .transpose()
+        .map_err(|e| bad_config(format!("--tls-dir: {e}")))
+}
+
 /// `migrate`: asks the launcher on --socket to live-migrate its VM to --to.
 fn migrate(args: MigrateArgs) -> ExitCode {
     use api::protocol::{Event, MigrationOptions, Request, Response, MIGRATION_SINCE};
-    let tls = match args
-        .tls_dir
-        .as_deref()
-        .map(api::protocol::MigrationTls::from_dir)
-    {
-        None => None,
-        Some(Ok(t)) => Some(t),
-        Some(Err(e)) => return bad_config(format!("--tls-dir: {e}")),
+    let tls = match tls_from(args.tls_dir.as_deref()) {
+        Ok(t) => t,
+        Err(code) => return code,
     };
     let mut c = match launcher::client::ControlClient::connect(&args.socket, MIGRATION_SINCE) {
         Ok(c) => c,

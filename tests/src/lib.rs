@@ -430,6 +430,54 @@ impl PacketSocket {
     }
 }
 
+/// The peer of the probe's `net` test on a wire: reads its greeting frames, sends `PING i` to
+/// the guest's MAC and waits for `PONG i`, ends the test with `DONE`.
+pub struct ProbeNetPeer<'a> {
+    pub wire: &'a PacketSocket,
+    pub guest: [u8; 6],
+    pub me: [u8; 6],
+}
+
+impl ProbeNetPeer<'_> {
+    pub const ETHERTYPE: [u8; 2] = [0x88, 0xb5];
+
+    fn frame(&self, payload: &[u8], len: usize) -> Vec<u8> {
+        let mut f = self.guest.to_vec();
+        f.extend_from_slice(&self.me);
+        f.extend_from_slice(&Self::ETHERTYPE);
+        f.extend_from_slice(payload);
+        f.resize(len, 0x11);
+        f
+    }
+
+    /// The three frames the probe sends when it starts.
+    pub fn greetings(&self, timeout: Duration) {
+        for _ in 0..3 {
+            self.wire
+                .recv_matching(timeout, |f| f.len() > 14 && f[12..14] == Self::ETHERTYPE)
+                .expect("greeting");
+        }
+    }
+
+    /// Sends `PING i` and returns the guest's `PONG i`.
+    pub fn ping(&self, i: usize, timeout: Duration) -> Vec<u8> {
+        self.wire
+            .send(&self.frame(format!("PING {i}").as_bytes(), 100));
+        let want = format!("PONG {i}");
+        self.wire
+            .recv_matching(timeout, |f| {
+                f.len() >= 14 + want.len()
+                    && f[12..14] == Self::ETHERTYPE
+                    && f[14..14 + want.len()] == *want.as_bytes()
+            })
+            .unwrap_or_else(|| panic!("no {want}"))
+    }
+
+    pub fn done(&self) {
+        self.wire.send(&self.frame(b"DONE", 60));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -461,7 +461,6 @@ fn a_disk_being_written_migrates_with_its_guest() {
 #[test]
 fn the_network_follows_the_guest() {
     use vmm::config::{NetConfig, TapSource};
-    const ETHERTYPE: [u8; 2] = [0x88, 0xb5];
     const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 9];
     require_kvm();
     let ns = NetNs::new("mignet");
@@ -489,26 +488,14 @@ fn the_network_follows_the_guest() {
         config.nets = vec![nic("mvmig0")];
         let vm = Vm::build(&config).unwrap();
         let mac = vm.nets()[0].lock().unwrap().mac();
-        let ping = |i: usize| {
-            let mut f = mac.0.to_vec();
-            f.extend_from_slice(&HOST_MAC);
-            f.extend_from_slice(&ETHERTYPE);
-            f.extend_from_slice(format!("PING {i}").as_bytes());
-            f.resize(100, 0x11);
-            wire.send(&f);
-            wire.recv_matching(Duration::from_secs(30), |f| {
-                f.len() > 20
-                    && f[12..14] == ETHERTYPE
-                    && f[14..20] == *format!("PONG {i}").as_bytes()
-            })
-            .unwrap_or_else(|| panic!("no PONG {i}"))
+        let peer = ProbeNetPeer {
+            wire: &wire,
+            guest: mac.0,
+            me: HOST_MAC,
         };
-        for _ in 0..3 {
-            wire.recv_matching(T, |f| f.len() > 14 && f[12..14] == ETHERTYPE)
-                .expect("greeting");
-        }
+        peer.greetings(T);
         for i in 0..3 {
-            ping(i);
+            peer.ping(i, Duration::from_secs(30));
         }
         let mut target_config = config.clone();
         target_config.nets = vec![nic("mvmig1")];
@@ -539,14 +526,9 @@ fn the_network_follows_the_guest() {
             "{mac_s} not on mvmig1:\n{fdb}"
         );
         for i in 3..6 {
-            ping(i);
+            peer.ping(i, Duration::from_secs(30));
         }
-        let mut done = mac.0.to_vec();
-        done.extend_from_slice(&HOST_MAC);
-        done.extend_from_slice(&ETHERTYPE);
-        done.extend_from_slice(b"DONE");
-        done.resize(60, 0);
-        wire.send(&done);
+        peer.done();
         let run = run_to_end(vm2, &console2, T);
         assert_eq!(expect_probe_ok(&run, "net").field("echoed"), Some("6"));
     })

@@ -203,8 +203,7 @@ fn disk_being_written_holds_exactly_what_the_guest_wrote() {
 
 #[test]
 fn nic_keeps_echoing_across_restore() {
-    use vmm::config::{MacAddr, NetConfig, TapSource};
-    const ETHERTYPE: [u8; 2] = [0x88, 0xb5];
+    use vmm::config::{NetConfig, TapSource};
     const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
     require_kvm();
     let ns = NetNs::new("snapnet");
@@ -230,28 +229,14 @@ fn nic_keeps_echoing_across_restore() {
         let vm = Vm::build(&config).unwrap();
         let mac = vm.nets()[0].lock().unwrap().mac();
         let t = Duration::from_secs(60);
-        let ping = |wire: &PacketSocket, i: usize, mac: MacAddr| {
-            let mut f = mac.0.to_vec();
-            f.extend_from_slice(&HOST_MAC);
-            f.extend_from_slice(&ETHERTYPE);
-            f.extend_from_slice(format!("PING {i}").as_bytes());
-            f.resize(100, 0x11);
-            wire.send(&f);
-            wire.recv_matching(t, |f| {
-                f.len() > 18
-                    && f[12..14] == ETHERTYPE
-                    && &f[14..18] == b"PONG"
-                    && f[18..] == f[18..]
-            })
-            .unwrap_or_else(|| panic!("no PONG {i}"))
+        let peer = ProbeNetPeer {
+            wire: &wire,
+            guest: mac.0,
+            me: HOST_MAC,
         };
-        // The probe's three greeting frames, then echoes.
-        for _ in 0..3 {
-            wire.recv_matching(t, |f| f.len() > 14 && f[12..14] == ETHERTYPE)
-                .expect("greeting");
-        }
+        peer.greetings(t);
         for i in 0..3 {
-            assert_eq!(&ping(&wire, i, mac)[18..20], format!(" {i}").as_bytes());
+            peer.ping(i, t);
         }
         let counters = vm.nets()[0].lock().unwrap().counters;
         snapshot_and_drop(vm, &dir);
@@ -266,14 +251,9 @@ fn nic_keeps_echoing_across_restore() {
             "counters survived"
         );
         for i in 3..6 {
-            assert_eq!(&ping(&wire, i, mac)[18..20], format!(" {i}").as_bytes());
+            peer.ping(i, t);
         }
-        let mut done = mac.0.to_vec();
-        done.extend_from_slice(&HOST_MAC);
-        done.extend_from_slice(&ETHERTYPE);
-        done.extend_from_slice(b"DONE");
-        done.resize(60, 0);
-        wire.send(&done);
+        peer.done();
         let run = run_to_end(vm, &console, t);
         let r = expect_probe_ok(&run, "net");
         assert_eq!(r.field("echoed"), Some("6"));
