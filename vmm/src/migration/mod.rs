@@ -21,7 +21,7 @@ use crate::builder::check_matches;
 use crate::config::VmConfig;
 use crate::end::VmEnd;
 use crate::layout::{ram_regions, MIB};
-use crate::memory::{file_layout, DirtyLog, GuestRam, PAGE_SIZE};
+use crate::memory::{file_layout, DirtyLog, GuestRam, Unbacked, PAGE_SIZE};
 use crate::persist::{self, FORMAT_VERSION, VMM_VERSION};
 use crate::vm::{Vm, VmError};
 use wire::{Hello, Kind, PagesWriter, WireError, MAX_RUN_PAGES};
@@ -323,13 +323,18 @@ impl Vm {
     /// Every non-zero page of RAM (the target's memory starts zeroed), found lazily so pages
     /// go out while the scan goes on: a large guest's scan never leaves the link silent.
     fn nonzero_pages(&self) -> impl Iterator<Item = u64> + '_ {
-        self.memory().iter().flat_map(|region| {
+        let anonymous = self.ram.is_anonymous();
+        self.memory().iter().flat_map(move |region| {
             let (host, len) = match region.get_host_address(MemoryRegionAddress(0)) {
                 Ok(h) => (h as *const u8, region.len()),
                 Err(_) => (std::ptr::null(), 0),
             };
             let start = region.start_addr().0;
+            let mut unbacked = anonymous.then(|| Unbacked::new(host)).flatten();
             (0..len / PAGE_SIZE).filter_map(move |i| {
+                if unbacked.as_mut().is_some_and(|u| u.is_unbacked(i)) {
+                    return None;
+                }
                 // SAFETY: the region maps `len` bytes at `host` while the VM exists; the guest
                 // may write them concurrently, which is why dirty logging is on: a page
                 // changed after this look is sent again in a later pass.
