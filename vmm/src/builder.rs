@@ -275,15 +275,30 @@ impl Vm {
     pub(crate) fn restore_paused(
         config: &VmConfig,
         state: MachineState,
-        mut ram: GuestRam,
+        ram: GuestRam,
         lock_disks: bool,
     ) -> Result<Vm, VmError> {
-        let kvm = KvmContext::open()?;
         check_matches(config, &state)?;
-        config.validate_devices(Some(kvm.max_vcpus))?;
-        let backends = open_backends(config, lock_disks)?;
-        let vm_fd = create_vm(&kvm)?;
-        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        Self::restore_into(
+            RestoreShell::prepare(config, ram, lock_disks)?,
+            config,
+            state,
+        )
+    }
+
+    /// The rest of a restore once the state is known: devices, vCPUs, the state put back.
+    pub(crate) fn restore_into(
+        shell: RestoreShell,
+        config: &VmConfig,
+        state: MachineState,
+    ) -> Result<Vm, VmError> {
+        check_matches(config, &state)?;
+        let RestoreShell {
+            kvm,
+            vm_fd,
+            ram,
+            backends,
+        } = shell;
         let end = VmEndSignal::default();
         let (devices, em, wake) = DeviceManager::build(
             &vm_fd,
@@ -334,6 +349,40 @@ impl Vm {
 }
 
 /// The snapshot must be of the machine the caller asked for.
+/// What a restore can set up before it has the machine state: KVM, the VM and its irqchip,
+/// guest RAM in its memory slots, the disks and TAPs. A migration target builds it while memory
+/// is still arriving, so the guest's downtime does not pay for it.
+pub(crate) struct RestoreShell {
+    kvm: KvmContext,
+    vm_fd: VmFd,
+    ram: GuestRam,
+    backends: Backends,
+}
+
+impl RestoreShell {
+    pub(crate) fn prepare(
+        config: &VmConfig,
+        mut ram: GuestRam,
+        lock_disks: bool,
+    ) -> Result<RestoreShell, VmError> {
+        let kvm = KvmContext::open()?;
+        config.validate_devices(Some(kvm.max_vcpus))?;
+        let backends = open_backends(config, lock_disks)?;
+        let vm_fd = create_vm(&kvm)?;
+        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        Ok(RestoreShell {
+            kvm,
+            vm_fd,
+            ram,
+            backends,
+        })
+    }
+
+    pub(crate) fn memory(&self) -> &crate::memory::GuestMemory {
+        self.ram.memory()
+    }
+}
+
 pub(crate) fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError> {
     let mismatch = |what: String| Err(VmError::StateMismatch(what));
     if config.vcpus != state.vcpus {

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
-use crate::builder::check_matches;
+use crate::builder::RestoreShell;
 use crate::config::VmConfig;
 use crate::end::VmEnd;
 use crate::layout::{ram_regions, MIB};
@@ -644,18 +644,15 @@ impl Vm {
         if hello.memory != layout {
             return Err(refuse(stream, "the memory layouts differ".into()));
         }
-        // A disk this side cannot open would fail the restore after all memory has moved:
-        // say so now.
-        for d in &config.disks {
-            if let Err(e) = std::fs::File::open(&d.path) {
-                return Err(refuse(
-                    stream,
-                    format!("disk {}: {e} on the target", d.path.display()),
-                ));
-            }
-        }
         let ram =
             GuestRam::anonymous(&ram_regions(config.memory_mib * MIB)).map_err(VmError::from)?;
+        // KVM's VM, its memory slots, disks and TAPs now, while the source still runs the
+        // guest, not during the downtime; a host resource missing here refuses the migration
+        // before any memory moves.
+        let shell = match RestoreShell::prepare(config, ram, false) {
+            Ok(s) => s,
+            Err(e) => return Err(refuse(stream, format!("cannot prepare the machine: {e}"))),
+        };
         wire::write_frame(stream, Kind::Ready, &[])?;
         stream.flush()?;
         *phase = Phase::Precopy;
@@ -663,7 +660,8 @@ impl Vm {
             match wire::read_frame(stream)? {
                 (Kind::Pages, p) => {
                     for run in wire::parse_pages(&p, &layout)? {
-                        ram.memory()
+                        shell
+                            .memory()
                             .write_slice(run.bytes, GuestAddress(run.gpa))
                             .map_err(|_| WireError::OutOfRange {
                                 gpa: run.gpa,
@@ -689,10 +687,7 @@ impl Vm {
         *phase = Phase::StopAndCopy;
         let state = persist::decode(&state, std::path::Path::new("<migration stream>"))
             .map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
-        check_matches(config, &state).map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
-        // Opens the disks (unlocked: the source still holds them) and the TAPs: a host
-        // resource this side lacks fails here, before the source lets go of anything.
-        let vm = Vm::restore_paused(config, state, ram, false)
+        let vm = Vm::restore_into(shell, config, state)
             .map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
         wire::write_frame(stream, Kind::Restored, &[])?;
         stream.flush()?;
