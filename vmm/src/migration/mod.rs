@@ -512,6 +512,8 @@ impl Vm {
         self.send_pages(stream, pending.pages(), &mut pw, &mut throttle)?;
         self.send_pages(stream, last_dirty.pages(), &mut pw, &mut throttle)?;
         pw.flush(stream)?;
+        // A cancel is honoured up to the switch-over, even when no page was left to send.
+        throttle.check_abort()?;
         let state = persist::encode(&self.save_state()?);
         wire::write_frame(stream, Kind::State, &state)?;
         pw.bytes_sent += (state.len() + wire::FRAME_HEADER) as u64;
