@@ -502,6 +502,29 @@ impl Vm {
             pw.flush(stream)?;
             bandwidth = (pw.bytes_sent - before) as f64 / t.elapsed().as_secs_f64().max(1e-6);
         }
+        // Converged. The last pass's pages still go out while the guest runs; then a Sync
+        // waits until the target has taken in everything sent so far. Without it the
+        // downtime would include the target draining the socket buffers (megabytes of pages
+        // to checksum and fault in), not just the final few pages.
+        self.send_pages(stream, pending.pages(), &mut pw, &mut throttle)?;
+        pw.flush(stream)?;
+        wire::write_frame(stream, Kind::Sync, &[])?;
+        stream.flush()?;
+        match wire::read_frame(stream)? {
+            (Kind::Synced, _) => {}
+            (Kind::Failed, why) => {
+                return Err(MigrationError::TargetFailed(
+                    String::from_utf8_lossy(&why).into_owned(),
+                ))
+            }
+            (got, _) => {
+                return Err(WireError::Unexpected {
+                    expected: "Synced",
+                    got,
+                }
+                .into())
+            }
+        }
         // Stop and copy: the throttle has nothing left to do.
         vcpu_throttle.stop.store(true, Ordering::SeqCst);
         at.phase = Phase::StopAndCopy;
@@ -509,7 +532,18 @@ impl Vm {
         let paused_at = Instant::now();
         self.pause();
         let last_dirty = self.dirty_log()?;
-        self.send_pages(stream, pending.pages(), &mut pw, &mut throttle)?;
+        progress(MigrationProgress {
+            phase: Phase::StopAndCopy,
+            pass,
+            data_processed_bytes: pw.bytes_sent,
+            data_remaining_bytes: last_dirty.page_count() * PAGE_SIZE,
+            dirty_rate_bytes_per_s: 0.0,
+            transfer_rate_bytes_per_s: bandwidth,
+            expected_downtime: Duration::from_secs_f64(
+                (last_dirty.page_count() * PAGE_SIZE) as f64 / bandwidth.max(1.0),
+            ),
+            throttle_percent: 0,
+        });
         self.send_pages(stream, last_dirty.pages(), &mut pw, &mut throttle)?;
         pw.flush(stream)?;
         // A cancel is honoured up to the switch-over, even when no page was left to send.
@@ -670,6 +704,10 @@ impl Vm {
                                 pages: (run.bytes.len() as u64 / PAGE_SIZE) as u32,
                             })?;
                     }
+                }
+                (Kind::Sync, _) => {
+                    wire::write_frame(stream, Kind::Synced, &[])?;
+                    stream.flush()?;
                 }
                 (Kind::State, p) => break p,
                 (Kind::Cancel, why) => {

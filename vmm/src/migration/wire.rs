@@ -4,8 +4,8 @@
 //! stream:  magic "MVRTMIGR" | protocol version (u32 LE)          (source → target, once)
 //! frame:   kind (u8) | payload length (u32 LE) | CRC-32 of kind, length, payload (u32 LE) | payload
 //! source → target: Hello (postcard `Hello`), Pages (runs of `gpa u64 | pages u32 | bytes`),
-//!                  State (a state file's bytes), Go, Cancel (UTF-8 reason)
-//! target → source: Ready, Refuse (reason), Restored, Failed (reason), Running
+//!                  Sync, State (a state file's bytes), Go, Cancel (UTF-8 reason)
+//! target → source: Ready, Refuse (reason), Synced, Restored, Failed (reason), Running
 //! ```
 //! The target treats everything it reads as hostile: frame lengths are capped before anything
 //! is allocated, every frame's checksum is verified before it is looked at (a flipped bit on a
@@ -34,11 +34,13 @@ pub enum Kind {
     State = 3,
     Go = 4,
     Cancel = 5,
+    Sync = 6,
     Ready = 10,
     Refuse = 11,
     Restored = 12,
     Failed = 13,
     Running = 14,
+    Synced = 15,
 }
 
 impl Kind {
@@ -49,11 +51,13 @@ impl Kind {
             3 => Kind::State,
             4 => Kind::Go,
             5 => Kind::Cancel,
+            6 => Kind::Sync,
             10 => Kind::Ready,
             11 => Kind::Refuse,
             12 => Kind::Restored,
             13 => Kind::Failed,
             14 => Kind::Running,
+            15 => Kind::Synced,
             _ => return None,
         })
     }
