@@ -259,6 +259,26 @@ impl VcpuThrottle {
     }
 }
 
+/// Reads the target's next frame, which must be `want`; its Refuse or Failed becomes the
+/// error with the target's reason.
+fn expect_answer(
+    stream: &mut impl Read,
+    want: Kind,
+    name: &'static str,
+) -> Result<(), MigrationError> {
+    let reason = |why: Vec<u8>| String::from_utf8_lossy(&why).into_owned();
+    match wire::read_frame(stream)? {
+        (got, _) if got == want => Ok(()),
+        (Kind::Refuse, why) => Err(MigrationError::Refused(reason(why))),
+        (Kind::Failed, why) => Err(MigrationError::TargetFailed(reason(why))),
+        (got, _) => Err(WireError::Unexpected {
+            expected: name,
+            got,
+        }
+        .into()),
+    }
+}
+
 /// Where the source is, for the error it may end in.
 #[derive(Default)]
 struct Position {
@@ -416,26 +436,7 @@ impl Vm {
         let hello = postcard::to_stdvec(&hello_for(self)).expect("hello serializes");
         wire::write_frame(stream, Kind::Hello, &hello)?;
         stream.flush()?;
-        match wire::read_frame(stream)? {
-            (Kind::Ready, _) => {}
-            (Kind::Refuse, why) => {
-                return Err(MigrationError::Refused(
-                    String::from_utf8_lossy(&why).into_owned(),
-                ))
-            }
-            (Kind::Failed, why) => {
-                return Err(MigrationError::TargetFailed(
-                    String::from_utf8_lossy(&why).into_owned(),
-                ))
-            }
-            (got, _) => {
-                return Err(WireError::Unexpected {
-                    expected: "Ready",
-                    got,
-                }
-                .into())
-            }
-        }
+        expect_answer(stream, Kind::Ready, "Ready")?;
         self.start_dirty_log()?;
         at.phase = Phase::Precopy;
         at.pass = Some(0);
@@ -510,21 +511,7 @@ impl Vm {
         pw.flush(stream)?;
         wire::write_frame(stream, Kind::Sync, &[])?;
         stream.flush()?;
-        match wire::read_frame(stream)? {
-            (Kind::Synced, _) => {}
-            (Kind::Failed, why) => {
-                return Err(MigrationError::TargetFailed(
-                    String::from_utf8_lossy(&why).into_owned(),
-                ))
-            }
-            (got, _) => {
-                return Err(WireError::Unexpected {
-                    expected: "Synced",
-                    got,
-                }
-                .into())
-            }
-        }
+        expect_answer(stream, Kind::Synced, "Synced")?;
         // Stop and copy: the throttle has nothing left to do.
         vcpu_throttle.stop.store(true, Ordering::SeqCst);
         at.phase = Phase::StopAndCopy;
@@ -552,21 +539,7 @@ impl Vm {
         wire::write_frame(stream, Kind::State, &state)?;
         pw.bytes_sent += (state.len() + wire::FRAME_HEADER) as u64;
         stream.flush()?;
-        match wire::read_frame(stream)? {
-            (Kind::Restored, _) => {}
-            (Kind::Failed, why) => {
-                return Err(MigrationError::TargetFailed(
-                    String::from_utf8_lossy(&why).into_owned(),
-                ))
-            }
-            (got, _) => {
-                return Err(WireError::Unexpected {
-                    expected: "Restored",
-                    got,
-                }
-                .into())
-            }
-        }
+        expect_answer(stream, Kind::Restored, "Restored")?;
         // Switch-over: the disks go first (flushed, unlocked) so the target can take them.
         at.phase = Phase::Switchover;
         self.release_disks()?;
