@@ -313,13 +313,14 @@ impl Vm {
         let mem = self.memory();
         let mut run: Option<(u64, u32)> = None;
         let mut emit = |pw: &mut PagesWriter, (gpa, n): (u64, u32)| -> Result<(), MigrationError> {
+            let len = (n as u64 * PAGE_SIZE) as usize;
             let slice = mem
-                .get_slice(GuestAddress(gpa), (n as u64 * PAGE_SIZE) as usize)
+                .get_slice(GuestAddress(gpa), len)
                 .map_err(|e| VmError::Memory(crate::memory::MemoryError::Map(e.to_string())))?;
-            let mut buf = vec![0u8; slice.len()];
-            slice.copy_to(&mut buf[..]);
-            pw.push(w, gpa, &buf)?;
-            throttle.account(buf.len() as u64);
+            pw.push_with(w, gpa, len, |dst| {
+                slice.copy_to(dst);
+            })?;
+            throttle.account(len as u64);
             throttle.check_abort()
         };
         for gpa in pages {

@@ -214,14 +214,28 @@ impl Default for PagesWriter {
 impl PagesWriter {
     /// Appends a run (`bytes` a whole number of pages, at most `MAX_RUN_PAGES`).
     pub fn push(&mut self, w: &mut impl Write, gpa: u64, bytes: &[u8]) -> std::io::Result<()> {
-        debug_assert!((bytes.len() as u64).is_multiple_of(PAGE_SIZE));
-        if self.buf.len() + 12 + bytes.len() > MAX_FRAME as usize {
+        self.push_with(w, gpa, bytes.len(), |dst| dst.copy_from_slice(bytes))
+    }
+
+    /// Appends a run of `len` bytes (a whole number of pages) that `fill` writes straight
+    /// into the frame: guest memory is copied once, not into a buffer and then the frame.
+    pub fn push_with(
+        &mut self,
+        w: &mut impl Write,
+        gpa: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> std::io::Result<()> {
+        debug_assert!((len as u64).is_multiple_of(PAGE_SIZE));
+        if self.buf.len() + 12 + len > MAX_FRAME as usize {
             self.flush(w)?;
         }
         self.buf.extend_from_slice(&gpa.to_le_bytes());
         self.buf
-            .extend_from_slice(&((bytes.len() as u64 / PAGE_SIZE) as u32).to_le_bytes());
-        self.buf.extend_from_slice(bytes);
+            .extend_from_slice(&((len as u64 / PAGE_SIZE) as u32).to_le_bytes());
+        let start = self.buf.len();
+        self.buf.resize(start + len, 0);
+        fill(&mut self.buf[start..]);
         Ok(())
     }
 
