@@ -27,6 +27,8 @@ use crate::vm::{Vm, VmError};
 use wire::{Hello, Kind, PagesWriter, WireError, MAX_RUN_PAGES};
 
 /// How a migration may proceed: KubeVirt's `MigrationConfiguration`, with its v1.9 defaults.
+/// How long a silent link is waited on is the stream's business (the launcher sets read and
+/// write timeouts on its sockets).
 #[derive(Clone, Debug)]
 pub struct MigrationConfig {
     /// The longest the guest may be stopped for the final copy (`maxDowntimeMs`, 900).
@@ -45,9 +47,6 @@ pub struct MigrationConfig {
     /// Set from another thread to cancel (the VM stays on the source); checked between page
     /// runs and passes.
     pub abort: Arc<AtomicBool>,
-    /// How long the source waits for the target's answers (Ready, Restored, Running); a link
-    /// that goes silent for longer fails the migration.
-    pub answer_timeout: Duration,
 }
 
 impl Default for MigrationConfig {
@@ -59,7 +58,6 @@ impl Default for MigrationConfig {
             progress_timeout: Duration::from_secs(150),
             auto_converge: false,
             abort: Arc::default(),
-            answer_timeout: Duration::from_secs(60),
         }
     }
 }
