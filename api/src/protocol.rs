@@ -12,7 +12,10 @@
 //! 3 adds live migration: `PrepareMigrationTarget` on the target (answered at once with the
 //! address it listens on), `MigrateOut` on the source (zero or more `Event(MigrationProgress)`
 //! lines, then `Migration` or `Error`) and `CancelMigration`. Migration addresses are
-//! `tcp:HOST:PORT` (or plain `HOST:PORT`) and `unix:PATH`. A
+//! `tcp:HOST:PORT` (or plain `HOST:PORT`) and `unix:PATH`. 4 adds `AttachNetwork`: the
+//! message carries open file descriptors (SCM_RIGHTS) — each NIC's TAP and the socket its DHCP
+//! server answers on — which virt-handler made in the Pod's network namespace, so the launcher
+//! needs no NET_ADMIN. A
 //! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
 //! `Hello` with the version the client asked for; a version-1 client sees version 1 exactly.
 
@@ -21,12 +24,13 @@ use serde::{Deserialize, Serialize};
 use crate::VirtualMachineInstance;
 
 /// The newest version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// The oldest version a launcher still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// The version that introduced each request beyond version 1.
 pub const SNAPSHOT_SINCE: u32 = 2;
 pub const MIGRATION_SINCE: u32 = 3;
+pub const NETWORK_SINCE: u32 = 4;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "request", rename_all = "camelCase")]
@@ -83,6 +87,61 @@ pub enum Request {
     },
     /// Abort a running MigrateOut; the VM stays here. Since version 3.
     CancelMigration,
+    /// The Pod network's NICs, wired by virt-handler: sent before `Sync` (or
+    /// `PrepareMigrationTarget`), with `fds` descriptors attached to this very message. Since
+    /// version 4.
+    AttachNetwork {
+        nics: Vec<HandedNic>,
+        /// How many descriptors ride along (SCM_RIGHTS), in the order the NICs name them.
+        fds: usize,
+    },
+}
+
+/// One NIC of a VMI as virt-handler wired it in the Pod's network namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HandedNic {
+    /// The VMI's interface (`spec.domain.devices.interfaces[].name`).
+    pub interface: String,
+    /// Index into the message's descriptors of the TAP (opened with IFF_VNET_HDR).
+    pub tap_fd: usize,
+    /// The MAC the guest must use (bridge binding hands the Pod interface's MAC to the guest);
+    /// None: the launcher's own (the VMI's `macAddress`, else derived from the VMI's name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// What the guest is offered by DHCP, and the descriptor of the UDP socket (port 67, bound
+    /// to the NIC's bridge) to answer on. None: no DHCP (a secondary network without an IP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhcp: Option<DhcpLease>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhcp_fd: Option<usize>,
+    /// The addresses to report for this interface in the VMI's status (the Pod's addresses:
+    /// what the cluster reaches the guest at).
+    #[serde(default)]
+    pub ip_addresses: Vec<String>,
+    /// The Pod interface behind this NIC (`eth0`, or the one Multus made).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_interface: Option<String>,
+}
+
+/// One DHCPv4 lease: the only answer a NIC's DHCP server gives, and only to the guest's MAC.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct DhcpLease {
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<std::net::Ipv4Addr>,
+    /// The server's own address (DHCP option 54, and the replies' source).
+    pub server: std::net::Ipv4Addr,
+    #[serde(default)]
+    pub dns: Vec<std::net::Ipv4Addr>,
+    #[serde(default)]
+    pub search: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
 }
 
 /// The certificates of a mutually authenticated migration stream, PEM-encoded: the CA both
@@ -258,6 +317,15 @@ pub struct DiskCounters {
 #[serde(rename_all = "camelCase")]
 pub struct NicCounters {
     pub name: String,
+    /// The guest's MAC on this NIC (since version 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// The addresses the VMI's status reports for this NIC (since version 4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ip_addresses: Vec<String>,
+    /// The Pod interface behind it, as virt-handler wired it (since version 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_interface: Option<String>,
     pub rx_frames: u64,
     pub rx_bytes: u64,
     pub tx_frames: u64,

@@ -2,8 +2,9 @@
 //! socket, as virt-handler drives the launcher in a VM Pod. Plain threads: one per connection,
 //! one watching the VM's end; the VMM's own threads do the work.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::FromRawFd;
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
@@ -61,6 +62,62 @@ struct Inner {
     migration_abort: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Where the VM went, once it has migrated away.
     migrated_to: Option<String>,
+    /// The Pod network virt-handler wired (AttachNetwork), by VMI interface name.
+    network: Vec<AttachedNic>,
+    /// What the status reports per NIC, in the VM's NIC order.
+    nic_info: Vec<NicInfo>,
+}
+
+/// A NIC handed over by virt-handler: its TAP (kept, so a failed start can be retried), and
+/// its DHCP server's socket until the server starts.
+struct AttachedNic {
+    nic: HandedNic,
+    tap: OwnedFd,
+    dhcp: Option<OwnedFd>,
+}
+
+#[derive(Clone, Default)]
+struct NicInfo {
+    mac: Option<String>,
+    ip_addresses: Vec<String>,
+    pod_interface: Option<String>,
+}
+
+/// The control connection's reading side: every read is a recvmsg, so descriptors sent along
+/// with a message (SCM_RIGHTS) are collected in arrival order instead of being dropped by a
+/// plain read.
+struct FdReader {
+    stream: UnixStream,
+    fds: VecDeque<OwnedFd>,
+}
+
+/// At most this many descriptors per read (a VMI has at most 2 per NIC).
+const MAX_FDS_PER_READ: usize = 64;
+
+impl Read for FdReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use sendfd::RecvWithFd;
+        let mut fds = [-1; MAX_FDS_PER_READ];
+        let (n, nfds) = self.stream.recv_with_fd(buf, &mut fds)?;
+        for &fd in &fds[..nfds] {
+            // SAFETY: the kernel just installed this descriptor for us; nobody else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: F_SETFD on a descriptor we own.
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+            self.fds.push_back(fd);
+        }
+        Ok(n)
+    }
+}
+
+/// A duplicate of `fd` for the VM, which takes ownership of what it is given.
+fn dup_for_vm(fd: &OwnedFd) -> Result<i32, String> {
+    // SAFETY: F_DUPFD_CLOEXEC returns a new descriptor we then own (or -1).
+    let d = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+    if d < 0 {
+        return Err(format!("dup: {}", std::io::Error::last_os_error()));
+    }
+    Ok(d)
 }
 
 /// A VMI ready to become a VM here: its config, and what to clean up if it never does.
@@ -137,14 +194,10 @@ impl Daemon {
         default_vmi_spec(&mut vmi.spec);
         validate_vmi(&vmi).map_err(|e| e.to_string())?;
         let name = vmi.metadata.name.clone().unwrap_or_else(|| "vm".into());
-        let plan = translate(&name, &vmi.spec, &self.env).map_err(|e| e.to_string())?;
-        if !plan.nics.is_empty() {
-            // In a VM Pod the TAPs come from virt-handler; until it hands them over the VM runs
-            // without NICs rather than not at all.
-            let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
-            tracing::warn!(interfaces = ?names, "no TAP devices handed over; interfaces not attached");
-        }
+        let mut plan = translate(&name, &vmi.spec, &self.env).map_err(|e| e.to_string())?;
+        let nic_info = self.attach_nics(&mut plan)?;
         let ephemeral = plan.prepare().map_err(|e| e.to_string())?;
+        self.inner.lock().unwrap().nic_info = nic_info;
         let mut config = plan.config;
         config.serial.output = SerialOutput::Writer(self.console.clone());
         let mut fds = [0i32; 2];
@@ -165,6 +218,104 @@ impl Daemon {
             input: unsafe { std::fs::File::from_raw_fd(fds[1]) },
             ephemeral,
         })
+    }
+
+    /// The plan's NICs on the TAPs virt-handler handed over, with their DHCP servers started.
+    /// Without a hand-over (a launcher driven by hand) the VM runs without NICs rather than
+    /// not at all.
+    fn attach_nics(&self, plan: &mut crate::translate::Plan) -> Result<Vec<NicInfo>, String> {
+        if plan.nics.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut g = self.inner.lock().unwrap();
+        if g.network.is_empty() {
+            let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+            tracing::warn!(interfaces = ?names, "no TAP devices handed over; interfaces not attached");
+            return Ok(Vec::new());
+        }
+        let mut configs = Vec::new();
+        let mut info = Vec::new();
+        for nic in &plan.nics {
+            let a = g
+                .network
+                .iter_mut()
+                .find(|a| a.nic.interface == nic.interface)
+                .ok_or_else(|| {
+                    format!(
+                        "interface {}: virt-handler handed over no TAP for it",
+                        nic.interface
+                    )
+                })?;
+            let mac = match &a.nic.mac {
+                Some(m) => Some(m.parse::<vmm::config::MacAddr>().map_err(|e| {
+                    format!("interface {}: handed-over MAC {m:?}: {e}", nic.interface)
+                })?),
+                None => nic.mac,
+            };
+            configs.push(vmm::config::NetConfig {
+                tap: vmm::config::TapSource::Fd(dup_for_vm(&a.tap)?),
+                mac,
+            });
+            if let (Some(fd), Some(lease), Some(m)) = (a.dhcp.take(), a.nic.dhcp.clone(), mac) {
+                let socket = std::net::UdpSocket::from(fd);
+                std::thread::Builder::new()
+                    .name(format!("dhcp-{}", nic.interface))
+                    .spawn(move || podnet::dhcp::serve(socket, m.0, lease))
+                    .map_err(|e| format!("DHCP server thread: {e}"))?;
+            }
+            info.push(NicInfo {
+                mac: mac.map(|m| m.to_string()),
+                ip_addresses: a.nic.ip_addresses.clone(),
+                pod_interface: a.nic.pod_interface.clone(),
+            });
+        }
+        plan.config.nets = configs;
+        Ok(info)
+    }
+
+    /// Takes the NICs virt-handler wired, with the descriptors that came with the message.
+    fn attach_network(
+        &self,
+        nics: Vec<HandedNic>,
+        count: usize,
+        fds: &mut VecDeque<OwnedFd>,
+    ) -> Result<(), String> {
+        if fds.len() < count {
+            return Err(format!(
+                "attachNetwork announced {count} descriptors but {} arrived (send them with the message, SCM_RIGHTS)",
+                fds.len()
+            ));
+        }
+        let mut got: Vec<Option<OwnedFd>> = fds.drain(..count).map(Some).collect();
+        let mut g = self.inner.lock().unwrap();
+        if g.vm.is_some() || g.awaiting_migration {
+            return Err("the VM already exists: its network cannot be changed".into());
+        }
+        let mut attached = Vec::new();
+        for nic in nics {
+            let mut take = |i: usize, what: &str| {
+                got.get_mut(i).and_then(Option::take).ok_or_else(|| {
+                    format!(
+                        "interface {}: {what} descriptor {i} is not one of the {count} sent (or is used twice)",
+                        nic.interface
+                    )
+                })
+            };
+            let tap = take(nic.tap_fd, "TAP")?;
+            let dhcp = match nic.dhcp_fd {
+                Some(i) => Some(take(i, "DHCP socket")?),
+                None => None,
+            };
+            if nic.dhcp.is_some() != dhcp.is_some() {
+                return Err(format!(
+                    "interface {}: a DHCP lease needs its socket and a socket its lease",
+                    nic.interface
+                ));
+            }
+            attached.push(AttachedNic { nic, tap, dhcp });
+        }
+        g.network = attached;
+        Ok(())
     }
 
     fn sync(self: &Arc<Self>, vmi: VirtualMachineInstance) -> Result<(), String> {
@@ -419,11 +570,16 @@ impl Daemon {
                     .collect(),
                 vm.nets()
                     .iter()
-                    .map(|n| {
+                    .enumerate()
+                    .map(|(i, n)| {
                         let n = n.lock().unwrap();
                         let c = n.counters;
+                        let info = g.nic_info.get(i).cloned().unwrap_or_default();
                         NicCounters {
                             name: n.id.clone(),
+                            mac: Some(info.mac.unwrap_or_else(|| n.mac().to_string())),
+                            ip_addresses: info.ip_addresses,
+                            pod_interface: info.pod_interface,
                             rx_frames: c.rx_frames,
                             rx_bytes: c.rx_bytes,
                             tx_frames: c.tx_frames,
@@ -513,7 +669,8 @@ impl Daemon {
             Request::Console
             | Request::Events
             | Request::Snapshot { .. }
-            | Request::MigrateOut { .. } => Response::Error {
+            | Request::MigrateOut { .. }
+            | Request::AttachNetwork { .. } => Response::Error {
                 message: "handled by the connection".into(),
             },
         }
@@ -522,7 +679,10 @@ impl Daemon {
     /// Serves one client connection.
     pub fn serve_connection(self: &Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
         let mut out = stream.try_clone()?;
-        let mut reader = BufReader::new(stream);
+        let mut reader = BufReader::new(FdReader {
+            stream,
+            fds: VecDeque::new(),
+        });
         let mut line = String::new();
         let send = |out: &mut UnixStream, r: &Response| -> std::io::Result<()> {
             let mut s = serde_json::to_string(r).expect("serializable");
@@ -590,7 +750,6 @@ impl Daemon {
                     // From now on the client's bytes are console input.
                     let mut buf = [0u8; 1024];
                     loop {
-                        use std::io::Read;
                         let n = reader.read(&mut buf)?;
                         if n == 0 {
                             return Ok(());
@@ -628,6 +787,21 @@ impl Daemon {
                         &Response::Error {
                             message: format!("migration needs protocol version {MIGRATION_SINCE}; this connection speaks version {version}"),
                         },
+                    )?;
+                }
+                Request::AttachNetwork { .. } if version < NETWORK_SINCE => {
+                    send(
+                        &mut out,
+                        &Response::Error {
+                            message: format!("attachNetwork needs protocol version {NETWORK_SINCE}; this connection speaks version {version}"),
+                        },
+                    )?;
+                }
+                Request::AttachNetwork { nics, fds } => {
+                    let r = self.attach_network(nics, fds, &mut reader.get_mut().fds);
+                    send(
+                        &mut out,
+                        &r.map_or_else(|message| Response::Error { message }, |_| Response::Ok),
                     )?;
                 }
                 Request::MigrateOut {

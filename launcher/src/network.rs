@@ -1,42 +1,19 @@
-//! Standalone networking for a `pod` network: in the current network namespace, a bridge with
-//! the gateway address, one TAP per interface on it, and NAT from the guest subnet, as KubeVirt's
-//! masquerade binding gives a guest 10.0.2.2/24 behind 10.0.2.1. The guest kernel gets its
-//! address through the `ip=` boot parameter (KubeVirt's launcher runs a DHCP server instead;
-//! that arrives with virt-handler).
-//!
-//! Links and addresses are made with iproute2 and NAT with nftables, the tools every node has;
-//! the TAP itself is created with `Tap::create` and handed to the VM as a file descriptor, so it
-//! disappears with the VM. `Drop` removes the bridge and the NAT table.
+//! Standalone networking for a `pod` network (`virt-launcher run -f --network nat`): the same
+//! masquerade wiring virt-handler does in a VM Pod (`podnet`), in the launcher's own network
+//! namespace — a bridge with the gateway 10.0.2.1/24, the guest's TAP on it, NAT out of
+//! whatever routes, and a DHCP server offering the guest 10.0.2.2. Names carry a per-process
+//! tag, since this may be a host's shared namespace. Dropping the network removes it.
 
 use std::os::fd::IntoRawFd;
-use std::process::Command;
 
 use vmm::config::{NetConfig, TapSource};
-use vmm::devices::virtio::net::Tap;
 
 use crate::translate::NicPlan;
 
-pub const GATEWAY: &str = "10.0.2.1";
-pub const GUEST: &str = "10.0.2.2";
-pub const SUBNET: &str = "10.0.2.0/24";
+pub const GUEST: std::net::Ipv4Addr = podnet::GUEST_V4;
 
 pub struct PodNetwork {
-    bridge: String,
-    table: String,
-}
-
-fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
-    let out = Command::new(cmd).args(args).output().map_err(|e| {
-        format!("{cmd}: {e} (install iproute2 and nftables, or use --network none)")
-    })?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(())
+    net: podnet::PodNetwork,
 }
 
 /// A short, stable tag for interface names (IFNAMSIZ is 16).
@@ -44,12 +21,16 @@ fn tag(name: &str) -> String {
     let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     });
-    format!("{:08x}", (h ^ std::process::id() as u64) as u32)
+    format!(
+        "{:06x}",
+        ((h ^ std::process::id() as u64) as u32) & 0xff_ffff
+    )
 }
 
 impl PodNetwork {
     /// Wires the masquerade/bridge NICs of a pod network. Returns the network (torn down on
-    /// drop), the NIC configs for the VM, and the kernel parameter that configures the guest.
+    /// drop), the NIC configs for the VM, and the kernel parameter that configures a Linux
+    /// guest without waiting for DHCP.
     pub fn setup(
         vm: &str,
         nics: &[NicPlan],
@@ -61,68 +42,53 @@ impl PodNetwork {
             ));
         }
         if nics.len() > 1 {
+            // Every masquerade NIC's subnet is 10.0.2.0/24: two in one namespace would clash.
             return Err("one pod network interface is supported in standalone mode".into());
         }
-        let t = tag(vm);
-        let net = PodNetwork {
-            bridge: format!("mvbr{t}"),
-            table: format!("microvirt_{t}"),
+        let requests: Vec<podnet::NicRequest> = nics
+            .iter()
+            .map(|n| podnet::NicRequest {
+                interface: n.interface.clone(),
+                // On a host's own network there is no Pod interface to give away: both
+                // bindings get the guest a NAT'd address here.
+                binding: podnet::Binding::Masquerade,
+                pod_interface: None,
+                ports: vec![],
+            })
+            .collect();
+        let options = podnet::WireOptions {
+            naming: podnet::Naming::Unique(tag(vm)),
+            hostname: Some(vm.to_string()),
+            ..Default::default()
         };
-        run("ip", &["link", "add", &net.bridge, "type", "bridge"])?;
-        run(
-            "ip",
-            &["addr", "add", &format!("{GATEWAY}/24"), "dev", &net.bridge],
-        )?;
-        run("ip", &["link", "set", &net.bridge, "up"])?;
+        let mut net = podnet::wire(None, &requests, &options).map_err(|e| e.to_string())?;
         let mut configs = Vec::new();
-        for (i, nic) in nics.iter().enumerate() {
-            let tap = format!("mvtap{t}{i}");
-            let fd = Tap::create(&tap).map_err(|e| e.to_string())?;
-            run("ip", &["link", "set", &tap, "master", &net.bridge])?;
-            run("ip", &["link", "set", &tap, "up"])?;
+        for (plan, wired) in nics.iter().zip(net.nics.iter_mut()) {
+            if let (Some(socket), Some(lease), Some(mac)) =
+                (wired.dhcp_socket.take(), wired.lease.clone(), plan.mac)
+            {
+                std::thread::Builder::new()
+                    .name(format!("dhcp-{}", plan.interface))
+                    .spawn(move || podnet::dhcp::serve(socket, mac.0, lease))
+                    .map_err(|e| format!("DHCP server thread: {e}"))?;
+            }
+            let fd = wired
+                .tap
+                .try_clone()
+                .map_err(|e| format!("TAP {}: {e}", wired.tap_name))?;
             configs.push(NetConfig {
                 tap: TapSource::Fd(fd.into_raw_fd()),
-                mac: nic.mac,
+                mac: plan.mac,
             });
         }
-        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
-            .map_err(|e| format!("enabling IPv4 forwarding: {e}"))?;
-        let ruleset = format!(
-            "table ip {table} {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    ip saddr {SUBNET} oifname != \"{bridge}\" masquerade\n  }}\n}}\n",
-            table = net.table,
-            bridge = net.bridge
+        let ip = format!(
+            "ip={GUEST}::{}:255.255.255.0:{vm}:eth0:off",
+            podnet::GATEWAY_V4
         );
-        let mut child = Command::new("nft")
-            .args(["-f", "-"])
-            .stdin(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("nft: {e} (install nftables, or use --network none)"))?;
-        std::io::Write::write_all(child.stdin.as_mut().unwrap(), ruleset.as_bytes())
-            .map_err(|e| format!("nft: {e}"))?;
-        let out = child.wait_with_output().map_err(|e| format!("nft: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "nft: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        let ip = format!("ip={GUEST}::{GATEWAY}:255.255.255.0:{vm}:eth0:off");
-        Ok((net, configs, ip))
+        Ok((PodNetwork { net }, configs, ip))
     }
 
     pub fn bridge(&self) -> &str {
-        &self.bridge
-    }
-
-    pub fn nat_table(&self) -> &str {
-        &self.table
-    }
-}
-
-impl Drop for PodNetwork {
-    fn drop(&mut self) {
-        let _ = run("nft", &["delete", "table", "ip", &self.table]);
-        let _ = run("ip", &["link", "del", &self.bridge]);
+        self.net.nics.first().map_or("", |n| n.bridge.as_str())
     }
 }

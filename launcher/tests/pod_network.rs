@@ -110,7 +110,7 @@ spec:
                     .stdout,
             )
             .to_string();
-            if tables.contains("table ip microvirt_") {
+            if tables.contains("table ip microvirt-") {
                 break;
             }
             std::thread::sleep(Duration::from_millis(25));
@@ -188,7 +188,7 @@ spec:
         "{stdout}"
     );
     assert!(
-        tables.contains("table ip microvirt_"),
+        tables.contains("table ip microvirt-"),
         "NAT table missing: {tables}"
     );
     // Torn down: no bridge, no NAT table.
@@ -201,6 +201,6 @@ spec:
         .args(["netns", "exec", &ns.name, "nft", "list", "tables"])
         .output()
         .unwrap();
-    assert!(!String::from_utf8_lossy(&t.stdout).contains("microvirt_"));
+    assert!(!String::from_utf8_lossy(&t.stdout).contains("microvirt-"));
     let _ = std::fs::remove_dir_all(dir);
 }
