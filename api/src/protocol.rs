@@ -296,6 +296,10 @@ pub struct StatusReport {
     pub disks: Vec<DiskCounters>,
     #[serde(default)]
     pub nics: Vec<NicCounters>,
+    /// virt-handler has handed over the Pod network (AttachNetwork) — so a handler that
+    /// restarts before the VM starts does not wire it twice. Since version 4.
+    #[serde(default)]
+    pub network_attached: bool,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

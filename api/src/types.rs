@@ -640,6 +640,12 @@ pub struct InterfaceStatus {
     pub mac: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interface_name: Option<String>,
+    /// The Pod interface the NIC is wired to (`eth0`, or the one Multus made).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_interface_name: Option<String>,
+    /// Where the information came from (KubeVirt: `domain`, `guest-agent`, `multus-status`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub info_source: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -39,6 +39,9 @@ pub struct LauncherClient {
     reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     writer: tokio::net::unix::OwnedWriteHalf,
     pub launcher_version: String,
+    /// The launcher's PID (in this process's PID namespace, from the socket's peer
+    /// credentials): the way into its Pod's network namespace.
+    pub pid: Option<u32>,
     timeout: Duration,
 }
 
@@ -62,11 +65,18 @@ impl LauncherClient {
             .map_err(|_| LauncherError::Timeout(timeout))?
             .map_err(err)?;
         drop(dir);
+        let pid = stream
+            .peer_cred()
+            .ok()
+            .and_then(|c| c.pid())
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p > 0);
         let (r, w) = stream.into_split();
         let mut c = LauncherClient {
             reader: BufReader::new(r),
             writer: w,
             launcher_version: String::new(),
+            pid,
             timeout,
         };
         match c
@@ -103,6 +113,42 @@ impl LauncherClient {
         }
         serde_json::from_str(&answer)
             .map_err(|_| LauncherError::Garbage(answer.trim_end().chars().take(120).collect()))
+    }
+
+    /// Hands the launcher its NICs: the message and, attached to its first bytes, the
+    /// descriptors (SCM_RIGHTS). The launcher then owns duplicates; ours close on return.
+    pub async fn attach_network(
+        &mut self,
+        nics: Vec<api::protocol::HandedNic>,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<(), LauncherError> {
+        use sendfd::SendWithFd;
+        use std::os::fd::AsRawFd;
+        let mut line = serde_json::to_string(&Request::AttachNetwork {
+            nics,
+            fds: fds.len(),
+        })
+        .expect("serializable");
+        line.push('\n');
+        let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let stream: &UnixStream = self.writer.as_ref();
+        let sent = loop {
+            tokio::time::timeout(self.timeout, stream.writable())
+                .await
+                .map_err(|_| LauncherError::Timeout(self.timeout))??;
+            match stream.send_with_fd(line.as_bytes(), &raw) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        // The descriptors went with the first chunk; the rest of the line is plain bytes.
+        self.writer.write_all(&line.as_bytes()[sent..]).await?;
+        match self.next_answer().await? {
+            Response::Ok => Ok(()),
+            Response::Error { message } => Err(LauncherError::Refused(message)),
+            other => Err(LauncherError::Garbage(format!("{other:?}"))),
+        }
     }
 
     pub async fn status(&mut self) -> Result<StatusReport, LauncherError> {

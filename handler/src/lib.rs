@@ -1,14 +1,14 @@
 //! virt-handler: the per-node agent. It watches the VMIs scheduled to its node, finds each
 //! launcher Pod's control socket in the kubelet's pods directory, Syncs the VMI into the
 //! launcher and keeps the VMI's status true to what the launcher reports.
-//!
-//! Still to come (the handler issue): pod network wiring with TAP hand-over, mutual TLS on the
-//! migration legs.
+//! Before the first Sync it wires the VMI's Pod network in the launcher's network namespace
+//! and hands the TAPs over (`network`).
 
 pub mod deviceplugin;
 pub mod launcher;
 pub mod metrics;
 pub mod migration;
+pub mod network;
 pub mod sync;
 
 use futures::StreamExt;

@@ -312,7 +312,9 @@ mod tests {
                     tx_bytes: 600,
                     rx_errors: 0,
                     tx_errors: 0,
+                    ..Default::default()
                 }],
+                network_attached: true,
             },
         );
         m.record_migration(

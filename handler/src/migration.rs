@@ -114,10 +114,34 @@ pub async fn reconcile_target(
         Some(a) => a,
         None => {
             let mut l = LauncherClient::connect(&socket, ctx.config.launcher_timeout).await?;
+            // The target Pod's network is wired like any other before the VM arrives: the
+            // same MAC and guest address on a new node.
+            if !l.status().await?.network_attached {
+                if let Err(e) = crate::network::attach(&mut l, &vmi).await {
+                    let message = e.to_string();
+                    if let crate::network::NetworkError::Launcher(e) = e {
+                        return Err(e.into());
+                    }
+                    edit_state(
+                        &Api::namespaced(ctx.client.clone(), &ns),
+                        &vmi.name_any(),
+                        &muid,
+                        |m| {
+                            m.failed = Some(true);
+                            m.failure_reason = Some(format!(
+                                "the target Pod's network cannot be wired: {message}"
+                            ));
+                        },
+                    )
+                    .await?;
+                    return Ok(Action::await_change());
+                }
+            }
             let listening = l
                 .call(&Request::PrepareMigrationTarget {
                     vmi: Box::new((*vmi).clone()),
-                    listen: "0.0.0.0:0".into(),
+                    // A fixed port, which the masquerade NAT keeps for the launcher.
+                    listen: format!("0.0.0.0:{}", crate::network::MIGRATION_PORT),
                     tls: ctx.config.migration_tls.clone(),
                 })
                 .await?;

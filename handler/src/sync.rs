@@ -220,6 +220,28 @@ pub async fn reconcile(
     let mut report = launcher.status().await?;
     let migrating = crate::migration::source_leg(&vmi, &ctx, &socket).await?;
     if report.state == VmState::NoVm && !migrating {
+        if !report.network_attached {
+            match crate::network::attach(&mut launcher, &vmi).await {
+                Ok(()) => {}
+                Err(crate::network::NetworkError::Unwirable(message)) => {
+                    // Nothing of the wiring is left behind; the VMI cannot run here.
+                    let mut s = status.clone();
+                    s.phase = Some(VmiPhase::Failed);
+                    s.reason = Some(format!("NetworkSetupFailed: {message}"));
+                    set_condition(
+                        &mut s.conditions,
+                        "Synchronized",
+                        false,
+                        Some("NetworkSetupFailed"),
+                        Some(message.clone()),
+                    );
+                    write_status(&api, &vmi, s).await?;
+                    ctx.event(&vmi, true, "NetworkSetupFailed", message).await;
+                    return Ok(Action::await_change());
+                }
+                Err(crate::network::NetworkError::Launcher(e)) => return Err(e.into()),
+            }
+        }
         match launcher.sync(&vmi).await {
             Ok(()) => {
                 ctx.event(&vmi, false, "Started", format!("VMI started on {node}"))
@@ -248,7 +270,10 @@ pub async fn reconcile(
     }
     let ns = vmi.namespace().unwrap_or_default();
     ctx.metrics.record(&ns, &vmi.name_any(), report.clone());
-    let new = observed_status(&status, &report, node, &launcher.launcher_version);
+    let mut new = observed_status(&status, &report, node, &launcher.launcher_version);
+    if !report.nics.is_empty() {
+        new.interfaces = crate::network::interface_status(&vmi, &report);
+    }
     let was = status.phase;
     write_status(&api, &vmi, new.clone()).await?;
     if was != new.phase {
@@ -314,6 +339,7 @@ mod tests {
             end: Some("guest powered off".into()),
             disks: vec![],
             nics: vec![],
+            network_attached: false,
         }
     }
 

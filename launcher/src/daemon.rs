@@ -602,6 +602,7 @@ impl Daemon {
             end: g.end.as_ref().map(|e| e.to_string()),
             disks,
             nics,
+            network_attached: !g.network.is_empty(),
         }
     }
 

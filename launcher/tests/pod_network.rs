@@ -204,3 +204,111 @@ spec:
     assert!(!String::from_utf8_lossy(&t.stdout).contains("microvirt-"));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A UDP echo server in `ns` on `port`: answers `count` datagrams and returns who sent them.
+pub fn udp_echo(
+    ns: &NetNs,
+    port: u16,
+    count: usize,
+) -> std::thread::JoinHandle<Vec<std::net::SocketAddr>> {
+    let name = ns.name.clone();
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let ns = NetNs { name };
+        ns.enter();
+        std::mem::forget(ns);
+        let s = std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(240))).unwrap();
+        ready_tx.send(()).unwrap();
+        let mut from = Vec::new();
+        let mut buf = [0u8; 1500];
+        while from.len() < count {
+            let Ok((n, src)) = s.recv_from(&mut buf) else {
+                break;
+            };
+            s.send_to(&buf[..n], src).unwrap();
+            from.push(src);
+        }
+        from
+    });
+    ready.recv().unwrap();
+    h
+}
+
+/// The probe's `dhcp` test through `run -f --network nat`, in a "Pod" namespace whose eth0 leads
+/// to a peer namespace: the guest gets 10.0.2.2 by DHCP (with the Pod's DNS, MTU and its
+/// hostname), and its UDP datagram reaches the peer from the Pod's address and comes back.
+#[test]
+fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
+    tests::require_kvm();
+    let dir = tests::probe_workdir("mv-podnet-dhcp");
+    let manifest = dir.join("vm.yaml");
+    std::fs::write(
+        &manifest,
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: dhcpvm}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces: [{name: default, masquerade: {}}]
+    firmware:
+      kernelBoot:
+        container: {image: "microvirt/probe:latest", kernelPath: /probe}
+        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777"
+  networks: [{name: default, pod: {}}]
+"#,
+    )
+    .unwrap();
+    let peer = NetNs::new("dhcpeer");
+    let pod = NetNs::new("dhcpod");
+    peer.exec(&[
+        "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0",
+    ]);
+    peer.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
+    peer.exec(&["ip", "addr", "add", "10.244.0.1/24", "dev", "veth0"]);
+    peer.exec(&["ip", "link", "set", "veth0", "up"]);
+    pod.exec(&["ip", "addr", "add", "10.244.0.5/24", "dev", "eth0"]);
+    pod.exec(&["ip", "link", "set", "eth0", "up"]);
+    pod.exec(&["ip", "route", "add", "default", "via", "10.244.0.1"]);
+    let echo = udp_echo(&peer, 7777, 1);
+    let out = Command::new("ip")
+        .args(["netns", "exec", &pod.name])
+        .arg(env!("CARGO_BIN_EXE_virt-launcher"))
+        .args(["run", "--no-console-input", "-f"])
+        .arg(&manifest)
+        .arg("--image-dir")
+        .arg(dir.join("images"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("PROBE RESULT dhcp"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains(" OK "), "{line}");
+    assert!(line.contains("ip=10.0.2.2/24 router=10.0.2.1"), "{line}");
+    assert!(line.contains("hostname=dhcpvm"), "{line}");
+    assert!(
+        line.contains("mtu=1500") && line.contains("echo=ok"),
+        "{line}"
+    );
+    let from = echo.join().unwrap();
+    assert_eq!(
+        from[0].ip().to_string(),
+        "10.244.0.5",
+        "the peer sees the Pod's address, not the guest's"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

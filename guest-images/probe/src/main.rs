@@ -11,6 +11,7 @@
 #![no_main]
 
 mod blk;
+mod dhcp;
 mod dirty;
 mod hw;
 mod net;
@@ -228,6 +229,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "blk" => blk::run(boot.cmdline),
         "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
+        "dhcp" => dhcp::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }

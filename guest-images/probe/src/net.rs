@@ -24,7 +24,7 @@ struct Bufs([[u8; BUF]; RX_BUFS]);
 static mut RX: Bufs = Bufs([[0; BUF]; RX_BUFS]);
 static mut TX: [u8; BUF] = [0; BUF];
 
-struct Nic {
+pub struct Nic {
     dev: Device,
     rx: Queue,
     tx: Queue,
@@ -48,8 +48,22 @@ impl Nic {
         self.head_buf[head as usize] = i as u8;
     }
 
+    /// Waits (at most `spins`) for a received frame, copies it (Ethernet, without the virtio
+    /// header) into `out`, gives the buffer back to the device and returns the length.
+    pub fn recv(&mut self, out: &mut [u8], spins: u32) -> Option<usize> {
+        let (head, len) = self.rx.wait_used(spins)?;
+        let i = self.head_buf[head as usize % QUEUE_SIZE as usize] as usize;
+        let b = unsafe { core::slice::from_raw_parts(rx_buf(i), BUF) };
+        let len = (len as usize).clamp(HDR, BUF);
+        let n = (len - HDR).min(out.len());
+        out[..n].copy_from_slice(&b[HDR..HDR + n]);
+        self.post_rx(i);
+        self.dev.notify(&self.rx);
+        Some(n)
+    }
+
     /// Sends `frame` (Ethernet, without the virtio header).
-    fn send(&mut self, frame: &[u8]) -> Result<(), &'static str> {
+    pub fn send(&mut self, frame: &[u8]) -> Result<(), &'static str> {
         let b = tx_buf();
         unsafe {
             core::ptr::write_bytes(b, 0, HDR);
@@ -77,22 +91,16 @@ fn build_frame(buf: &mut [u8], dst: [u8; 6], src: [u8; 6], payload: &[u8], len: 
     len
 }
 
-pub fn run(cmdline: &str) -> ! {
+/// The first virtio-net device of the command line, initialised, with receive buffers
+/// posted; and its MAC and link state.
+pub fn open(cmdline: &str) -> Result<(Nic, [u8; 6], u8), &'static str> {
     let mut bases = [0u64; 8];
     let n = crate::virtio::devices(cmdline, &mut bases);
-    let Some(&base) = bases[..n]
+    let &base = bases[..n]
         .iter()
         .find(|&&b| (Device { base: b }).device_id() == 1)
-    else {
-        result(false, format_args!("no virtio-net device"))
-    };
-    match run_on(Device { base }) {
-        Ok(line) => result(true, format_args!("{}", line.as_str())),
-        Err(e) => result(false, format_args!("{e}")),
-    }
-}
-
-fn run_on(dev: Device) -> Result<Line, &'static str> {
+        .ok_or("no virtio-net device")?;
+    let dev = Device { base };
     let features = dev.init(F_MAC | F_MRG_RXBUF)?;
     if features & F_MAC == 0 {
         return Err("device offers no MAC");
@@ -115,7 +123,17 @@ fn run_on(dev: Device) -> Result<Line, &'static str> {
         nic.post_rx(i);
     }
     nic.dev.notify(&nic.rx);
+    Ok((nic, mac, link))
+}
 
+pub fn run(cmdline: &str) -> ! {
+    match open(cmdline).and_then(|(nic, mac, link)| run_on(nic, mac, link)) {
+        Ok(line) => result(true, format_args!("{}", line.as_str())),
+        Err(e) => result(false, format_args!("{e}")),
+    }
+}
+
+fn run_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
     let mut frame = [0u8; 1514];
     for (i, &size) in SIZES.iter().enumerate() {
         let mut tag = Line::new();
