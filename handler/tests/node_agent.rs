@@ -415,3 +415,167 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     drop((n1, n2));
     let _ = std::fs::remove_dir_all(work);
 }
+
+/// The pod network end to end: the launcher runs in a Pod namespace (eth0 to a node
+/// namespace, as a CNI leaves it); virt-handler wires masquerade in it from the outside and
+/// hands the TAP and DHCP socket over; the probe configures itself by DHCP and its UDP datagram
+/// reaches a peer on the node from the Pod's address; the VMI's status shows the interface
+/// with the Pod's IP, set by the handler. A VMI whose Multus interface is missing fails,
+/// naming it, and leaves nothing behind in its Pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_puts_the_guest_on_the_pod_network() {
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-net");
+    let pods_dir = work.join("pods");
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let (node, podns) = tests::pod_namespace("hnet", "10.244.0.5", "10.244.0.1");
+    let echo = tests::udp_echo(&node, 7777, 1);
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: netprobe}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces: [{name: default, masquerade: {}}]
+    firmware:
+      kernelBoot:
+        container: {image: "microvirt/probe:latest", kernelPath: /probe}
+        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777"
+  networks: [{name: default, pod: {}}]
+"#,
+        )
+        .await;
+    let t = Duration::from_secs(30);
+    let vmi = eventually("the VMI", t, || async {
+        vmis.get_opt("netprobe").await.unwrap()
+    })
+    .await;
+    let pod = eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await;
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let uid = pod.metadata.uid.clone().unwrap();
+    cluster.kubelet_run(&pod_name, NODE).await;
+    kubelet_pod_ip(&cluster, &pod_name, "10.244.0.5").await;
+    let mut launcher = start_launcher_in(Some(&podns.name), &pods_dir, &uid, &work);
+    let _handler = start_handler(&cluster, &pods_dir, &work);
+
+    let iface = eventually(
+        "status.interfaces (set by virt-handler)",
+        Duration::from_secs(60),
+        || async {
+            let v = vmis.get("netprobe").await.unwrap();
+            v.status?.interfaces.into_iter().next()
+        },
+    )
+    .await;
+    assert_eq!(iface.name.as_deref(), Some("default"));
+    assert_eq!(iface.ip_address.as_deref(), Some("10.244.0.5"));
+    assert_eq!(iface.pod_interface_name.as_deref(), Some("eth0"));
+    assert_eq!(iface.info_source.as_deref(), Some("domain"));
+    assert!(
+        iface.mac.as_deref().is_some_and(|m| m.len() == 17),
+        "{iface:?}"
+    );
+    // The guest's datagram arrives from the Pod's address (masqueraded) and is echoed back;
+    // the probe then powers off and the VMI Succeeds.
+    let from = tokio::task::spawn_blocking(move || echo.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        from.first().map(|a| a.ip().to_string()).as_deref(),
+        Some("10.244.0.5"),
+        "no datagram from the guest"
+    );
+    // The guest powered off: the launcher (the Pod's container) exits 0, and the Pod's end
+    // makes the VMI Succeeded.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let code = loop {
+        if let Some(st) = launcher.0.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the launcher did not end"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(code, Some(0));
+    cluster.kubelet_exit(&pod_name, 0).await;
+    eventually("VMI Succeeded", t, || async {
+        let v = vmis.get("netprobe").await.unwrap();
+        (v.status?.phase == Some(VmiPhase::Succeeded)).then_some(())
+    })
+    .await;
+    let links = std::process::Command::new("ip")
+        .args(["netns", "exec", &podns.name, "ip", "-o", "link"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&links.stdout).contains("tap0"),
+        "the TAP went with the launcher"
+    );
+
+    // A Multus network whose interface the Pod does not have.
+    let (_node2, podns2) = tests::pod_namespace("hnet2", "10.244.1.5", "10.244.1.1");
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: blueprobe}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces: [{name: default, masquerade: {}}, {name: blue, bridge: {}}]
+    firmware:
+      kernelBoot:
+        container: {image: "microvirt/probe:latest", kernelPath: /probe}
+        kernelArgs: "console=ttyS0 probe.test=console"
+  networks: [{name: default, pod: {}}, {name: blue, multus: {networkName: blue-net}}]
+"#,
+        )
+        .await;
+    let vmi = eventually("the VMI", t, || async {
+        vmis.get_opt("blueprobe").await.unwrap()
+    })
+    .await;
+    let pod = eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await;
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let uid = pod.metadata.uid.clone().unwrap();
+    cluster.kubelet_run(&pod_name, NODE).await;
+    let _launcher2 = start_launcher_in(Some(&podns2.name), &pods_dir, &uid, &work);
+    let failed = eventually("VMI Failed", Duration::from_secs(60), || async {
+        let v = vmis.get("blueprobe").await.unwrap();
+        (v.status.as_ref()?.phase == Some(VmiPhase::Failed)).then_some(v)
+    })
+    .await;
+    let reason = failed.status.unwrap().reason.unwrap_or_default();
+    assert!(
+        reason.starts_with("NetworkSetupFailed")
+            && reason.contains("interface blue")
+            && reason.contains("net1"),
+        "{reason}"
+    );
+    let links = std::process::Command::new("ip")
+        .args(["netns", "exec", &podns2.name, "ip", "-o", "link"])
+        .output()
+        .unwrap();
+    let links = String::from_utf8_lossy(&links.stdout);
+    assert!(
+        !links.contains("k6t-") && !links.contains("tap0"),
+        "left behind: {links}"
+    );
+    let _ = std::fs::remove_dir_all(work);
+}

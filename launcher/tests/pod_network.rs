@@ -205,36 +205,6 @@ spec:
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// A UDP echo server in `ns` on `port`: answers `count` datagrams and returns who sent them.
-pub fn udp_echo(
-    ns: &NetNs,
-    port: u16,
-    count: usize,
-) -> std::thread::JoinHandle<Vec<std::net::SocketAddr>> {
-    let name = ns.name.clone();
-    let (ready_tx, ready) = std::sync::mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let ns = NetNs { name };
-        ns.enter();
-        std::mem::forget(ns);
-        let s = std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(240))).unwrap();
-        ready_tx.send(()).unwrap();
-        let mut from = Vec::new();
-        let mut buf = [0u8; 1500];
-        while from.len() < count {
-            let Ok((n, src)) = s.recv_from(&mut buf) else {
-                break;
-            };
-            s.send_to(&buf[..n], src).unwrap();
-            from.push(src);
-        }
-        from
-    });
-    ready.recv().unwrap();
-    h
-}
-
 /// The probe's `dhcp` test through `run -f --network nat`, in a "Pod" namespace whose eth0 leads
 /// to a peer namespace: the guest gets 10.0.2.2 by DHCP (with the Pod's DNS, MTU and its
 /// hostname), and its UDP datagram reaches the peer from the Pod's address and comes back.
@@ -262,18 +232,8 @@ spec:
 "#,
     )
     .unwrap();
-    let peer = NetNs::new("dhcpeer");
-    let pod = NetNs::new("dhcpod");
-    peer.exec(&[
-        "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0",
-    ]);
-    peer.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
-    peer.exec(&["ip", "addr", "add", "10.244.0.1/24", "dev", "veth0"]);
-    peer.exec(&["ip", "link", "set", "veth0", "up"]);
-    pod.exec(&["ip", "addr", "add", "10.244.0.5/24", "dev", "eth0"]);
-    pod.exec(&["ip", "link", "set", "eth0", "up"]);
-    pod.exec(&["ip", "route", "add", "default", "via", "10.244.0.1"]);
-    let echo = udp_echo(&peer, 7777, 1);
+    let (peer, pod) = tests::pod_namespace("dhcp", "10.244.0.5", "10.244.0.1");
+    let echo = tests::udp_echo(&peer, 7777, 1);
     let out = Command::new("ip")
         .args(["netns", "exec", &pod.name])
         .arg(env!("CARGO_BIN_EXE_virt-launcher"))

@@ -315,6 +315,62 @@ fn run_ok(cmd: &str, args: &[&str]) {
     );
 }
 
+/// A Pod's network namespace as a CNI plugin leaves it: `eth0` with `pod_ip`/24, the other end
+/// of the veth in a "node" namespace with `gateway`/24, the default route through it. Returns
+/// (node, pod).
+pub fn pod_namespace(tag: &str, pod_ip: &str, gateway: &str) -> (NetNs, NetNs) {
+    let node = NetNs::new(&format!("{tag}n"));
+    let pod = NetNs::new(&format!("{tag}p"));
+    node.exec(&[
+        "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0",
+    ]);
+    node.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
+    node.exec(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{gateway}/24"),
+        "dev",
+        "veth0",
+    ]);
+    node.exec(&["ip", "link", "set", "veth0", "up"]);
+    pod.exec(&["ip", "addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"]);
+    pod.exec(&["ip", "link", "set", "eth0", "up"]);
+    pod.exec(&["ip", "route", "add", "default", "via", gateway]);
+    (node, pod)
+}
+
+/// A UDP echo server in `ns` on `port` (bound before this returns): echoes `count` datagrams
+/// (or gives up after 4 minutes of silence) and returns who sent them.
+pub fn udp_echo(
+    ns: &NetNs,
+    port: u16,
+    count: usize,
+) -> std::thread::JoinHandle<Vec<std::net::SocketAddr>> {
+    let name = ns.name.clone();
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        let ns = NetNs { name };
+        ns.enter();
+        std::mem::forget(ns);
+        let s = std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(240))).unwrap();
+        ready_tx.send(()).unwrap();
+        let mut from = Vec::new();
+        let mut buf = [0u8; 1500];
+        while from.len() < count {
+            let Ok((n, src)) = s.recv_from(&mut buf) else {
+                break;
+            };
+            let _ = s.send_to(&buf[..n], src);
+            from.push(src);
+        }
+        from
+    });
+    ready.recv().unwrap();
+    h
+}
+
 /// An AF_PACKET socket on one interface: sees every frame the interface receives and sends
 /// frames out of it, like a host on the other end of the wire.
 pub struct PacketSocket {

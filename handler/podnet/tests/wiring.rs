@@ -19,17 +19,8 @@ fn out(ns: &NetNs, cmd: &[&str]) -> String {
 
 /// A Pod namespace with eth0 = 10.244.0.5/24 (default route via the node's 10.244.0.1).
 fn pod(tag: &str) -> (NetNs, NetNs) {
-    let node = NetNs::new(&format!("{tag}n"));
-    let pod = NetNs::new(&format!("{tag}p"));
-    node.exec(&[
-        "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0",
-    ]);
-    node.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
-    node.exec(&["ip", "addr", "add", "10.244.0.1/24", "dev", "veth0"]);
-    node.exec(&["ip", "link", "set", "veth0", "up"]);
-    pod.exec(&["ip", "addr", "add", "10.244.0.5/24", "dev", "eth0"]);
-    pod.exec(&["ip", "link", "set", "eth0", "mtu", "1450", "up"]);
-    pod.exec(&["ip", "route", "add", "default", "via", "10.244.0.1"]);
+    let (node, pod) = tests::pod_namespace(tag, "10.244.0.5", "10.244.0.1");
+    pod.exec(&["ip", "link", "set", "eth0", "mtu", "1450"]);
     (node, pod)
 }
 
