@@ -431,7 +431,7 @@ async fn the_handler_puts_the_guest_on_the_pod_network() {
     let _controller = cluster.replica(test_config(), None);
     let vmis = cluster.api::<VirtualMachineInstance>();
     let (node, podns) = tests::pod_namespace("hnet", "10.244.0.5", "10.244.0.1");
-    let echo = tests::udp_echo(&node, 7777, 1);
+    let echo = tests::UdpEcho::start(&node, 7777);
     cluster
         .apply_yaml::<VirtualMachineInstance>(
             r#"
@@ -486,14 +486,11 @@ spec:
     );
     // The guest's datagram arrives from the Pod's address (masqueraded) and is echoed back;
     // the probe then powers off and the VMI Succeeds.
-    let from = tokio::task::spawn_blocking(move || echo.join().unwrap())
-        .await
-        .unwrap();
-    assert_eq!(
-        from.first().map(|a| a.ip().to_string()).as_deref(),
-        Some("10.244.0.5"),
-        "no datagram from the guest"
-    );
+    let seen =
+        tokio::task::spawn_blocking(move || echo.wait_from("10.244.0.5", Duration::from_secs(120)))
+            .await
+            .unwrap();
+    assert!(seen, "no datagram from the guest through the Pod's address");
     // The guest powered off: the launcher (the Pod's container) exits 0, and the Pod's end
     // makes the VMI Succeeded.
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
@@ -577,5 +574,149 @@ spec:
         !links.contains("k6t-") && !links.contains("tap0"),
         "left behind: {links}"
     );
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// A live migration of a guest that is talking to a peer the whole time: each node has a Pod
+/// namespace behind it (10.244.1.5 on node-1, 10.244.2.5 on node-2), both handlers wire their
+/// Pod, and the guest — which ran DHCP and ARP once, before the move — keeps its MAC, its
+/// address and its gateway's ARP entry: its datagrams reach the peer from the source Pod's
+/// address before and from the target Pod's after, and the VMI's status follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
+    use api::{MigrationPhase, VirtualMachineInstanceMigration};
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-netmig");
+    let pods_dir = work.join("pods");
+    let n1 = tests::NetNs::new("nm1");
+    let n2 = tests::NetNs::new("nm2");
+    n1.exec(&[
+        "ip", "link", "add", "hv1", "type", "veth", "peer", "name", "hv2",
+    ]);
+    n1.exec(&["ip", "link", "set", "hv2", "netns", &n2.name]);
+    n1.exec(&["ip", "addr", "add", "10.78.0.1/24", "dev", "hv1"]);
+    n1.exec(&["ip", "link", "set", "hv1", "up"]);
+    n2.exec(&["ip", "addr", "add", "10.78.0.2/24", "dev", "hv2"]);
+    n2.exec(&["ip", "link", "set", "hv2", "up"]);
+    let pod1 = tests::pod_namespace_on(&n1, "nm1", "10.244.1.5", "10.244.1.1");
+    let pod2 = tests::pod_namespace_on(&n2, "nm2", "10.244.2.5", "10.244.2.1");
+    // The nodes route each other's Pod subnets (what the CNI's routes do).
+    n1.exec(&["ip", "route", "add", "10.244.2.0/24", "via", "10.78.0.2"]);
+    n2.exec(&["ip", "route", "add", "10.244.1.0/24", "via", "10.78.0.1"]);
+    for n in [&n1, &n2] {
+        n.exec(&["sysctl", "-qw", "net.ipv4.ip_forward=1"]);
+    }
+    let echo = tests::UdpEcho::start(&n1, 7777);
+
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: talker}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces: [{name: default, masquerade: {}}]
+    firmware:
+      kernelBoot:
+        container: {image: "microvirt/probe:latest", kernelPath: /probe}
+        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.78.0.1:7777 probe.echoes=100000000"
+  networks: [{name: default, pod: {}}]
+"#,
+        )
+        .await;
+    let t = Duration::from_secs(30);
+    let vmi = eventually("the VMI", t, || async {
+        vmis.get_opt("talker").await.unwrap()
+    })
+    .await;
+    let source = eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await;
+    let source_name = source.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&source_name, "node-1").await;
+    kubelet_pod_ip(&cluster, &source_name, "10.244.1.5").await;
+    let source_uid = source.metadata.uid.clone().unwrap();
+    let _l1 = start_launcher_in(Some(&pod1.name), &pods_dir, &source_uid, &work);
+    let _h1 = start_handler_on("node-1", &cluster, &pods_dir, &work);
+    let _h2 = start_handler_on("node-2", &cluster, &pods_dir, &work);
+    let before = eventually(
+        "the interface on node-1",
+        Duration::from_secs(60),
+        || async {
+            let v = vmis.get("talker").await.unwrap();
+            let i = v.status?.interfaces.into_iter().next()?;
+            (i.ip_address.as_deref() == Some("10.244.1.5")).then_some(i)
+        },
+    )
+    .await;
+    let echo = std::sync::Arc::new(echo);
+    let e = echo.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || e.wait_from("10.244.1.5", Duration::from_secs(120)))
+            .await
+            .unwrap(),
+        "the guest is not talking through node-1's Pod"
+    );
+
+    cluster
+        .apply_yaml::<VirtualMachineInstanceMigration>(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {name: netmig}\nspec: {vmiName: talker}\n",
+        )
+        .await;
+    let m = cluster
+        .api::<VirtualMachineInstanceMigration>()
+        .get("netmig")
+        .await
+        .unwrap();
+    let target = cluster.target_pod(&m.metadata.uid.clone().unwrap()).await;
+    let target_name = target.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&target_name, "node-2").await;
+    kubelet_pod_ip(&cluster, &target_name, "10.244.2.5").await;
+    let target_uid = target.metadata.uid.clone().unwrap();
+    let _l2 = start_launcher_in(Some(&pod2.name), &pods_dir, &target_uid, &work);
+    let migrations = cluster.api::<VirtualMachineInstanceMigration>();
+    let done = eventually("the migration to end", Duration::from_secs(120), || async {
+        let m = migrations.get("netmig").await.unwrap();
+        let p = m.status.as_ref()?.phase?;
+        matches!(p, MigrationPhase::Succeeded | MigrationPhase::Failed).then_some(m)
+    })
+    .await;
+    let ms = vmis
+        .get("talker")
+        .await
+        .unwrap()
+        .status
+        .and_then(|s| s.migration_state);
+    assert_eq!(
+        done.status.as_ref().unwrap().phase,
+        Some(MigrationPhase::Succeeded),
+        "{ms:?}"
+    );
+    let e = echo.clone();
+    assert!(
+        tokio::task::spawn_blocking(move || e.wait_from("10.244.2.5", Duration::from_secs(120)))
+            .await
+            .unwrap(),
+        "after the move the guest's datagrams do not come through node-2's Pod"
+    );
+    let after = eventually(
+        "the interface on node-2",
+        Duration::from_secs(60),
+        || async {
+            let v = vmis.get("talker").await.unwrap();
+            let i = v.status?.interfaces.into_iter().next()?;
+            (i.ip_address.as_deref() == Some("10.244.2.5")).then_some(i)
+        },
+    )
+    .await;
+    assert_eq!(after.mac, before.mac, "the guest kept its MAC");
+    drop((pod1, pod2, n1, n2));
     let _ = std::fs::remove_dir_all(work);
 }

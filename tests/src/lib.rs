@@ -320,55 +320,72 @@ fn run_ok(cmd: &str, args: &[&str]) {
 /// (node, pod).
 pub fn pod_namespace(tag: &str, pod_ip: &str, gateway: &str) -> (NetNs, NetNs) {
     let node = NetNs::new(&format!("{tag}n"));
-    let pod = NetNs::new(&format!("{tag}p"));
-    node.exec(&[
-        "ip", "link", "add", "veth0", "type", "veth", "peer", "name", "eth0",
-    ]);
-    node.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
-    node.exec(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{gateway}/24"),
-        "dev",
-        "veth0",
-    ]);
-    node.exec(&["ip", "link", "set", "veth0", "up"]);
-    pod.exec(&["ip", "addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"]);
-    pod.exec(&["ip", "link", "set", "eth0", "up"]);
-    pod.exec(&["ip", "route", "add", "default", "via", gateway]);
+    let pod = pod_namespace_on(&node, tag, pod_ip, gateway);
     (node, pod)
 }
 
-/// A UDP echo server in `ns` on `port` (bound before this returns): echoes `count` datagrams
-/// (or gives up after 4 minutes of silence) and returns who sent them.
-pub fn udp_echo(
-    ns: &NetNs,
-    port: u16,
-    count: usize,
-) -> std::thread::JoinHandle<Vec<std::net::SocketAddr>> {
-    let name = ns.name.clone();
-    let (ready_tx, ready) = std::sync::mpsc::channel();
-    let h = std::thread::spawn(move || {
-        let ns = NetNs { name };
-        ns.enter();
-        std::mem::forget(ns);
-        let s = std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(240))).unwrap();
-        ready_tx.send(()).unwrap();
-        let mut from = Vec::new();
-        let mut buf = [0u8; 1500];
-        while from.len() < count {
-            let Ok((n, src)) = s.recv_from(&mut buf) else {
-                break;
-            };
-            let _ = s.send_to(&buf[..n], src);
-            from.push(src);
+/// `pod_namespace` on an existing node namespace (its veth end is `v<tag>`).
+pub fn pod_namespace_on(node: &NetNs, tag: &str, pod_ip: &str, gateway: &str) -> NetNs {
+    let pod = NetNs::new(&format!("{tag}p"));
+    let veth = format!("v{tag}");
+    node.exec(&[
+        "ip", "link", "add", &veth, "type", "veth", "peer", "name", "eth0",
+    ]);
+    node.exec(&["ip", "link", "set", "eth0", "netns", &pod.name]);
+    node.exec(&["ip", "addr", "add", &format!("{gateway}/24"), "dev", &veth]);
+    node.exec(&["ip", "link", "set", &veth, "up"]);
+    pod.exec(&["ip", "addr", "add", &format!("{pod_ip}/24"), "dev", "eth0"]);
+    pod.exec(&["ip", "link", "set", "eth0", "up"]);
+    pod.exec(&["ip", "route", "add", "default", "via", gateway]);
+    pod
+}
+
+/// A UDP echo server in a namespace: echoes every datagram (until 4 minutes of silence) and
+/// records who sent it.
+pub struct UdpEcho {
+    seen: Arc<Mutex<Vec<std::net::SocketAddr>>>,
+}
+
+impl UdpEcho {
+    /// Serves on `port` in `ns`; bound before this returns.
+    pub fn start(ns: &NetNs, port: u16) -> UdpEcho {
+        let name = ns.name.clone();
+        let seen: Arc<Mutex<Vec<std::net::SocketAddr>>> = Arc::default();
+        let (ready_tx, ready) = std::sync::mpsc::channel();
+        let log = seen.clone();
+        std::thread::spawn(move || {
+            let ns = NetNs { name };
+            ns.enter();
+            std::mem::forget(ns);
+            let s = std::net::UdpSocket::bind(("0.0.0.0", port)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(240))).unwrap();
+            ready_tx.send(()).unwrap();
+            let mut buf = [0u8; 1500];
+            while let Ok((n, src)) = s.recv_from(&mut buf) {
+                let _ = s.send_to(&buf[..n], src);
+                log.lock().unwrap().push(src);
+            }
+        });
+        ready.recv().unwrap();
+        UdpEcho { seen }
+    }
+
+    /// The senders so far, one per datagram.
+    pub fn seen(&self) -> Vec<std::net::SocketAddr> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Waits until a datagram from `ip` has been echoed.
+    pub fn wait_from(&self, ip: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.seen().iter().any(|a| a.ip().to_string() == ip) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
-        from
-    });
-    ready.recv().unwrap();
-    h
+        false
+    }
 }
 
 /// An AF_PACKET socket on one interface: sees every frame the interface receives and sends

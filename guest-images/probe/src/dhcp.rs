@@ -1,7 +1,9 @@
-//! `probe.test=dhcp probe.peer=A.B.C.D:PORT`: configure the NIC by DHCP (discover, offer,
-//! request, ack), resolve the next hop by ARP, then send a UDP datagram to the peer and wait
-//! for it to come back (a UDP echo on the far side of the Pod's NAT). The guest answers ARP
-//! for its address meanwhile, as the gateway asks before it delivers the echo.
+//! `probe.test=dhcp probe.peer=A.B.C.D:PORT [probe.echoes=N]`: configure the NIC by DHCP
+//! (discover, offer, request, ack), resolve the next hop by ARP once, then send N (default 1)
+//! numbered UDP datagrams to the peer one after the other, each repeated until it comes back (a
+//! UDP echo on the far side of the Pod's NAT). The guest answers ARP for its address meanwhile,
+//! as the gateway asks before it delivers an echo. Many echoes keep the guest talking while it
+//! is live-migrated: the same MAC, address and ARP entry must keep working on the new node.
 
 use core::fmt::Write;
 
@@ -235,13 +237,23 @@ pub fn run(cmdline: &str) -> ! {
     let Some(peer) = peer else {
         result(false, format_args!("probe.peer=A.B.C.D:PORT is missing"))
     };
-    match crate::net::open(cmdline).and_then(|(nic, mac, _)| exchange(nic, mac, peer)) {
+    let echoes = cmdline
+        .split(' ')
+        .find_map(|w| w.strip_prefix("probe.echoes="))
+        .and_then(|n| n.parse::<u32>().ok())
+        .unwrap_or(1);
+    match crate::net::open(cmdline).and_then(|(nic, mac, _)| exchange(nic, mac, peer, echoes)) {
         Ok(line) => result(true, format_args!("{}", line.as_str())),
         Err(e) => result(false, format_args!("{e}")),
     }
 }
 
-fn exchange(mut nic: Nic, mac: [u8; 6], peer: ([u8; 4], u16)) -> Result<Line, &'static str> {
+fn exchange(
+    mut nic: Nic,
+    mac: [u8; 6],
+    peer: ([u8; 4], u16),
+    echoes: u32,
+) -> Result<Line, &'static str> {
     let mut frame = [0u8; 1514];
     let mut rx = [0u8; 1514];
     let mut body = [0u8; 400];
@@ -323,29 +335,33 @@ fn exchange(mut nic: Nic, mac: [u8; 6], peer: ([u8; 4], u16)) -> Result<Line, &'
         }
     }
     let hop_mac = hop_mac.ok_or("no ARP reply from the next hop")?;
-    // UDP to the peer, and its echo back.
-    let msg = b"MVPROBE udp hello";
-    let mut echoed = false;
-    'udp: for _ in 0..TRIES {
-        let len = udp_frame(
-            &mut frame, hop_mac, mac, me, peer.0, PROBE_PORT, peer.1, msg,
-        );
-        nic.send(&frame[..len])?;
-        for _ in 0..16 {
-            let Some(n) = nic.recv(&mut rx, SPINS) else {
-                continue 'udp;
-            };
-            handle_arp(&mut nic, &rx[..n], mac, me);
-            if let Some((b, src, sport)) = udp_payload(&rx[..n], PROBE_PORT) {
-                if src == peer.0 && sport == peer.1 && b == msg {
-                    echoed = true;
-                    break 'udp;
+    // UDP to the peer, and its echo back, `echoes` times.
+    for k in 0..echoes {
+        let mut msg = Line::new();
+        let _ = write!(msg, "MVPROBE udp hello {k}");
+        let msg = msg.as_str().as_bytes();
+        let mut echoed = false;
+        'udp: for _ in 0..TRIES {
+            let len = udp_frame(
+                &mut frame, hop_mac, mac, me, peer.0, PROBE_PORT, peer.1, msg,
+            );
+            nic.send(&frame[..len])?;
+            for _ in 0..16 {
+                let Some(n) = nic.recv(&mut rx, SPINS) else {
+                    continue 'udp;
+                };
+                handle_arp(&mut nic, &rx[..n], mac, me);
+                if let Some((b, src, sport)) = udp_payload(&rx[..n], PROBE_PORT) {
+                    if src == peer.0 && sport == peer.1 && b == msg {
+                        echoed = true;
+                        break 'udp;
+                    }
                 }
             }
         }
-    }
-    if !echoed {
-        return Err("no UDP echo from the peer");
+        if !echoed {
+            return Err("no UDP echo from the peer");
+        }
     }
     let mut out = Line::new();
     let ip = |a: [u8; 4]| (a[0], a[1], a[2], a[3]);
@@ -354,7 +370,7 @@ fn exchange(mut nic: Nic, mac: [u8; 6], peer: ([u8; 4], u16)) -> Result<Line, &'
     let (n1, n2, n3, n4) = ip(lease.dns);
     let _ = write!(
         out,
-        "ip={a}.{b}.{c}.{d}/{} router={r1}.{r2}.{r3}.{r4} dns={n1}.{n2}.{n3}.{n4} mtu={} hostname={} echo=ok",
+        "ip={a}.{b}.{c}.{d}/{} router={r1}.{r2}.{r3}.{r4} dns={n1}.{n2}.{n3}.{n4} mtu={} hostname={} echoes={echoes}",
         prefix_len(lease.mask),
         lease.mtu,
         core::str::from_utf8(&lease.hostname[..lease.hostname_len]).unwrap_or("?"),

@@ -38,6 +38,8 @@ pub const MASQUERADE_PREFIX_V4: u8 = 24;
 pub const GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfd10, 0, 2, 0, 0, 0, 0, 1);
 pub const GUEST_V6: Ipv6Addr = Ipv6Addr::new(0xfd10, 0, 2, 0, 0, 0, 0, 2);
 pub const MASQUERADE_PREFIX_V6: u8 = 120;
+/// The masquerade gateway's (the bridge's) MAC, the same in every Pod.
+pub const MASQUERADE_GATEWAY_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0];
 /// The bridge binding's DHCP server address: link-local, so it takes nothing from the Pod's
 /// subnet (KubeVirt uses the same kind of fake address).
 pub const BRIDGE_DHCP_SERVER: Ipv4Addr = Ipv4Addr::new(169, 254, 75, 10);
@@ -532,9 +534,15 @@ async fn wire_nic(
         Some(l) => addresses(handle, l.header.index).await?,
         None => Vec::new(),
     };
+    let mut bridge_link = LinkBridge::new(&bridge).mtu(mtu);
+    if req.binding == Binding::Masquerade {
+        // The guest's gateway has the same MAC in every Pod, so after a live migration the
+        // guest's ARP entry for it is still right (KubeVirt fixes it the same way).
+        bridge_link = bridge_link.address(MASQUERADE_GATEWAY_MAC.to_vec());
+    }
     handle
         .link()
-        .add(LinkBridge::new(&bridge).mtu(mtu).build())
+        .add(bridge_link.build())
         .execute()
         .await
         .map_err(nl(&format!("creating bridge {bridge}")))?;

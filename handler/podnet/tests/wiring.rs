@@ -80,6 +80,12 @@ fn masquerade_puts_the_guest_behind_the_pod_address() {
     assert!(n.dhcp_socket.is_some());
     let addrs = out(&pod, &["ip", "-o", "addr", "show", "k6t-eth0"]);
     assert!(addrs.contains("10.0.2.1/24"), "{addrs}");
+    let br = out(&pod, &["cat", "/sys/class/net/k6t-eth0/address"]);
+    assert_eq!(
+        br.trim(),
+        "02:00:00:00:00:00",
+        "the same gateway MAC in every Pod"
+    );
     let tap = out(&pod, &["ip", "-o", "link", "show", "tap0"]);
     assert!(
         tap.contains("master k6t-eth0") && tap.contains("mtu 1450"),
