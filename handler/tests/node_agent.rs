@@ -720,3 +720,79 @@ spec:
     drop((pod1, pod2, n1, n2));
     let _ = std::fs::remove_dir_all(work);
 }
+
+/// The bridge binding: the guest takes over the Pod interface's address and MAC (by DHCP from
+/// the handler-wired bridge), and talks to the node as the Pod itself, without NAT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_bridge_binding_the_guest_is_the_pod_on_the_network() {
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-br");
+    let pods_dir = work.join("pods");
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let (node, podns) = tests::pod_namespace("hbr", "10.244.0.5", "10.244.0.1");
+    let pod_mac = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &podns.name,
+            "cat",
+            "/sys/class/net/eth0/address",
+        ])
+        .output()
+        .unwrap();
+    let pod_mac = String::from_utf8_lossy(&pod_mac.stdout).trim().to_string();
+    let echo = tests::UdpEcho::start(&node, 7777);
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: bridged}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces: [{name: default, bridge: {}}]
+    firmware:
+      kernelBoot:
+        container: {image: "microvirt/probe:latest", kernelPath: /probe}
+        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777 probe.echoes=3"
+  networks: [{name: default, pod: {}}]
+"#,
+        )
+        .await;
+    let t = Duration::from_secs(30);
+    let vmi = eventually("the VMI", t, || async {
+        vmis.get_opt("bridged").await.unwrap()
+    })
+    .await;
+    let pod = eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await;
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let uid = pod.metadata.uid.clone().unwrap();
+    cluster.kubelet_run(&pod_name, NODE).await;
+    kubelet_pod_ip(&cluster, &pod_name, "10.244.0.5").await;
+    let _launcher = start_launcher_in(Some(&podns.name), &pods_dir, &uid, &work);
+    let _handler = start_handler(&cluster, &pods_dir, &work);
+    let iface = eventually("status.interfaces", Duration::from_secs(60), || async {
+        let v = vmis.get("bridged").await.unwrap();
+        v.status?.interfaces.into_iter().next()
+    })
+    .await;
+    assert_eq!(iface.ip_address.as_deref(), Some("10.244.0.5"));
+    assert_eq!(
+        iface.mac.as_deref(),
+        Some(pod_mac.as_str()),
+        "the Pod's MAC"
+    );
+    let seen =
+        tokio::task::spawn_blocking(move || echo.wait_from("10.244.0.5", Duration::from_secs(120)))
+            .await
+            .unwrap();
+    assert!(seen, "no datagram from the guest at the Pod's address");
+    let _ = std::fs::remove_dir_all(work);
+}
