@@ -47,6 +47,17 @@ fn start_launcher(pods_dir: &Path, uid: &str, work: &Path) -> Proc {
 
 /// `start_launcher`, in a network namespace standing in for the Pod's node.
 fn start_launcher_in(netns: Option<&str>, pods_dir: &Path, uid: &str, work: &Path) -> Proc {
+    start_launcher_logged(netns, pods_dir, uid, work, None)
+}
+
+/// `start_launcher_in`, with the launcher's stderr in `log` (else discarded).
+fn start_launcher_logged(
+    netns: Option<&str>,
+    pods_dir: &Path,
+    uid: &str,
+    work: &Path,
+    log: Option<&Path>,
+) -> Proc {
     // In the Pod the launcher binds a short path in its `sockets` volume; the node sees it
     // under the kubelet's (long) pods directory. A symlink stands in for that mount.
     let socket = handler::launcher::socket_path(pods_dir, uid);
@@ -73,7 +84,10 @@ fn start_launcher_in(netns: Option<&str>, pods_dir: &Path, uid: &str, work: &Pat
         .arg(work.join("state"))
         .env("RUST_LOG", "error")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(match log {
+            Some(l) => Stdio::from(std::fs::File::create(l).unwrap()),
+            None => Stdio::null(),
+        })
         .spawn()
         .unwrap();
     tests::wait_for_path(&short, Duration::from_secs(10));
@@ -794,5 +808,198 @@ spec:
             .await
             .unwrap();
     assert!(seen, "no datagram from the guest at the Pod's address");
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// What a kubelet does with the launcher Pods bound to this node, for real: every launcher
+/// Pod gets a Pod network namespace (eth0 behind a node namespace) and a `virt-launcher daemon`
+/// process in it; a Pod being deleted gets SIGTERM, and once the launcher has exited its
+/// deletion is finished. Runs until dropped.
+struct TestKubelet {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: Option<tokio::task::JoinHandle<Vec<EndedLauncher>>>,
+}
+
+/// A launcher the test kubelet saw end: its Pod, exit code and stderr.
+type EndedLauncher = (String, Option<i32>, String);
+
+impl TestKubelet {
+    fn start(cluster: &Cluster, node: &str, pods_dir: &Path, work: &Path) -> TestKubelet {
+        use k8s_openapi::api::core::v1::Pod;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (cluster, node, pods_dir, work) = (
+            cluster.clone_handle(),
+            node.to_string(),
+            pods_dir.to_path_buf(),
+            work.to_path_buf(),
+        );
+        let s = stop.clone();
+        let task = tokio::spawn(async move {
+            let pods = cluster.api::<Pod>();
+            // Pod UID → (launcher, its Pod namespace, its node namespace, where its stderr goes).
+            let mut running: std::collections::BTreeMap<
+                String,
+                (Proc, tests::NetNs, tests::NetNs, PathBuf),
+            > = Default::default();
+            let mut ended = Vec::new();
+            let mut n = 0;
+            while !s.load(std::sync::atomic::Ordering::SeqCst) {
+                for p in pods.list(&Default::default()).await.unwrap().items {
+                    let (name, uid) = (
+                        p.metadata.name.clone().unwrap(),
+                        p.metadata.uid.clone().unwrap(),
+                    );
+                    let deleting = p.metadata.deletion_timestamp.is_some();
+                    if let Some((mut l, pod_ns, node_ns, log)) =
+                        (deleting).then(|| running.remove(&uid)).flatten()
+                    {
+                        // SAFETY: a signal to our own child.
+                        unsafe { libc::kill(l.0.id() as i32, libc::SIGTERM) };
+                        let code = tokio::task::spawn_blocking(move || {
+                            let c = l.0.wait().unwrap().code();
+                            (c, l)
+                        })
+                        .await
+                        .unwrap()
+                        .0;
+                        ended.push((
+                            name.clone(),
+                            code,
+                            std::fs::read_to_string(&log).unwrap_or_default(),
+                        ));
+                        drop((pod_ns, node_ns));
+                        let _ = pods
+                            .delete(
+                                &name,
+                                &kube::api::DeleteParams {
+                                    grace_period_seconds: Some(0),
+                                    ..Default::default()
+                                },
+                            )
+                            .await;
+                        continue;
+                    }
+                    if deleting
+                        || running.contains_key(&uid)
+                        || p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")
+                    {
+                        continue;
+                    }
+                    n += 1;
+                    let ip = format!("10.245.{n}.5");
+                    let (node_ns, pod_ns) =
+                        tests::pod_namespace(&format!("k{n}"), &ip, &format!("10.245.{n}.1"));
+                    cluster.kubelet_run(&name, &node).await;
+                    kubelet_pod_ip(&cluster, &name, &ip).await;
+                    let log = work.join(format!("launcher-{n}.log"));
+                    let l = start_launcher_logged(
+                        Some(&pod_ns.name),
+                        &pods_dir,
+                        &uid,
+                        &work,
+                        Some(&log),
+                    );
+                    running.insert(uid, (l, pod_ns, node_ns, log));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            ended
+        });
+        TestKubelet {
+            stop,
+            task: Some(task),
+        }
+    }
+
+    /// Stops watching; returns the launchers that ended: (Pod, exit code, stderr).
+    async fn finish(mut self) -> Vec<EndedLauncher> {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.task.take().unwrap().await.unwrap()
+    }
+}
+
+/// KubeVirt's everyday path with nothing stood in for: a VirtualMachine applied through the
+/// API becomes a VMI and a launcher Pod (virt-controller), the kubelet starts the launcher in
+/// the Pod's namespace, virt-handler wires the Pod network and Syncs it — the VMI turns Running
+/// with its interface's IP, set by the handler. Stopping the VM deletes the Pod; the launcher
+/// gets SIGTERM and the guest shuts down gracefully (it powers off on Ctrl-Alt-Del).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_applied_through_the_api_runs_on_the_pod_network_and_stops_gracefully() {
+    use api::VirtualMachine;
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-vm");
+    let pods_dir = work.join("pods");
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
+    let _handler = start_handler(&cluster, &pods_dir, &work);
+    cluster
+        .apply_yaml::<VirtualMachine>(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: kbd}
+spec:
+  runStrategy: Always
+  template:
+    spec:
+      terminationGracePeriodSeconds: 60
+      domain:
+        memory: {guest: 64Mi}
+        devices:
+          interfaces: [{name: default, masquerade: {}}]
+        firmware:
+          kernelBoot:
+            container: {image: "microvirt/probe:latest", kernelPath: /probe}
+            kernelArgs: "console=ttyS0 probe.test=keyboard"
+      networks: [{name: default, pod: {}}]
+"#,
+        )
+        .await;
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let running = eventually(
+        "VMI Running with its IP (virt-handler)",
+        Duration::from_secs(90),
+        || async {
+            let v = vmis.get_opt("kbd").await.unwrap()?;
+            let s = v.status.clone()?;
+            let ip = s.interfaces.first()?.ip_address.clone()?;
+            (s.phase == Some(VmiPhase::Running)).then_some(ip)
+        },
+    )
+    .await;
+    assert_eq!(running, "10.245.1.5");
+    use kube::api::{Patch, PatchParams};
+    cluster
+        .api::<VirtualMachine>()
+        .patch(
+            "kbd",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"runStrategy": "Halted"}})),
+        )
+        .await
+        .unwrap();
+    eventually("the VMI gone", Duration::from_secs(90), || async {
+        vmis.get_opt("kbd").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    // The kubelet finishes the Pod's deletion once its launcher has exited.
+    eventually("the launcher Pod gone", Duration::from_secs(60), || async {
+        let pods = cluster
+            .api::<k8s_openapi::api::core::v1::Pod>()
+            .list(&Default::default())
+            .await
+            .unwrap();
+        pods.items.is_empty().then_some(())
+    })
+    .await;
+    let ended = kubelet.finish().await;
+    assert_eq!(ended.len(), 1, "{ended:?}");
+    let (_, code, log) = &ended[0];
+    assert_eq!(*code, Some(0), "{log}");
+    assert!(
+        log.contains("guest powered off"),
+        "not a graceful shutdown: {log}"
+    );
     let _ = std::fs::remove_dir_all(work);
 }
