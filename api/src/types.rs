@@ -611,6 +611,9 @@ pub struct VirtualMachineInstanceStatus {
     /// Set when the launcher Pod's eviction was turned into a live migration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evacuation_node_name: Option<String>,
+    /// The memory the guest got (a size that is not a whole MiB is rounded up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStatus>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,
@@ -625,6 +628,18 @@ pub enum VmiPhase {
     Succeeded,
     Failed,
     Unknown,
+}
+
+/// KubeVirt's `status.memory`.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MemoryStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_at_boot: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_current: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_requested: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

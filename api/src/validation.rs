@@ -185,10 +185,6 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             format!("{p}.domain.memory.guest"),
             format!("{b} bytes is out of range; accepted: 8Mi to 1Ti"),
         ),
-        Some(Ok(b)) if b % (1 << 20) != 0 => e.add(
-            format!("{p}.domain.memory.guest"),
-            "must be a whole number of MiB",
-        ),
         _ => {}
     }
     if d.memory.as_ref().is_some_and(|m| m.hugepages.is_some()) {

@@ -130,6 +130,12 @@ pub fn observed_status(
     s.phase = phase;
     s.reason = reason;
     s.node_name = Some(node.to_string());
+    if report.memory_mib > 0 {
+        let got = Some(format!("{}Mi", report.memory_mib));
+        let m = s.memory.get_or_insert_with(Default::default);
+        m.guest_at_boot = got.clone();
+        m.guest_current = got;
+    }
     s.launcher_container_image_version = Some(launcher_version.to_string());
     let running = report.state == VmState::Running;
     let paused = report.state == VmState::Paused;
@@ -271,6 +277,15 @@ pub async fn reconcile(
     let ns = vmi.namespace().unwrap_or_default();
     ctx.metrics.record(&ns, &vmi.name_any(), report.clone());
     let mut new = observed_status(&status, &report, node, &launcher.launcher_version);
+    if let Some(m) = new.memory.as_mut() {
+        m.guest_requested = vmi
+            .spec
+            .domain
+            .memory
+            .as_ref()
+            .and_then(|m| m.guest.as_ref())
+            .map(|q| q.0.clone());
+    }
     if !report.nics.is_empty() {
         new.interfaces = crate::network::interface_status(&vmi, &report);
     }
@@ -363,6 +378,10 @@ mod tests {
         assert_eq!(cond(&s, "SoftwareEmulation"), Some("True"));
         assert_eq!(s.node_name.as_deref(), Some("n1"));
         assert_eq!(s.launcher_container_image_version.as_deref(), Some("0.1.0"));
+        assert_eq!(
+            s.memory.as_ref().and_then(|m| m.guest_at_boot.as_deref()),
+            Some("64Mi")
+        );
         let p = observed_status(&s, &report(VmState::Paused), "n1", "0.1.0");
         assert_eq!(p.phase, Some(VmiPhase::Running));
         assert_eq!(

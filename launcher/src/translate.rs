@@ -300,7 +300,8 @@ pub fn translate(
         .ok_or_else(|| err("spec.domain.memory.guest", "is required"))?
         .map_err(|r| err("spec.domain.memory.guest", r))?;
     let mut config = VmConfig::new(env.default_kernel.clone());
-    config.memory_mib = memory >> 20;
+    // Not a whole MiB (a decimal `1024M`): rounded up, never down (README, "Memory sizes").
+    config.memory_mib = api::quantity::guest_mib(memory);
     config.vcpus = vcpus(spec).min(254) as u8;
     config.initrd = env.default_initrd.clone();
 

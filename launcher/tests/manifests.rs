@@ -227,3 +227,20 @@ fn malformed_manifests_are_rejected_with_exit_code_2() {
         &["spec.domain.firmware.kernelBoot.container.image: image not found at"],
     );
 }
+
+/// KubeVirt's published examples size memory in decimal units: `1024M` is 976.56 MiB, and the
+/// guest gets 977 MiB (rounded up to the VMM's MiB granularity), not an error.
+#[test]
+fn decimal_memory_is_rounded_up_to_whole_mib() {
+    let f = Fixture::new("decimal");
+    for (q, mib) in [("1024M", 977), ("1G", 954), ("2e8", 191), ("64Mi", 64)] {
+        let yaml = format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: d}}\nspec:\n  domain:\n    memory: {{guest: \"{q}\"}}\n    devices: {{autoattachPodInterface: false}}\n"
+        );
+        let path = f.root.join("d.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let m = launcher::manifest::read(&path.display().to_string()).unwrap();
+        let plan = translate(&m.name(), m.vmi_spec(), &f.env()).unwrap();
+        assert_eq!(plan.config.memory_mib, mib, "{q}");
+    }
+}
