@@ -594,6 +594,27 @@ pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
             d.memory.get_or_insert_with(Default::default).guest = Some(req);
         }
     }
+    // Like KubeVirt's VMI mutator (SetDefaultVolumeDisk): a volume that no disk and no
+    // filesystem refers to gets a disk of its own, so it is never silently left out.
+    let filesystems: Vec<String> = d
+        .devices
+        .extra
+        .get("filesystems")
+        .and_then(|f| f.as_array())
+        .map(|fs| {
+            fs.iter()
+                .filter_map(|f| f.get("name")?.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    for v in &spec.volumes {
+        if !d.devices.disks.iter().any(|k| k.name == v.name) && !filesystems.contains(&v.name) {
+            d.devices.disks.push(Disk {
+                name: v.name.clone(),
+                ..Default::default()
+            });
+        }
+    }
     for disk in &mut d.devices.disks {
         if disk.disk.is_none() && disk.cdrom.is_none() && disk.lun.is_none() {
             disk.disk = Some(DiskTarget {

@@ -156,6 +156,48 @@ spec:
     assert_eq!(vcpus(s), 1);
 }
 
+/// A volume without a disk is not dropped: KubeVirt gives it a virtio disk of its own.
+#[test]
+fn every_volume_gets_a_disk() {
+    let mut v = vmi(r##"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: d}
+spec:
+  domain:
+    memory: {guest: 128Mi}
+    devices:
+      disks: [{name: data, disk: {bus: virtio}}]
+  volumes:
+  - {name: root, containerDisk: {image: quay.io/containerdisks/fedora:40}}
+  - {name: data, emptyDisk: {capacity: 1Gi}}
+  - {name: cloudinit, cloudInitNoCloud: {userData: "#cloud-config"}}
+"##);
+    default_vmi_spec(&mut v.spec);
+    let names: Vec<&str> = v
+        .spec
+        .domain
+        .devices
+        .disks
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect();
+    assert_eq!(names, ["data", "root", "cloudinit"]);
+    let bus = v.spec.domain.devices.disks[1]
+        .disk
+        .as_ref()
+        .unwrap()
+        .bus
+        .as_deref();
+    assert_eq!(bus, Some("virtio"));
+    default_vmi_spec(&mut v.spec);
+    assert_eq!(
+        v.spec.domain.devices.disks.len(),
+        3,
+        "defaulting is idempotent"
+    );
+}
+
 #[test]
 fn run_strategy_from_deprecated_running() {
     let mut vm = VirtualMachine::new("vm", VirtualMachineSpec::default());
