@@ -42,6 +42,19 @@ enum Command {
     /// daemon given PrepareMigrationTarget) listening at --to ADDR. Exit code 0 once the
     /// target runs the VM; otherwise the reason, and the VM keeps running here.
     Migrate(MigrateArgs),
+    /// Default, validate and translate a manifest and print what would boot — vCPUs, memory,
+    /// kernel and command line, every disk with its source and guest device, every NIC with
+    /// its binding and MAC — without creating anything. Exit 0, or 2 with every error.
+    Validate(ValidateArgs),
+}
+
+#[derive(Args)]
+struct ValidateArgs {
+    /// The VirtualMachine or VirtualMachineInstance manifest (kubevirt.io/v1).
+    #[arg(short = 'f', long = "filename", value_name = "MANIFEST")]
+    manifest: PathBuf,
+    #[command(flatten)]
+    host: HostLayout,
 }
 
 #[derive(Args)]
@@ -226,6 +239,9 @@ struct RunArgs {
     /// foreground (status, pause/resume, snapshot, shutdown).
     #[arg(long)]
     socket: Option<PathBuf>,
+    /// With -f: print the plan (as `validate`) and exit without booting.
+    #[arg(long, requires = "manifest")]
+    dry_run: bool,
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
@@ -248,6 +264,9 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(args) if args.dry_run => {
+            validate(args.manifest.as_deref().unwrap(), &args.host)
+        }
         Command::Run(args) => match &args.incoming {
             None => launch(&args, Start::Boot),
             Some(addr) => {
@@ -265,6 +284,23 @@ fn main() -> ExitCode {
             launch(&args.run, Start::Restore(paths))
         }
         Command::Migrate(args) => migrate(args),
+        Command::Validate(args) => validate(&args.manifest, &args.host),
+    }
+}
+
+/// `validate -f` and `run --dry-run`: the plan, or the errors.
+fn validate(path: &std::path::Path, host: &HostLayout) -> ExitCode {
+    let manifest = match launcher::manifest::read(&path.display().to_string()) {
+        Ok(m) => m,
+        Err(e) => return bad_config(e),
+    };
+    match launcher::translate::translate(&manifest.name(), manifest.vmi_spec(), &host.environment())
+    {
+        Ok(plan) => {
+            print!("{}", plan.describe());
+            ExitCode::SUCCESS
+        }
+        Err(e) => bad_config(format!("{}: {e}", path.display())),
     }
 }
 

@@ -136,3 +136,86 @@ fn exit_code_reflects_how_the_guest_ended() {
     std::fs::remove_file(&log).unwrap();
     assert!(Path::new(probe).exists());
 }
+
+/// `validate -f` (and `run --dry-run`) shows exactly what would boot, creating nothing; a
+/// manifest with errors gets every one of them, exit code 2.
+#[test]
+fn validate_prints_the_plan_or_every_error() {
+    let dir = std::env::temp_dir().join(format!("mv-cli-validate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("images/quay.io_containerdisks_fedora_40")).unwrap();
+    std::fs::write(
+        dir.join("images/quay.io_containerdisks_fedora_40/disk.img"),
+        [0u8; 4096],
+    )
+    .unwrap();
+    let good = dir.join("vm.yaml");
+    std::fs::write(
+        &good,
+        r#"apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: fedora}
+spec:
+  runStrategy: Always
+  template:
+    spec:
+      domain:
+        cpu: {cores: 2}
+        memory: {guest: 1024M}
+        devices: {}
+      volumes:
+      - {name: root, containerDisk: {image: "quay.io/containerdisks/fedora:40"}}
+"#,
+    )
+    .unwrap();
+    let state = dir.join("state");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+            .args(args)
+            .arg("--image-dir")
+            .arg(dir.join("images"))
+            .arg("--state-dir")
+            .arg(&state)
+            .output()
+            .unwrap()
+    };
+    for args in [
+        vec!["validate", "-f", good.to_str().unwrap()],
+        vec!["run", "--dry-run", "-f", good.to_str().unwrap()],
+    ] {
+        let out = run(&args);
+        let plan = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(plan.contains("vcpus 2\nmemory_mib 977\n"), "{plan}");
+        assert!(
+            plan.contains("disk vda root "),
+            "the volume without a disk is there: {plan}"
+        );
+        assert!(
+            plan.contains("nic default binding=Masquerade mac="),
+            "{plan}"
+        );
+        assert!(!state.join("fedora").exists(), "nothing is created");
+    }
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: b}\nspec:\n  domain:\n    memory: {guest: 1GB}\n    cpu: {cores: 0}\n    devices: {}\n",
+    )
+    .unwrap();
+    let out = run(&["validate", "-f", bad.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("spec.domain.memory.guest") && err.contains("accepted:"),
+        "{err}"
+    );
+    assert!(err.contains("spec.domain.cpu.cores"), "every error: {err}");
+    assert!(out.stdout.is_empty());
+    let _ = std::fs::remove_dir_all(dir);
+}
