@@ -1,12 +1,14 @@
 //! The KubeVirt API as microvirt serves it: `kubevirt.io/v1` VirtualMachine,
 //! VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VirtualMachineInstanceMigration and
-//! `migrations.kubevirt.io/v1alpha1` MigrationPolicy, with KubeVirt's field names and meanings;
+//! `migrations.kubevirt.io/v1alpha1` MigrationPolicy and `instancetype.kubevirt.io/v1beta1`
+//! instance types and preferences, with KubeVirt's field names and meanings;
 //! validation and defaulting (shared by the admission webhook and the launcher); quantities;
 //! and the launcher's control protocol.
 //!
 //! Fields microvirt does not model are kept: the structs that users write carry a flattened
 //! `extra` map, so a read-modify-write never drops what another tool put there.
 
+pub mod instancetype;
 pub mod migratability;
 pub mod protocol;
 pub mod quantity;

@@ -56,6 +56,12 @@ pub struct VirtualMachineSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_objects")]
     pub data_volume_templates: Option<Vec<Value>>,
+    /// The instance type that sizes the VM (instancetype.kubevirt.io).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instancetype: Option<crate::instancetype::Matcher>,
+    /// The preference that fills in what the VM leaves unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<crate::instancetype::Matcher>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,

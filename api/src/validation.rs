@@ -84,7 +84,38 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
             "conflicts with spec.runStrategy; set only runStrategy (running is deprecated)",
         );
     }
+    if let Some(m) = &vm.spec.instancetype {
+        if let Err(why) = crate::instancetype::instancetype_kind(m) {
+            e.add("spec.instancetype.kind", why);
+        }
+    }
+    if let Some(m) = &vm.spec.preference {
+        if let Err(why) = crate::instancetype::preference_kind(m) {
+            e.add("spec.preference.kind", why);
+        }
+    }
     match &vm.spec.template.spec {
+        Some(spec) if vm.spec.instancetype.is_some() => {
+            let c = crate::instancetype::conflicts(spec, "spec.template.spec");
+            if !c.is_empty() {
+                e.add(
+                    "spec.template.spec",
+                    crate::instancetype::conflict_message(&c),
+                );
+            }
+            // The size comes from the instance type (resolved by virt-controller): the rest of
+            // the template is checked as it will run.
+            let mut sized = spec.clone();
+            sized
+                .domain
+                .memory
+                .get_or_insert_with(Default::default)
+                .guest = Some(k8s_openapi::apimachinery::pkg::api::resource::Quantity(
+                "1Gi".into(),
+            ));
+            sized.domain.cpu = None;
+            validate_spec(&sized, "spec.template.spec", &mut e);
+        }
         Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
         None => e.add("spec.template.spec", "is required"),
     }
@@ -668,6 +699,12 @@ pub fn run_strategy(vm: &VirtualMachine) -> RunStrategy {
 }
 
 pub fn default_vm(vm: &mut VirtualMachine) {
+    // A VM with an instance type or a preference is defaulted when its VMI is made, after the
+    // expansion: defaults written into the template now would conflict with the instance type
+    // and leave a preference nothing to fill (KubeVirt's VM mutator leaves them alone too).
+    if vm.spec.instancetype.is_some() || vm.spec.preference.is_some() {
+        return;
+    }
     if let Some(spec) = vm.spec.template.spec.as_mut() {
         default_vmi_spec(spec);
     }

@@ -1,6 +1,10 @@
 //! The CustomResourceDefinitions for every kind microvirt serves, generated from the `api`
 //! types (schemas, status and scale subresources, short names and printer columns included).
 
+use api::instancetype::{
+    VirtualMachineClusterInstancetype, VirtualMachineClusterPreference, VirtualMachineInstancetype,
+    VirtualMachinePreference,
+};
 use api::{
     MigrationPolicy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
     VirtualMachineInstanceReplicaSet,
@@ -15,6 +19,10 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         VirtualMachineInstanceReplicaSet::crd(),
         VirtualMachineInstanceMigration::crd(),
         MigrationPolicy::crd(),
+        VirtualMachineInstancetype::crd(),
+        VirtualMachineClusterInstancetype::crd(),
+        VirtualMachinePreference::crd(),
+        VirtualMachineClusterPreference::crd(),
     ]
 }
 

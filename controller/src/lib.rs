@@ -6,6 +6,7 @@ pub mod context;
 pub mod crds;
 pub mod disruption;
 pub mod evacuation;
+pub mod instancetype;
 pub mod leader;
 pub mod metrics;
 pub mod migration;

@@ -174,11 +174,21 @@ fn retry_after(vm: &VirtualMachine) -> Option<i64> {
         .and_then(crate::context::parse_unix)
 }
 
-/// The VMI a VM creates: the template with the VM's name, labels and a controller reference.
-pub fn vmi_for(vm: &VirtualMachine) -> VirtualMachineInstance {
+/// The VMI a VM creates: the template expanded with the VM's instance type and preference,
+/// then KubeVirt's defaults, with the VM's name, labels and a controller reference.
+pub fn vmi_for(
+    vm: &VirtualMachine,
+    expansion: &crate::instancetype::Expansion,
+) -> std::result::Result<VirtualMachineInstance, String> {
     let template = vm.spec.template.clone();
     let tmeta = template.metadata.unwrap_or_default();
     let mut spec = template.spec.unwrap_or_default();
+    api::instancetype::expand(
+        &mut spec,
+        expansion.instancetype.as_ref(),
+        expansion.preference.as_ref(),
+        "spec.template.spec",
+    )?;
     api::validation::default_vmi_spec(&mut spec);
     let mut labels = tmeta.labels.unwrap_or_default();
     labels.insert(
@@ -190,7 +200,7 @@ pub fn vmi_for(vm: &VirtualMachine) -> VirtualMachineInstance {
     vmi.metadata.labels = Some(labels);
     vmi.metadata.annotations = tmeta.annotations;
     vmi.metadata.owner_references = crate::context::controller_ref(vm).map(|r| vec![r]);
-    vmi
+    Ok(vmi)
 }
 
 /// Reconciles one VirtualMachine: applies [`decide`] and writes `status`.
@@ -337,7 +347,36 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     match action {
         VmAction::Nothing => {}
         VmAction::CreateVmi => {
-            match vmis.create(&PostParams::default(), &vmi_for(vm)).await {
+            let expanded = match crate::instancetype::resolve(&ctx.client, vm).await {
+                Ok(x) => vmi_for(vm, &x),
+                Err(crate::instancetype::ResolveError::Missing(m)) => Err(m),
+                Err(crate::instancetype::ResolveError::Kube(e)) => return Err(e.into()),
+            };
+            let new_vmi = match expanded {
+                Ok(v) => v,
+                Err(msg) => {
+                    // Not started: the VM says why, and tries again (the instance type may
+                    // appear later).
+                    let known = status
+                        .conditions
+                        .iter()
+                        .any(|c| c.type_ == "Failure" && c.message.as_ref() == Some(&msg));
+                    if !known {
+                        ctx.event(vm, true, "FailedCreate", "Create", msg.clone())
+                            .await;
+                    }
+                    set_condition(
+                        &mut status.conditions,
+                        "Failure",
+                        true,
+                        Some("FailedCreate"),
+                        Some(msg),
+                    );
+                    write_status(&vms, vm, status).await?;
+                    return Ok(Action::requeue(std::time::Duration::from_secs(5)));
+                }
+            };
+            match vmis.create(&PostParams::default(), &new_vmi).await {
                 Ok(created) => {
                     ctx.event(
                         vm,

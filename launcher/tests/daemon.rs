@@ -336,7 +336,9 @@ fn other_protocol_versions_are_refused_and_the_vm_is_untouched() {
     let mut newer = Client::connect(&l.socket, PROTOCOL_VERSION + 1);
     match newer.recv() {
         Response::Error { message } => assert!(
-            message.contains("not supported; this launcher speaks versions 1 to 3"),
+            message.contains(&format!(
+                "not supported; this launcher speaks versions 1 to {PROTOCOL_VERSION}"
+            )),
             "{message}"
         ),
         other => panic!("{other:?}"),

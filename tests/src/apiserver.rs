@@ -137,6 +137,46 @@ pub fn default_types() -> Vec<ResourceType> {
             false,
             true,
         ),
+        t(
+            "instancetype.kubevirt.io",
+            "v1beta1",
+            "virtualmachineinstancetypes",
+            "VirtualMachineInstancetype",
+            true,
+            false,
+        ),
+        t(
+            "instancetype.kubevirt.io",
+            "v1beta1",
+            "virtualmachineclusterinstancetypes",
+            "VirtualMachineClusterInstancetype",
+            false,
+            false,
+        ),
+        t(
+            "instancetype.kubevirt.io",
+            "v1beta1",
+            "virtualmachinepreferences",
+            "VirtualMachinePreference",
+            true,
+            false,
+        ),
+        t(
+            "instancetype.kubevirt.io",
+            "v1beta1",
+            "virtualmachineclusterpreferences",
+            "VirtualMachineClusterPreference",
+            false,
+            false,
+        ),
+        t(
+            "apps",
+            "v1",
+            "controllerrevisions",
+            "ControllerRevision",
+            true,
+            false,
+        ),
     ]
 }
 

@@ -60,6 +60,25 @@ async fn validation_gives_the_launchers_message() {
         controller::webhook::RUNNING_DEPRECATED
     );
 
+    // A VM that sets what its instance type sets: KubeVirt's message, a 422.
+    let conflicting = vm(
+        json!({"runStrategy": "Always", "instancetype": {"name": "u1.medium"}}),
+        "1Gi",
+    );
+    let resp = w
+        .post(
+            "/validate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", conflicting),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false, "{resp}");
+    assert_eq!(resp["response"]["status"]["code"], 422);
+    let m = resp["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        m.contains("VM field(s) spec.template.spec.domain.memory.guest conflicts with selected instance type"),
+        "{m}"
+    );
+
     let mig = json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
                      "metadata": {"name": "m"}, "spec": {"vmiName": ""}});
     let resp = w

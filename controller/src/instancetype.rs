@@ -1,0 +1,175 @@
+//! A VM's instance type and preference, resolved as KubeVirt does: the first time from the
+//! (Cluster)Instancetype / (Cluster)Preference objects, whose spec is then captured in a
+//! ControllerRevision owned by the VM (its name recorded in `spec.instancetype.revisionName`);
+//! from then on from that revision, so editing or deleting the instance type never changes a VM
+//! that already uses it.
+
+use api::instancetype::{
+    instancetype_kind, preference_kind, InstancetypeSpec, Matcher, PreferenceSpec,
+};
+use api::VirtualMachine;
+use k8s_openapi::api::apps::v1::ControllerRevision;
+use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde::de::DeserializeOwned;
+
+/// What a VM's template is expanded with.
+#[derive(Clone, Debug, Default)]
+pub struct Expansion {
+    pub instancetype: Option<InstancetypeSpec>,
+    pub preference: Option<PreferenceSpec>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The VM names something that is not there (a user error: the VM reports it).
+    #[error("{0}")]
+    Missing(String),
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+}
+
+fn resource(kind: &str) -> ApiResource {
+    let plural = format!("{}s", kind.to_ascii_lowercase());
+    ApiResource {
+        group: api::instancetype::GROUP.into(),
+        version: api::instancetype::VERSION.into(),
+        api_version: format!(
+            "{}/{}",
+            api::instancetype::GROUP,
+            api::instancetype::VERSION
+        ),
+        kind: kind.into(),
+        plural,
+    }
+}
+
+/// The spec of `m` (of `kind`), from its revision when there is one, else from the object —
+/// captured in a new revision. Returns the spec and, when a revision was made, its name.
+async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
+    client: &Client,
+    vm: &VirtualMachine,
+    m: &Matcher,
+    kind: &str,
+    namespaced: bool,
+    what: &str,
+) -> Result<(T, Option<String>), ResolveError> {
+    let ns = vm.namespace().unwrap_or_default();
+    let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
+    if let Some(rev) = &m.revision_name {
+        let r = revisions.get_opt(rev).await?.ok_or_else(|| {
+            ResolveError::Missing(format!(
+                "spec.{what}.revisionName: ControllerRevision {ns}/{rev} is gone"
+            ))
+        })?;
+        let spec = r
+            .data
+            .and_then(|d| d.0.get("spec").cloned())
+            .ok_or_else(|| {
+                ResolveError::Missing(format!("ControllerRevision {ns}/{rev} holds no spec"))
+            })?;
+        let spec = serde_json::from_value(spec)
+            .map_err(|e| ResolveError::Missing(format!("ControllerRevision {ns}/{rev}: {e}")))?;
+        return Ok((spec, None));
+    }
+    let ar = resource(kind);
+    let objs: Api<DynamicObject> = if namespaced {
+        Api::namespaced_with(client.clone(), &ns, &ar)
+    } else {
+        Api::all_with(client.clone(), &ar)
+    };
+    let where_ = if namespaced {
+        format!("{kind} {ns}/{}", m.name)
+    } else {
+        format!("{kind} {}", m.name)
+    };
+    let obj = objs.get_opt(&m.name).await?.ok_or_else(|| {
+        ResolveError::Missing(format!(
+            "spec.{what}: {} {:?} not found (looked for {where_})",
+            if what == "instancetype" {
+                "instance type"
+            } else {
+                "preference"
+            },
+            m.name
+        ))
+    })?;
+    let spec_value = obj.data.get("spec").cloned().unwrap_or_default();
+    let spec: T = serde_json::from_value(spec_value.clone())
+        .map_err(|e| ResolveError::Missing(format!("{where_}: spec: {e}")))?;
+    let uid = obj.uid().unwrap_or_default();
+    let generation = obj.metadata.generation.unwrap_or(1);
+    let mut name = format!(
+        "{}-{}-{}-{generation}",
+        vm.name_any(),
+        m.name,
+        uid.get(..8).unwrap_or(&uid)
+    );
+    name.truncate(253);
+    let rev = ControllerRevision {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(ns.clone()),
+            owner_references: crate::context::controller_ref(vm).map(|r| vec![r]),
+            labels: Some(
+                [(
+                    "instancetype.kubevirt.io/object-kind".to_string(),
+                    kind.to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        data: Some(RawExtension(serde_json::json!({
+            "apiVersion": ar.api_version,
+            "kind": kind,
+            "metadata": {"name": m.name, "uid": uid, "generation": generation},
+            "spec": spec_value,
+        }))),
+        revision: 1,
+    };
+    match revisions.create(&PostParams::default(), &rev).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {} // made by an earlier attempt
+        Err(e) => return Err(e.into()),
+    }
+    Ok((spec, Some(name)))
+}
+
+/// Resolves the VM's instance type and preference, capturing new revisions and recording their
+/// names in the VM.
+pub async fn resolve(client: &Client, vm: &VirtualMachine) -> Result<Expansion, ResolveError> {
+    let mut out = Expansion::default();
+    let mut patch = serde_json::Map::new();
+    if let Some(m) = &vm.spec.instancetype {
+        let (kind, namespaced) = instancetype_kind(m).map_err(ResolveError::Missing)?;
+        let (spec, rev) = resolve_one(client, vm, m, kind, namespaced, "instancetype").await?;
+        out.instancetype = Some(spec);
+        if let Some(r) = rev {
+            patch.insert(
+                "instancetype".into(),
+                serde_json::json!({"revisionName": r}),
+            );
+        }
+    }
+    if let Some(m) = &vm.spec.preference {
+        let (kind, namespaced) = preference_kind(m).map_err(ResolveError::Missing)?;
+        let (spec, rev) = resolve_one(client, vm, m, kind, namespaced, "preference").await?;
+        out.preference = Some(spec);
+        if let Some(r) = rev {
+            patch.insert("preference".into(), serde_json::json!({"revisionName": r}));
+        }
+    }
+    if !patch.is_empty() {
+        let vms: Api<VirtualMachine> =
+            Api::namespaced(client.clone(), &vm.namespace().unwrap_or_default());
+        vms.patch(
+            &vm.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": patch })),
+        )
+        .await?;
+    }
+    Ok(out)
+}
