@@ -25,7 +25,7 @@ fn virtual_machine_with_every_modelled_field_and_unknown_ones() {
         spec.extra.contains_key("futureField"),
         "unknown fields are kept"
     );
-    assert!(vm.spec.extra.contains_key("instancetype"));
+    assert!(vm.spec.extra.contains_key("updateVolumesStrategy"));
     assert_eq!(
         spec.tolerations.as_ref().unwrap()[0].key.as_deref(),
         Some("dedicated")

@@ -141,6 +141,10 @@ struct HostLayout {
     /// Appended to the kernel command line (e.g. flags a software-emulated host needs).
     #[arg(long, default_value = "")]
     extra_cmdline: String,
+    /// With -f: instance types and preferences (instancetype.kubevirt.io YAML files) a VM may
+    /// name, besides those in its own file.
+    #[arg(long, value_name = "DIR")]
+    instancetype_dir: Option<PathBuf>,
 }
 
 impl HostLayout {
@@ -290,7 +294,10 @@ fn main() -> ExitCode {
 
 /// `validate -f` and `run --dry-run`: the plan, or the errors.
 fn validate(path: &std::path::Path, host: &HostLayout) -> ExitCode {
-    let manifest = match launcher::manifest::read(&path.display().to_string()) {
+    let manifest = match launcher::manifest::read_with(
+        &path.display().to_string(),
+        host.instancetype_dir.as_deref(),
+    ) {
         Ok(m) => m,
         Err(e) => return bad_config(e),
     };
@@ -332,7 +339,11 @@ fn manifest_config(
     args: &RunArgs,
     restoring: bool,
 ) -> Result<Prepared, ExitCode> {
-    let manifest = launcher::manifest::read(&path.display().to_string()).map_err(bad_config)?;
+    let manifest = launcher::manifest::read_with(
+        &path.display().to_string(),
+        args.host.instancetype_dir.as_deref(),
+    )
+    .map_err(bad_config)?;
     let env = args.host.environment();
     let name = manifest.name();
     let mut plan = launcher::translate::translate(&name, manifest.vmi_spec(), &env)

@@ -219,3 +219,82 @@ spec:
     assert!(out.stdout.is_empty());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A VM naming an instance type and a preference, defined in the same file or in
+/// --instancetype-dir: `validate` shows the expanded plan; a missing one and a conflict are
+/// refused with the kinds looked in and KubeVirt's message.
+#[test]
+fn instance_types_from_the_file_or_a_directory() {
+    let dir = std::env::temp_dir().join(format!("mv-cli-it-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("lib")).unwrap();
+    let vm = |instancetype: &str, domain: &str| {
+        format!(
+            r#"apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {{name: sized}}
+spec:
+  runStrategy: Always
+  instancetype: {{name: {instancetype}}}
+  preference: {{kind: VirtualMachinePreference, name: cores}}
+  template:
+    spec:
+      domain: {domain}
+"#
+        )
+    };
+    let pref = "apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachinePreference\nmetadata: {name: cores}\nspec: {cpu: {preferredCPUTopology: preferCores}}\n";
+    let it = "apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachineClusterInstancetype\nmetadata: {name: u1.small}\nspec: {cpu: {guest: 2}, memory: {guest: 1Gi}}\n";
+    let same_file = dir.join("same.yaml");
+    std::fs::write(
+        &same_file,
+        format!("{}---\n{it}---\n{pref}", vm("u1.small", "{devices: {}}")),
+    )
+    .unwrap();
+    std::fs::write(dir.join("lib/u1.yaml"), format!("{it}---\n{pref}")).unwrap();
+    let alone = dir.join("alone.yaml");
+    std::fs::write(&alone, vm("u1.small", "{devices: {}}")).unwrap();
+    let validate = |f: &Path, lib: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_virt-launcher"));
+        c.args(["validate", "-f"])
+            .arg(f)
+            .arg("--state-dir")
+            .arg(dir.join("state"));
+        if lib {
+            c.arg("--instancetype-dir").arg(dir.join("lib"));
+        }
+        c.output().unwrap()
+    };
+    for (f, lib) in [(&same_file, false), (&alone, true)] {
+        let out = validate(f, lib);
+        let plan = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(plan.contains("vcpus 2\nmemory_mib 1024\n"), "{plan}");
+    }
+    let out = validate(&alone, false);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        err.contains("instance type \"u1.small\" not found (looked for VirtualMachineClusterInstancetype u1.small"),
+        "{err}"
+    );
+    let conflict = dir.join("conflict.yaml");
+    std::fs::write(
+        &conflict,
+        vm("u1.small", "{memory: {guest: 2Gi}, devices: {}}"),
+    )
+    .unwrap();
+    let out = validate(&conflict, true);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        err.contains("VM field(s) spec.template.spec.domain.memory.guest conflicts with selected instance type"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
