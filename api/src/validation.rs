@@ -56,6 +56,36 @@ impl Errors {
     }
 }
 
+impl Errors {
+    /// The field table's findings (`fields`): errors for paths validation has not already
+    /// reported (its messages are the more specific).
+    fn fields(&mut self, found: crate::fields::Findings) {
+        for (path, reason) in found.errors {
+            if !self.0.iter().any(|e| e.path.starts_with(&path)) {
+                self.add(path, reason);
+            }
+        }
+    }
+}
+
+/// The warnings for fields a manifest sets that change nothing here (admission warnings; the
+/// launcher prints them).
+pub fn warnings_vm(vm: &VirtualMachine) -> Vec<String> {
+    let mut f = crate::fields::Findings::default();
+    crate::fields::check_vm_spec(&serde_json::to_value(&vm.spec).unwrap_or_default(), &mut f);
+    f.warnings
+}
+
+pub fn warnings_vmi(vmi: &VirtualMachineInstance) -> Vec<String> {
+    let mut f = crate::fields::Findings::default();
+    crate::fields::check_vmi_spec(
+        &serde_json::to_value(&vmi.spec).unwrap_or_default(),
+        "spec",
+        &mut f,
+    );
+    f.warnings
+}
+
 fn finish(kind: &str, name: &str, errors: Errors) -> Result<(), ValidationError> {
     if errors.0.is_empty() {
         Ok(())
@@ -119,12 +149,22 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
         Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
         None => e.add("spec.template.spec", "is required"),
     }
+    let mut f = crate::fields::Findings::default();
+    crate::fields::check_vm_spec(&serde_json::to_value(&vm.spec).unwrap_or_default(), &mut f);
+    e.fields(f);
     finish("VirtualMachine", &object_name(&vm.metadata), e)
 }
 
 pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError> {
     let mut e = Errors(Vec::new());
     validate_spec(&vmi.spec, "spec", &mut e);
+    let mut f = crate::fields::Findings::default();
+    crate::fields::check_vmi_spec(
+        &serde_json::to_value(&vmi.spec).unwrap_or_default(),
+        "spec",
+        &mut f,
+    );
+    e.fields(f);
     finish("VirtualMachineInstance", &object_name(&vmi.metadata), e)
 }
 

@@ -74,9 +74,14 @@ pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, S
             if vm.spec.running.is_some() {
                 warnings.push(RUNNING_DEPRECATED.to_string());
             }
+            warnings.extend(api::validation::warnings_vm(&vm));
             api::validation::validate_vm(&vm)
         }
-        "VirtualMachineInstance" => api::validation::validate_vmi(&decode(obj, kind)?),
+        "VirtualMachineInstance" => {
+            let vmi: VirtualMachineInstance = decode(obj, kind)?;
+            warnings.extend(api::validation::warnings_vmi(&vmi));
+            api::validation::validate_vmi(&vmi)
+        }
         "VirtualMachineInstanceReplicaSet" => api::validation::validate_vmirs(&decode(obj, kind)?),
         "VirtualMachineInstanceMigration" => {
             api::validation::validate_migration(&decode(obj, kind)?)

@@ -301,6 +301,9 @@ fn validate(path: &std::path::Path, host: &HostLayout) -> ExitCode {
         Ok(m) => m,
         Err(e) => return bad_config(e),
     };
+    for w in manifest.warnings() {
+        eprintln!("virt-launcher: warning: {w}");
+    }
     match launcher::translate::translate(&manifest.name(), manifest.vmi_spec(), &host.environment())
     {
         Ok(plan) => {
@@ -344,6 +347,9 @@ fn manifest_config(
         args.host.instancetype_dir.as_deref(),
     )
     .map_err(bad_config)?;
+    for w in manifest.warnings() {
+        eprintln!("virt-launcher: warning: {w}");
+    }
     let env = args.host.environment();
     let name = manifest.name();
     let mut plan = launcher::translate::translate(&name, manifest.vmi_spec(), &env)

@@ -46,6 +46,14 @@ impl Manifest {
         meta.name.clone().unwrap_or_else(|| "vm".into())
     }
 
+    /// Fields that are accepted but change nothing on a microVM (printed as warnings).
+    pub fn warnings(&self) -> Vec<String> {
+        match self {
+            Manifest::VirtualMachine(vm) => api::validation::warnings_vm(vm),
+            Manifest::VirtualMachineInstance(vmi) => api::validation::warnings_vmi(vmi),
+        }
+    }
+
     /// The VMI spec to run: the VM's template, or the VMI's own spec.
     pub fn vmi_spec(&self) -> &VirtualMachineInstanceSpec {
         match self {

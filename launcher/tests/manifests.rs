@@ -89,6 +89,16 @@ fn translation_golden_full_vm() {
         "/var/lib/vms/host.img",
         &f.root.join("host.img").display().to_string(),
     );
+    // It carries a field no KubeVirt version has (the API types keep it verbatim): the
+    // launcher refuses it by path rather than ignore it.
+    let e = launcher::manifest::parse("vm-full.yaml", &text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("spec.template.spec.futureField: is not a field microvirt knows"),
+        "{e}"
+    );
+    let text = text.replace("      futureField:\n        something: 1\n", "");
     let m = launcher::manifest::parse("vm-full.yaml", &text).unwrap();
     let plan = translate(&m.name(), m.vmi_spec(), &f.env()).unwrap();
     let described = plan

@@ -162,6 +162,7 @@ spec:
       domain:
         cpu: {cores: 2}
         memory: {guest: 1024M}
+        clock: {utc: {}}
         devices: {}
       volumes:
       - {name: root, containerDisk: {image: "quay.io/containerdisks/fedora:40"}}
@@ -201,6 +202,12 @@ spec:
             "{plan}"
         );
         assert!(!state.join("fedora").exists(), "nothing is created");
+        let warned = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            warned
+                .contains("warning: spec.template.spec.domain.clock: accepted, but has no effect"),
+            "{warned}"
+        );
     }
     let bad = dir.join("bad.yaml");
     std::fs::write(

@@ -60,6 +60,38 @@ async fn validation_gives_the_launchers_message() {
         controller::webhook::RUNNING_DEPRECATED
     );
 
+    // A field that changes nothing here: admitted, with a warning that says so.
+    let mut clocked = vm(json!({"runStrategy": "Always"}), "64Mi");
+    clocked["spec"]["template"]["spec"]["domain"]["clock"] = json!({"utc": {}});
+    let resp = w
+        .post(
+            "/validate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", clocked),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], true, "{resp}");
+    assert!(
+        resp["response"]["warnings"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("spec.template.spec.domain.clock: accepted, but has no effect"),
+        "{resp}"
+    );
+    // A field microvirt does not know: refused by path.
+    let mut typo = vm(json!({"runStrategy": "Always"}), "64Mi");
+    typo["spec"]["template"]["spec"]["domain"]["cpuu"] = json!({"cores": 2});
+    let resp = w
+        .post(
+            "/validate",
+            &review("VirtualMachine", "virtualmachines", "CREATE", typo),
+        )
+        .await;
+    assert_eq!(resp["response"]["allowed"], false, "{resp}");
+    assert!(resp["response"]["status"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("spec.template.spec.domain.cpuu: is not a field microvirt knows"));
+
     // A VM that sets what its instance type sets: KubeVirt's message, a 422.
     let conflicting = vm(
         json!({"runStrategy": "Always", "instancetype": {"name": "u1.medium"}}),
