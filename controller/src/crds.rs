@@ -7,7 +7,7 @@ use api::instancetype::{
 };
 use api::{
     MigrationPolicy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
-    VirtualMachineInstanceReplicaSet,
+    VirtualMachineInstanceReplicaSet, VirtualMachinePool,
 };
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
@@ -19,6 +19,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         VirtualMachineInstanceReplicaSet::crd(),
         VirtualMachineInstanceMigration::crd(),
         MigrationPolicy::crd(),
+        VirtualMachinePool::crd(),
         VirtualMachineInstancetype::crd(),
         VirtualMachineClusterInstancetype::crd(),
         VirtualMachinePreference::crd(),

@@ -11,6 +11,7 @@ pub mod leader;
 pub mod metrics;
 pub mod migration;
 pub mod pod;
+pub mod pool;
 pub mod replicaset;
 pub mod run;
 pub mod vm;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use api::{
     VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
-    VirtualMachineInstanceReplicaSet,
+    VirtualMachineInstanceReplicaSet, VirtualMachinePool,
 };
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -78,6 +78,16 @@ pub async fn run_controllers(
     )
     .for_each(|_| async {});
 
+    let pool = Controller::new(Api::<VirtualMachinePool>::all(client.clone()), wc())
+        .owns(Api::<VirtualMachine>::all(client.clone()), wc())
+        .graceful_shutdown_on(stop(&tx))
+        .run(
+            crate::pool::reconcile,
+            crate::pool::error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| async {});
+
     let mig_controller = Controller::new(
         Api::<VirtualMachineInstanceMigration>::all(client.clone()),
         wc(),
@@ -137,7 +147,7 @@ pub async fn run_controllers(
 
     ctx.metrics.set_ready(true);
     let all = async {
-        tokio::join!(vm, vmi, rs, migration, drain);
+        tokio::join!(vm, vmi, rs, pool, migration, drain);
     };
     tokio::select! {
         _ = all => {}

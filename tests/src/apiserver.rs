@@ -81,6 +81,15 @@ pub fn default_types() -> Vec<ResourceType> {
         true,
     );
     rs.scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
+    let mut pool = t(
+        "pool.kubevirt.io",
+        "v1beta1",
+        "virtualmachinepools",
+        "VirtualMachinePool",
+        true,
+        true,
+    );
+    pool.scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
     vec![
         t("", "v1", "pods", "Pod", true, true),
         t("", "v1", "nodes", "Node", false, true),
@@ -121,6 +130,7 @@ pub fn default_types() -> Vec<ResourceType> {
             true,
         ),
         rs,
+        pool,
         t(
             "kubevirt.io",
             "v1",
