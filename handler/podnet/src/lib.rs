@@ -558,6 +558,20 @@ async fn wire_nic(
     let mut ip_addresses: Vec<String> = pod_addrs.iter().map(|(_, a)| a.to_string()).collect();
     match req.binding {
         Binding::Masquerade => {
+            // The guest's side must not overlap the Pod's own network, or replies to the guest
+            // would be routed out of the Pod instead.
+            if let Some((_, a)) = pod_addrs.iter().find(|(m, a)| match a {
+                IpAddr::V4(v4) => {
+                    let p = m.header.prefix_len.min(MASQUERADE_PREFIX_V4);
+                    let mask = dhcp::netmask(p);
+                    u32::from(*v4) & u32::from(mask) == u32::from(GATEWAY_V4) & u32::from(mask)
+                }
+                IpAddr::V6(_) => false,
+            }) {
+                return Err(format!(
+                    "the Pod's address {a} overlaps the masquerade network 10.0.2.0/24 the guest is given"
+                ));
+            }
             let has_v6 = pod_addrs.iter().any(|(_, a)| a.is_ipv6());
             handle
                 .address()

@@ -178,3 +178,21 @@ fn a_missing_multus_interface_fails_naming_it_and_leaves_nothing_behind() {
     );
     assert!(!out(&pod, &["nft", "list", "tables"]).contains("microvirt"));
 }
+
+#[test]
+fn a_pod_network_overlapping_the_guest_subnet_is_refused_and_nothing_is_left() {
+    let (_node, pod) = tests::pod_namespace("wo", "10.0.2.7", "10.0.2.100");
+    let e = podnet::wire(
+        Some(nsfile(&pod)),
+        &[nic(Binding::Masquerade, "eth0")],
+        &WireOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("interface default") && e.contains("10.0.2.7 overlaps"),
+        "{e}"
+    );
+    let links = out(&pod, &["ip", "-o", "link"]);
+    assert!(!links.contains("k6t-"), "{links}");
+}
