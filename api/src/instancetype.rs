@@ -132,33 +132,40 @@ pub struct Matcher {
     pub extra: Extra,
 }
 
-/// Which kind a matcher names, and whether it is the namespaced one.
-pub fn instancetype_kind(m: &Matcher) -> Result<(&'static str, bool), String> {
-    match m.kind.as_deref().map(|k| k.to_ascii_lowercase()) {
-        None => Ok(("VirtualMachineClusterInstancetype", false)),
-        Some(k) if k == "virtualmachineclusterinstancetype" => {
-            Ok(("VirtualMachineClusterInstancetype", false))
-        }
-        Some(k) if k == "virtualmachineinstancetype" => Ok(("VirtualMachineInstancetype", true)),
-        Some(_) => Err(format!(
-            "spec.instancetype.kind: {:?} is not VirtualMachineInstancetype or VirtualMachineClusterInstancetype",
-            m.kind.as_deref().unwrap_or("")
+/// Which kind a matcher names (`cluster` unless it names `namespaced`), and whether it is the
+/// namespaced one.
+fn matcher_kind(
+    m: &Matcher,
+    field: &str,
+    namespaced: &'static str,
+    cluster: &'static str,
+) -> Result<(&'static str, bool), String> {
+    match m.kind.as_deref() {
+        None => Ok((cluster, false)),
+        Some(k) if k.eq_ignore_ascii_case(cluster) => Ok((cluster, false)),
+        Some(k) if k.eq_ignore_ascii_case(namespaced) => Ok((namespaced, true)),
+        Some(k) => Err(format!(
+            "spec.{field}.kind: {k:?} is not {namespaced} or {cluster}"
         )),
     }
 }
 
+pub fn instancetype_kind(m: &Matcher) -> Result<(&'static str, bool), String> {
+    matcher_kind(
+        m,
+        "instancetype",
+        "VirtualMachineInstancetype",
+        "VirtualMachineClusterInstancetype",
+    )
+}
+
 pub fn preference_kind(m: &Matcher) -> Result<(&'static str, bool), String> {
-    match m.kind.as_deref().map(|k| k.to_ascii_lowercase()) {
-        None => Ok(("VirtualMachineClusterPreference", false)),
-        Some(k) if k == "virtualmachineclusterpreference" => {
-            Ok(("VirtualMachineClusterPreference", false))
-        }
-        Some(k) if k == "virtualmachinepreference" => Ok(("VirtualMachinePreference", true)),
-        Some(_) => Err(format!(
-            "spec.preference.kind: {:?} is not VirtualMachinePreference or VirtualMachineClusterPreference",
-            m.kind.as_deref().unwrap_or("")
-        )),
-    }
+    matcher_kind(
+        m,
+        "preference",
+        "VirtualMachinePreference",
+        "VirtualMachineClusterPreference",
+    )
 }
 
 /// The VM template fields an instance type sets, when the VM sets them too (KubeVirt refuses

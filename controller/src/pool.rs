@@ -17,7 +17,7 @@ use crate::context::{
     controlled_by, controller_ref, delete_if_present, remove_condition, set_condition,
     write_status, Context, Error, Result,
 };
-use crate::replicaset::selector_string;
+use crate::replicaset::{record_create_failure, record_invalid_spec, selector_string};
 
 const CONTROLLER: &str = "vmpool";
 
@@ -99,21 +99,7 @@ async fn reconcile_inner(pool: &VirtualMachinePool, ctx: &Context) -> Result<Act
     let selector = selector_string(&pool.spec.selector);
     status.label_selector = Some(selector.clone());
     if let Err(msg) = validate(pool) {
-        if !status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "ReplicaFailure" && c.message.as_ref() == Some(&msg))
-        {
-            ctx.event(pool, true, "FailedCreate", "Validate", msg.clone())
-                .await;
-        }
-        set_condition(
-            &mut status.conditions,
-            "ReplicaFailure",
-            true,
-            Some("InvalidSpec"),
-            Some(msg),
-        );
+        record_invalid_spec(ctx, pool, &mut status.conditions, msg).await;
         write_status(&pools, pool, status).await?;
         return Ok(Action::await_change());
     }
@@ -182,16 +168,7 @@ async fn reconcile_inner(pool: &VirtualMachinePool, ctx: &Context) -> Result<Act
             .await;
         }
     }
-    match &failure {
-        Some(e) => set_condition(
-            &mut status.conditions,
-            "ReplicaFailure",
-            true,
-            Some("FailedCreate"),
-            Some(e.to_string()),
-        ),
-        None => remove_condition(&mut status.conditions, "ReplicaFailure"),
-    }
+    record_create_failure(&mut status.conditions, failure.as_ref());
     write_status(&pools, pool, status).await?;
     match failure {
         Some(e) => Err(e.into()),

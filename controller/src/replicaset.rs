@@ -90,22 +90,7 @@ async fn reconcile_inner(rs: &VirtualMachineInstanceReplicaSet, ctx: &Context) -
     status.label_selector = Some(selector.clone());
 
     if let Err(e) = api::validation::validate_vmirs(rs) {
-        let msg = e.to_string();
-        if !status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "ReplicaFailure" && c.message.as_ref() == Some(&msg))
-        {
-            ctx.event(rs, true, "FailedCreate", "Validate", msg.clone())
-                .await;
-        }
-        set_condition(
-            &mut status.conditions,
-            "ReplicaFailure",
-            true,
-            Some("InvalidSpec"),
-            Some(msg),
-        );
+        record_invalid_spec(ctx, rs, &mut status.conditions, e.to_string()).await;
         write_status(&sets, rs, status).await?;
         return Ok(Action::await_change());
     }
@@ -195,20 +180,54 @@ async fn reconcile_inner(rs: &VirtualMachineInstanceReplicaSet, ctx: &Context) -
             .await;
         }
     }
-    match &failure {
+    record_create_failure(&mut status.conditions, failure.as_ref());
+    write_status(&sets, rs, status).await?;
+    match failure {
+        Some(e) => Err(e.into()),
+        None => Ok(Action::await_change()),
+    }
+}
+
+/// A replica controller's (set, pool) condition for a spec it cannot act on: an Event the
+/// first time, and `ReplicaFailure` with the message.
+pub(crate) async fn record_invalid_spec<K>(
+    ctx: &Context,
+    obj: &K,
+    conditions: &mut Vec<api::Condition>,
+    msg: String,
+) where
+    K: kube::Resource<DynamicType = ()>,
+{
+    if !conditions
+        .iter()
+        .any(|c| c.type_ == "ReplicaFailure" && c.message.as_ref() == Some(&msg))
+    {
+        ctx.event(obj, true, "FailedCreate", "Validate", msg.clone())
+            .await;
+    }
+    set_condition(
+        conditions,
+        "ReplicaFailure",
+        true,
+        Some("InvalidSpec"),
+        Some(msg),
+    );
+}
+
+/// `ReplicaFailure` while creating replicas fails, cleared when it works again.
+pub(crate) fn record_create_failure(
+    conditions: &mut Vec<api::Condition>,
+    failure: Option<&kube::Error>,
+) {
+    match failure {
         Some(e) => set_condition(
-            &mut status.conditions,
+            conditions,
             "ReplicaFailure",
             true,
             Some("FailedCreate"),
             Some(e.to_string()),
         ),
-        None => remove_condition(&mut status.conditions, "ReplicaFailure"),
-    }
-    write_status(&sets, rs, status).await?;
-    match failure {
-        Some(e) => Err(e.into()),
-        None => Ok(Action::await_change()),
+        None => remove_condition(conditions, "ReplicaFailure"),
     }
 }
 

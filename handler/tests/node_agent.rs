@@ -158,6 +158,17 @@ spec:
         kernelArgs: "console=ttyS0 probe.test=console"
 "#;
 
+/// The VMI `name` once virt-controller has made it, and its launcher Pod.
+async fn launcher_pod_of(cluster: &Cluster, name: &str) -> k8s_openapi::api::core::v1::Pod {
+    let t = Duration::from_secs(30);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let vmi = eventually("the VMI", t, || async { vmis.get_opt(name).await.unwrap() }).await;
+    eventually("the launcher Pod", t, || async {
+        cluster.pods_of(&vmi).await.into_iter().next()
+    })
+    .await
+}
+
 fn condition(vmi: &VirtualMachineInstance, t: &str) -> Option<(String, Option<String>)> {
     vmi.status
         .as_ref()?
@@ -177,14 +188,7 @@ async fn handler_syncs_the_launcher_and_keeps_the_vmi_status_true() {
     let vmis = cluster.api::<VirtualMachineInstance>();
     cluster.apply_yaml::<VirtualMachineInstance>(VMI).await;
     let t = Duration::from_secs(30);
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("probe").await.unwrap()
-    })
-    .await;
-    let pod = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let pod = launcher_pod_of(&cluster, "probe").await;
     let pod_name = pod.metadata.name.clone().unwrap();
     let uid = pod.metadata.uid.clone().unwrap();
     cluster.kubelet_run(&pod_name, NODE).await;
@@ -339,14 +343,7 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
         )
         .await;
     let t = Duration::from_secs(30);
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("probe").await.unwrap()
-    })
-    .await;
-    let source = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let source = launcher_pod_of(&cluster, "probe").await;
     let source_name = source.metadata.name.clone().unwrap();
     cluster.kubelet_run(&source_name, "node-1").await;
     kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
@@ -466,14 +463,7 @@ spec:
         )
         .await;
     let t = Duration::from_secs(30);
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("netprobe").await.unwrap()
-    })
-    .await;
-    let pod = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let pod = launcher_pod_of(&cluster, "netprobe").await;
     let pod_name = pod.metadata.name.clone().unwrap();
     let uid = pod.metadata.uid.clone().unwrap();
     cluster.kubelet_run(&pod_name, NODE).await;
@@ -555,14 +545,7 @@ spec:
 "#,
         )
         .await;
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("blueprobe").await.unwrap()
-    })
-    .await;
-    let pod = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let pod = launcher_pod_of(&cluster, "blueprobe").await;
     let pod_name = pod.metadata.name.clone().unwrap();
     let uid = pod.metadata.uid.clone().unwrap();
     cluster.kubelet_run(&pod_name, NODE).await;
@@ -644,15 +627,7 @@ spec:
 "#,
         )
         .await;
-    let t = Duration::from_secs(30);
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("talker").await.unwrap()
-    })
-    .await;
-    let source = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let source = launcher_pod_of(&cluster, "talker").await;
     let source_name = source.metadata.name.clone().unwrap();
     cluster.kubelet_run(&source_name, "node-1").await;
     kubelet_pod_ip(&cluster, &source_name, "10.244.1.5").await;
@@ -777,15 +752,7 @@ spec:
 "#,
         )
         .await;
-    let t = Duration::from_secs(30);
-    let vmi = eventually("the VMI", t, || async {
-        vmis.get_opt("bridged").await.unwrap()
-    })
-    .await;
-    let pod = eventually("the launcher Pod", t, || async {
-        cluster.pods_of(&vmi).await.into_iter().next()
-    })
-    .await;
+    let pod = launcher_pod_of(&cluster, "bridged").await;
     let pod_name = pod.metadata.name.clone().unwrap();
     let uid = pod.metadata.uid.clone().unwrap();
     cluster.kubelet_run(&pod_name, NODE).await;
