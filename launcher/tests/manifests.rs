@@ -254,3 +254,61 @@ fn decimal_memory_is_rounded_up_to_whole_mib() {
         assert_eq!(plan.config.memory_mib, mib, "{q}");
     }
 }
+
+/// A corpus of manifests in the styles KubeVirt users write (`launcher/tests/corpus/`): each is
+/// translated to its golden plan, or refused with its golden message (`<name>.plan`, with the
+/// warnings first). `UPDATE_GOLDEN=1` rewrites them.
+#[test]
+fn corpus_of_kubevirt_manifests() {
+    let f = Fixture::new("corpus");
+    for image in [
+        "quay.io_kubevirt_cirros-container-disk-demo_latest",
+        "quay.io_containerdisks_alpine_3.20",
+    ] {
+        let d = f.root.join("images").join(image);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("disk.img"), vec![0u8; 1 << 20]).unwrap();
+    }
+    let dir = repo().join("launcher/tests/corpus");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 10, "{files:?}");
+    for path in files {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let shown = format!("corpus/{name}");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let result = launcher::manifest::parse_with(&shown, &text, Default::default())
+            .map_err(|e| e.to_string())
+            .and_then(|m| {
+                let mut out: String = m
+                    .warnings()
+                    .iter()
+                    .map(|w| format!("warning: {w}\n"))
+                    .collect();
+                let plan =
+                    translate(&m.name(), m.vmi_spec(), &f.env()).map_err(|e| e.to_string())?;
+                out.push_str(&plan.describe());
+                Ok(out)
+            });
+        let actual = match result {
+            Ok(plan) => plan,
+            Err(e) => format!("error: {e}\n"),
+        }
+        .replace(&f.root.display().to_string(), "$ROOT");
+        let golden_path = dir.join(name.replace(".yaml", ".plan"));
+        if std::env::var_os("UPDATE_GOLDEN").is_some() {
+            std::fs::write(&golden_path, &actual).unwrap();
+        }
+        let expected = std::fs::read_to_string(&golden_path).unwrap_or_else(|_| {
+            panic!(
+                "missing {} (UPDATE_GOLDEN=1 writes it)",
+                golden_path.display()
+            )
+        });
+        assert_eq!(actual, expected, "{name} (UPDATE_GOLDEN=1 rewrites it)");
+    }
+}
