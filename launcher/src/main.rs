@@ -145,6 +145,9 @@ struct HostLayout {
     /// name, besides those in its own file.
     #[arg(long, value_name = "DIR")]
     instancetype_dir: Option<PathBuf>,
+    /// Per-thread seccomp filters on the vCPU and device threads; `off` only for debugging.
+    #[arg(long, value_enum, default_value = "on")]
+    seccomp: Toggle,
 }
 
 impl HostLayout {
@@ -156,8 +159,27 @@ impl HostLayout {
             default_kernel: self.default_kernel.clone(),
             default_initrd: None,
             extra_cmdline: self.extra_cmdline.clone(),
+            seccomp: self.seccomp == Toggle::On,
         }
     }
+}
+
+/// `--seccomp`, with the warning `off` deserves.
+fn seccomp_setting(host: &HostLayout) -> bool {
+    if host.seccomp == Toggle::Off {
+        tracing::warn!(
+            "--seccomp off: the VMM threads run without syscall filters (debugging only)"
+        );
+        eprintln!("virt-launcher: warning: --seccomp off: the VMM threads run without syscall filters (debugging only)");
+        return false;
+    }
+    true
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Toggle {
+    On,
+    Off,
 }
 
 /// Runs the daemon until the VM has ended (plus a moment for clients to read its end), or
@@ -171,6 +193,7 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
+    seccomp_setting(&args.host);
     let d = launcher::daemon::Daemon::new(args.host.environment());
     if let Err(e) = launcher::daemon::listen(d.clone(), &args.socket) {
         eprintln!("virt-launcher: {}: {e}", args.socket.display());
@@ -505,6 +528,7 @@ fn launch(args: &RunArgs, start: Start) -> ExitCode {
     };
     let mut config = prepared.config.clone();
     config.boot_timer = args.boot_timer;
+    config.seccomp = seccomp_setting(&args.host);
     let console = Console {
         log: args.console_log.clone(),
         input: !args.no_console_input,

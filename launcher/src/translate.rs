@@ -33,6 +33,8 @@ pub struct Environment {
     pub default_initrd: Option<PathBuf>,
     /// Appended to every kernel command line (e.g. flags a software-emulated host needs).
     pub extra_cmdline: String,
+    /// The VMM threads' seccomp filters (`--seccomp`).
+    pub seccomp: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -303,6 +305,7 @@ pub fn translate(
     // Not a whole MiB (a decimal `1024M`): rounded up, never down (README, "Memory sizes").
     config.memory_mib = api::quantity::guest_mib(memory);
     config.vcpus = vcpus(spec).min(254) as u8;
+    config.seccomp = env.seccomp;
     config.initrd = env.default_initrd.clone();
 
     let kernel_boot = spec

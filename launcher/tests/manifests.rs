@@ -55,6 +55,7 @@ impl Fixture {
             default_kernel: PathBuf::from("/usr/share/microvirt/vmlinux"),
             default_initrd: None,
             extra_cmdline: String::new(),
+            seccomp: true,
         }
     }
 }

@@ -132,6 +132,7 @@ struct Parts {
     memory_mib: u64,
     cmdline: String,
     boot_timer: bool,
+    seccomp: bool,
 }
 
 /// Step 6: the event thread and one thread per vCPU; with `paused` they park before doing
@@ -140,7 +141,7 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
     let state_support =
         Arc::new(VcpuStateSupport::probe(&p.kvm.kvm, &p.vm_fd).map_err(VmError::Vcpu)?);
     vcpu::register_kick_handler().map_err(VmError::Vcpu)?;
-    let events = EventLoop::start(p.em, p.wake, paused)
+    let events = EventLoop::start(p.em, p.wake, paused, p.seccomp)
         .map_err(|e| VmError::Device(format!("event thread: {e}")))?;
     let control = VcpuControl::new(if paused {
         RunState::Paused
@@ -161,6 +162,7 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
             first_run: first_run.clone(),
             boot_timer: p.boot_timer,
             state_support: state_support.clone(),
+            seccomp: p.seccomp,
         };
         match vcpu::spawn(v, ctx) {
             Ok(t) => vcpu_threads.push(t),
@@ -243,6 +245,7 @@ impl Vm {
                 memory_mib: config.memory_mib,
                 cmdline,
                 boot_timer: config.boot_timer,
+                seccomp: config.seccomp,
             },
             false,
         )
@@ -324,6 +327,7 @@ impl Vm {
                 memory_mib: state.memory_mib,
                 cmdline: state.cmdline.clone(),
                 boot_timer: config.boot_timer,
+                seccomp: config.seccomp,
             },
             true,
         )?;

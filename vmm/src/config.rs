@@ -31,6 +31,9 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// virtio-net NICs, in guest order (eth0, eth1, ...).
     pub nets: Vec<NetConfig>,
+    /// Each vCPU and the device thread install their seccomp filter (`seccomp`) before they
+    /// run guest-driven code. On by default; off only for debugging.
+    pub seccomp: bool,
 }
 
 /// A MAC address; only unicast addresses are accepted for a NIC.
@@ -166,6 +169,7 @@ impl VmConfig {
             boot_timer: false,
             disks: Vec::new(),
             nets: Vec::new(),
+            seccomp: true,
         }
     }
 }

@@ -233,12 +233,23 @@ pub struct VcpuContext {
     pub first_run: Arc<std::sync::OnceLock<std::time::SystemTime>>,
     pub boot_timer: bool,
     pub state_support: Arc<VcpuStateSupport>,
+    /// Install the vCPU seccomp filter before the first KVM_RUN.
+    pub seccomp: bool,
 }
 
 pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("vcpu{}", vcpu.id))
         .spawn(move || {
+            if ctx.seccomp {
+                if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Vcpu(vcpu.id)) {
+                    ctx.end.signal(VmEnd::VcpuError {
+                        vcpu: vcpu.id,
+                        message: e.to_string(),
+                    });
+                    return;
+                }
+            }
             KVM_RUN_PTR.with(|p| p.set(vcpu.fd.get_kvm_run() as *mut kvm_run));
             let end = run_loop(&mut vcpu, &ctx);
             KVM_RUN_PTR.with(|p| p.set(std::ptr::null_mut()));

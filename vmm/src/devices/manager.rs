@@ -138,7 +138,12 @@ impl MutEventSubscriber for Lifecycle {
 
 impl EventLoop {
     /// Starts the thread; with `paused` it parks before handling any event.
-    pub fn start(mut em: Subscribers, wake: EventFd, paused: bool) -> std::io::Result<EventLoop> {
+    pub fn start(
+        mut em: Subscribers,
+        wake: EventFd,
+        paused: bool,
+        seccomp: bool,
+    ) -> std::io::Result<EventLoop> {
         let initial = if paused {
             LoopState::PauseRequested
         } else {
@@ -148,24 +153,32 @@ impl EventLoop {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("vmm-events".into())
-            .spawn(move || loop {
-                {
-                    let (lock, cv) = &*s;
-                    let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
-                    if *g == LoopState::PauseRequested {
-                        *g = LoopState::Paused;
-                        cv.notify_all();
-                        while *g == LoopState::Paused {
-                            g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
-                        }
-                    }
-                    if *g == LoopState::Stopping {
+            .spawn(move || {
+                if seccomp {
+                    if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Devices) {
+                        tracing::error!("device thread: {e}");
                         return;
                     }
                 }
-                if let Err(e) = em.run() {
-                    tracing::error!("event loop: {e:?}");
-                    return;
+                loop {
+                    {
+                        let (lock, cv) = &*s;
+                        let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
+                        if *g == LoopState::PauseRequested {
+                            *g = LoopState::Paused;
+                            cv.notify_all();
+                            while *g == LoopState::Paused {
+                                g = cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                            }
+                        }
+                        if *g == LoopState::Stopping {
+                            return;
+                        }
+                    }
+                    if let Err(e) = em.run() {
+                        tracing::error!("event loop: {e:?}");
+                        return;
+                    }
                 }
             })?;
         Ok(EventLoop {

@@ -1,0 +1,119 @@
+//! The VMM's per-thread seccomp filters, for real: installed on every vCPU and the device
+//! thread (the kernel reports filter mode 2 for them, not for the others), and biting — a
+//! debug-build hook makes a filtered thread call socket(2), and the process ends with the
+//! documented line and exit status 31.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn manifest(dir: &std::path::Path, test: &str, vcpus: u32) -> std::path::PathBuf {
+    let m = dir.join(format!("{test}.yaml"));
+    std::fs::write(
+        &m,
+        format!(
+            r#"apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: filtered}}
+spec:
+  domain:
+    cpu: {{sockets: {vcpus}}}
+    memory: {{guest: 64Mi}}
+    devices: {{autoattachPodInterface: false}}
+    firmware:
+      kernelBoot:
+        container: {{image: "microvirt/probe:latest", kernelPath: /probe}}
+        kernelArgs: "console=ttyS0 probe.test={test}"
+"#
+        ),
+    )
+    .unwrap();
+    m
+}
+
+fn launcher(dir: &std::path::Path, m: &std::path::Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_virt-launcher"));
+    c.args(["run", "--no-console-input", "--network", "none", "-f"])
+        .arg(m)
+        .arg("--image-dir")
+        .arg(dir.join("images"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("RUST_LOG", "error");
+    c
+}
+
+#[test]
+fn every_vcpu_and_the_device_thread_run_filtered() {
+    tests::require_kvm();
+    let dir = tests::probe_workdir("mv-seccomp-on");
+    // The keyboard test waits for Ctrl-Alt-Del: the VM stays up while we look.
+    let m = manifest(&dir, "keyboard", 2);
+    let mut child = launcher(&dir, &m).stdout(Stdio::null()).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        seen.clear();
+        for t in std::fs::read_dir(format!("/proc/{}/task", child.id()))
+            .unwrap()
+            .flatten()
+        {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+            let mode = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Seccomp:"))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default();
+            seen.push((comm.trim().to_string(), mode));
+        }
+        if seen.iter().filter(|(c, _)| c.starts_with("vcpu")).count() == 2
+            && seen.iter().any(|(c, _)| c == "vmm-events")
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    for (comm, mode) in &seen {
+        if comm.starts_with("kvm-") {
+            continue; // KVM's own worker, forked from a vCPU thread: it inherits the filter
+        }
+        let filtered = comm.starts_with("vcpu") || comm == "vmm-events";
+        assert_eq!(mode == "2", filtered, "{comm}: Seccomp {mode} ({seen:?})");
+    }
+    assert!(seen.iter().any(|(c, _)| c == "vcpu1"), "{seen:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_denied_syscall_ends_the_vmm_with_the_thread_and_the_number() {
+    tests::require_kvm();
+    let dir = tests::probe_workdir("mv-seccomp-bite");
+    let m = manifest(&dir, "boot", 1);
+    for (thread, name) in [("vcpu", "vcpu0"), ("devices", "vmm-events")] {
+        let out = launcher(&dir, &m)
+            .env("MICROVIRT_SECCOMP_TEST_DENIED", thread)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(31), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "microvirt: seccomp: the {name} thread made syscall 41, which its seccomp filter does not allow; the VMM stops"
+            )),
+            "{stderr}"
+        );
+    }
+    // Without filters the same call goes through and the guest runs to its end.
+    let out = launcher(&dir, &m)
+        .args(["--seccomp", "off"])
+        .env("MICROVIRT_SECCOMP_TEST_DENIED", "vcpu")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("--seccomp off"), "the warning: {stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PROBE RESULT boot OK"));
+    let _ = std::fs::remove_dir_all(dir);
+}

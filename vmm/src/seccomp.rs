@@ -1,0 +1,276 @@
+//! Seccomp filters per VMM thread kind, built with `seccompiler` (the rust-vmm crate Firecracker
+//! uses) and installed by each thread on itself before it does anything the guest can drive: a
+//! vCPU thread before its first KVM_RUN, the device thread before its first event.
+//!
+//! Each filter allows what that thread was seen to call (strace of the probe, block, net,
+//! snapshot and migration tests; allocator and thread start/exit calls included), `ioctl` only
+//! for KVM's (0xAE) and TUN's (0x54, 'T') request types. Anything else is **trapped**: the
+//! SIGSYS handler writes one line naming the thread and the syscall number, and the process
+//! exits with `EXIT_SECCOMP`. A trap rather than SECCOMP_RET_KILL_PROCESS because the kill
+//! action leaves only an audit record, which a Pod's log never shows; the handler makes the
+//! denial visible where the VM's user looks.
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+/// The exit status when a filter denies a call (31 is SIGSYS).
+pub const EXIT_SECCOMP: i32 = 31;
+
+/// Which filter a thread gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThreadKind {
+    Vcpu(u8),
+    /// The device event loop (virtio queues, serial input, TAP and disk I/O).
+    Devices,
+}
+
+thread_local! {
+    /// What this thread is, for the SIGSYS handler (plain data: safe to read in a handler).
+    static KIND: Cell<Option<ThreadKind>> = const { Cell::new(None) };
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("building the {0:?} filter: {1}")]
+    Build(ThreadKind, String),
+    #[error("installing the {0:?} filter: {1}")]
+    Install(ThreadKind, String),
+}
+
+/// Calls every thread makes: memory (the allocator), locks, signals, its own start and exit,
+/// time, logging to stderr.
+const COMMON: &[i64] = &[
+    libc::SYS_futex,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_madvise,
+    libc::SYS_mprotect,
+    libc::SYS_brk,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_sigaltstack,
+    libc::SYS_restart_syscall,
+    libc::SYS_sched_yield,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_tgkill,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_nanosleep,
+    libc::SYS_getrandom,
+    libc::SYS_write,
+    libc::SYS_writev,
+    libc::SYS_close,
+    libc::SYS_fcntl,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+];
+
+/// A vCPU thread: KVM_RUN and the device emulation it does on exits (register writes that kick
+/// the event loop through eventfds, console output, TAP offload setup on activation).
+const VCPU: &[i64] = &[libc::SYS_ioctl, libc::SYS_sendto, libc::SYS_sendmsg];
+
+/// The device thread: the queues' disk and TAP I/O, eventfds, epoll.
+const DEVICES: &[i64] = &[
+    libc::SYS_ioctl,
+    libc::SYS_read,
+    libc::SYS_readv,
+    libc::SYS_pread64,
+    libc::SYS_preadv,
+    libc::SYS_pwrite64,
+    libc::SYS_pwritev,
+    libc::SYS_fdatasync,
+    libc::SYS_fsync,
+    libc::SYS_fallocate,
+    libc::SYS_lseek,
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_sendto,
+    libc::SYS_sendmsg,
+    libc::SYS_recvfrom,
+    libc::SYS_recvmsg,
+];
+
+/// KVM's and TUN's ioctl request types (bits 8..16 of the request).
+fn ioctl_rules() -> Result<Vec<SeccompRule>, String> {
+    [0xAE_u64, 0x54]
+        .iter()
+        .map(|t| {
+            let c = SeccompCondition::new(
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::MaskedEq(0xff00),
+                t << 8,
+            )
+            .map_err(|e| e.to_string())?;
+            SeccompRule::new(vec![c]).map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+/// The BPF program of `kind`.
+pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
+    let build = |e: String| SeccompError::Build(kind, e);
+    let own = match kind {
+        ThreadKind::Vcpu(_) => VCPU,
+        ThreadKind::Devices => DEVICES,
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+    for &nr in COMMON.iter().chain(own) {
+        let r = if nr == libc::SYS_ioctl {
+            ioctl_rules().map_err(build)?
+        } else {
+            vec![]
+        };
+        rules.insert(nr, r);
+    }
+    let f = SeccompFilter::new(
+        rules,
+        SeccompAction::Trap,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )
+    .map_err(|e| build(e.to_string()))?;
+    f.try_into()
+        .map_err(|e: seccompiler::BackendError| build(e.to_string()))
+}
+
+/// Installs `kind`'s filter on the calling thread (and PR_SET_NO_NEW_PRIVS, which seccomp
+/// needs), after the SIGSYS handler.
+pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
+    install_sigsys_handler().map_err(|e| SeccompError::Install(kind, e.to_string()))?;
+    let bpf = filter(kind)?;
+    KIND.with(|k| k.set(Some(kind)));
+    seccompiler::apply_filter(&bpf).map_err(|e| SeccompError::Install(kind, e.to_string()))?;
+    #[cfg(debug_assertions)]
+    bite_for_test(kind);
+    Ok(())
+}
+
+/// Debug builds only: `MICROVIRT_SECCOMP_TEST_DENIED=vcpu|devices` makes that thread call a
+/// syscall outside its filter right after installing it, so a test can see the filter bite.
+#[cfg(debug_assertions)]
+fn bite_for_test(kind: ThreadKind) {
+    let wanted = std::env::var("MICROVIRT_SECCOMP_TEST_DENIED").unwrap_or_default();
+    let hit = matches!(
+        (wanted.as_str(), kind),
+        ("vcpu", ThreadKind::Vcpu(0)) | ("devices", ThreadKind::Devices)
+    );
+    if hit {
+        // socket(2): no VMM thread has any use for it.
+        // SAFETY: a plain syscall; the filter traps it before it does anything.
+        unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+    }
+}
+
+fn install_sigsys_handler() -> std::io::Result<()> {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let mut r = Ok(());
+    ONCE.call_once(|| {
+        // SAFETY: a zeroed sigaction with our handler; SA_SIGINFO for the syscall number.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigsys as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) != 0 {
+                r = Err(std::io::Error::last_os_error());
+            }
+        }
+    });
+    r
+}
+
+/// Appends `n` in decimal to `buf` at `at` (no allocation: this runs in a signal handler).
+fn put_number(buf: &mut [u8], mut at: usize, n: u64) -> usize {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    let mut n = n;
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for &d in &digits[i..] {
+        if at < buf.len() {
+            buf[at] = d;
+            at += 1;
+        }
+    }
+    at
+}
+
+fn put(buf: &mut [u8], mut at: usize, s: &[u8]) -> usize {
+    for &b in s {
+        if at < buf.len() {
+            buf[at] = b;
+            at += 1;
+        }
+    }
+    at
+}
+
+/// The syscall number of a SIGSYS: `si_syscall`, after si_signo, si_errno, si_code, padding and
+/// `si_call_addr` in the kernel's siginfo layout on x86_64.
+const SI_SYSCALL_OFFSET: usize = 24;
+
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel hands a valid siginfo for SIGSYS; the field is a plain int.
+    let nr = unsafe { *((info as *const u8).add(SI_SYSCALL_OFFSET) as *const i32) };
+    let kind = KIND.with(|k| k.get());
+    let mut buf = [0u8; 200];
+    // A newline first: the guest console may be in the middle of a line.
+    let mut at = put(&mut buf, 0, b"\nmicrovirt: seccomp: the ");
+    at = match kind {
+        Some(ThreadKind::Vcpu(id)) => {
+            let a = put(&mut buf, at, b"vcpu");
+            put_number(&mut buf, a, id as u64)
+        }
+        Some(ThreadKind::Devices) => put(&mut buf, at, b"vmm-events"),
+        None => put(&mut buf, at, b"(unfiltered)"),
+    };
+    at = put(&mut buf, at, b" thread made syscall ");
+    at = put_number(&mut buf, at, nr.max(0) as u64);
+    at = put(
+        &mut buf,
+        at,
+        b", which its seccomp filter does not allow; the VMM stops\n",
+    );
+    // SAFETY: write(2) and _exit(2) are async-signal-safe and allowed by every filter.
+    unsafe {
+        libc::write(2, buf.as_ptr() as *const libc::c_void, at);
+        libc::_exit(EXIT_SECCOMP);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_build_for_every_thread_kind() {
+        for k in [ThreadKind::Vcpu(0), ThreadKind::Devices] {
+            assert!(!filter(k).unwrap().is_empty());
+        }
+    }
+
+    #[test]
+    fn numbers_without_allocation() {
+        let mut b = [0u8; 8];
+        let n = put_number(&mut b, 0, 41);
+        assert_eq!(&b[..n], b"41");
+        let n = put_number(&mut b, 0, 0);
+        assert_eq!(&b[..n], b"0");
+    }
+}
