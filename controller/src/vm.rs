@@ -203,6 +203,33 @@ pub fn vmi_for(
     Ok(vmi)
 }
 
+/// The VM's `Failure` condition with `reason` and the message, and a warning Event the first
+/// time that message is seen.
+async fn record_failure(
+    ctx: &Context,
+    vm: &VirtualMachine,
+    status: &mut api::VirtualMachineStatus,
+    reason: &str,
+    action: &str,
+    msg: String,
+) {
+    let known = status.conditions.iter().any(|c| {
+        c.type_ == "Failure"
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_ref() == Some(&msg)
+    });
+    if !known {
+        ctx.event(vm, true, reason, action, msg.clone()).await;
+    }
+    set_condition(
+        &mut status.conditions,
+        "Failure",
+        true,
+        Some(reason),
+        Some(msg),
+    );
+}
+
 /// Reconciles one VirtualMachine: applies [`decide`] and writes `status`.
 pub async fn reconcile(vm: Arc<VirtualMachine>, ctx: Arc<Context>) -> Result<Action> {
     let started = std::time::Instant::now();
@@ -235,23 +262,15 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     let mut status = vm.status.clone().unwrap_or_default();
     if let Err(e) = api::validation::validate_vm(vm) {
         // Never half-reconciled: no VMI, an Event and a Failure condition with the message.
-        let msg = e.to_string();
-        let known = status.conditions.iter().any(|c| {
-            c.type_ == "Failure"
-                && c.reason.as_deref() == Some("InvalidSpec")
-                && c.message.as_ref() == Some(&msg)
-        });
-        if !known {
-            ctx.event(vm, true, "InvalidSpec", "Validate", msg.clone())
-                .await;
-        }
-        set_condition(
-            &mut status.conditions,
-            "Failure",
-            true,
-            Some("InvalidSpec"),
-            Some(msg),
-        );
+        record_failure(
+            ctx,
+            vm,
+            &mut status,
+            "InvalidSpec",
+            "Validate",
+            e.to_string(),
+        )
+        .await;
         write_status(&vms, vm, status).await?;
         return Ok(Action::await_change());
     }
@@ -357,21 +376,7 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
                 Err(msg) => {
                     // Not started: the VM says why, and tries again (the instance type may
                     // appear later).
-                    let known = status
-                        .conditions
-                        .iter()
-                        .any(|c| c.type_ == "Failure" && c.message.as_ref() == Some(&msg));
-                    if !known {
-                        ctx.event(vm, true, "FailedCreate", "Create", msg.clone())
-                            .await;
-                    }
-                    set_condition(
-                        &mut status.conditions,
-                        "Failure",
-                        true,
-                        Some("FailedCreate"),
-                        Some(msg),
-                    );
+                    record_failure(ctx, vm, &mut status, "FailedCreate", "Create", msg).await;
                     write_status(&vms, vm, status).await?;
                     return Ok(Action::requeue(std::time::Duration::from_secs(5)));
                 }
