@@ -444,23 +444,12 @@ async fn the_handler_puts_the_guest_on_the_pod_network() {
     let (node, podns) = tests::pod_namespace("hnet", "10.244.0.5", "10.244.0.1");
     let echo = tests::UdpEcho::start(&node, 7777);
     cluster
-        .apply_yaml::<VirtualMachineInstance>(
-            r#"
-apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {name: netprobe}
-spec:
-  domain:
-    memory: {guest: 64Mi}
-    devices:
-      interfaces: [{name: default, masquerade: {}}]
-    firmware:
-      kernelBoot:
-        container: {image: "microvirt/probe:latest", kernelPath: /probe}
-        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777"
-  networks: [{name: default, pod: {}}]
-"#,
-        )
+        .apply_yaml::<VirtualMachineInstance>(&tests::probe_vmi_yaml(
+            "netprobe",
+            "probe.test=dhcp probe.peer=10.244.0.1:7777",
+            r#"[{name: default, masquerade: {}}]"#,
+            r#"[{name: default, pod: {}}]"#,
+        ))
         .await;
     let t = Duration::from_secs(30);
     let pod = launcher_pod_of(&cluster, "netprobe").await;
@@ -527,23 +516,12 @@ spec:
     // A Multus network whose interface the Pod does not have.
     let (_node2, podns2) = tests::pod_namespace("hnet2", "10.244.1.5", "10.244.1.1");
     cluster
-        .apply_yaml::<VirtualMachineInstance>(
-            r#"
-apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {name: blueprobe}
-spec:
-  domain:
-    memory: {guest: 64Mi}
-    devices:
-      interfaces: [{name: default, masquerade: {}}, {name: blue, bridge: {}}]
-    firmware:
-      kernelBoot:
-        container: {image: "microvirt/probe:latest", kernelPath: /probe}
-        kernelArgs: "console=ttyS0 probe.test=console"
-  networks: [{name: default, pod: {}}, {name: blue, multus: {networkName: blue-net}}]
-"#,
-        )
+        .apply_yaml::<VirtualMachineInstance>(&tests::probe_vmi_yaml(
+            "blueprobe",
+            "probe.test=console",
+            r#"[{name: default, masquerade: {}}, {name: blue, bridge: {}}]"#,
+            r#"[{name: default, pod: {}}, {name: blue, multus: {networkName: blue-net}}]"#,
+        ))
         .await;
     let pod = launcher_pod_of(&cluster, "blueprobe").await;
     let pod_name = pod.metadata.name.clone().unwrap();
@@ -609,23 +587,12 @@ async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
     let _controller = cluster.replica(test_config(), None);
     let vmis = cluster.api::<VirtualMachineInstance>();
     cluster
-        .apply_yaml::<VirtualMachineInstance>(
-            r#"
-apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {name: talker}
-spec:
-  domain:
-    memory: {guest: 64Mi}
-    devices:
-      interfaces: [{name: default, masquerade: {}}]
-    firmware:
-      kernelBoot:
-        container: {image: "microvirt/probe:latest", kernelPath: /probe}
-        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.78.0.1:7777 probe.echoes=100000000"
-  networks: [{name: default, pod: {}}]
-"#,
-        )
+        .apply_yaml::<VirtualMachineInstance>(&tests::probe_vmi_yaml(
+            "talker",
+            "probe.test=dhcp probe.peer=10.78.0.1:7777 probe.echoes=100000000",
+            r#"[{name: default, masquerade: {}}]"#,
+            r#"[{name: default, pod: {}}]"#,
+        ))
         .await;
     let source = launcher_pod_of(&cluster, "talker").await;
     let source_name = source.metadata.name.clone().unwrap();
@@ -734,23 +701,12 @@ async fn with_a_bridge_binding_the_guest_is_the_pod_on_the_network() {
     let pod_mac = String::from_utf8_lossy(&pod_mac.stdout).trim().to_string();
     let echo = tests::UdpEcho::start(&node, 7777);
     cluster
-        .apply_yaml::<VirtualMachineInstance>(
-            r#"
-apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {name: bridged}
-spec:
-  domain:
-    memory: {guest: 64Mi}
-    devices:
-      interfaces: [{name: default, bridge: {}}]
-    firmware:
-      kernelBoot:
-        container: {image: "microvirt/probe:latest", kernelPath: /probe}
-        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777 probe.echoes=3"
-  networks: [{name: default, pod: {}}]
-"#,
-        )
+        .apply_yaml::<VirtualMachineInstance>(&tests::probe_vmi_yaml(
+            "bridged",
+            "probe.test=dhcp probe.peer=10.244.0.1:7777 probe.echoes=3",
+            r#"[{name: default, bridge: {}}]"#,
+            r#"[{name: default, pod: {}}]"#,
+        ))
         .await;
     let pod = launcher_pod_of(&cluster, "bridged").await;
     let pod_name = pod.metadata.name.clone().unwrap();

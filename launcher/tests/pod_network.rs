@@ -215,21 +215,12 @@ fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
     let manifest = dir.join("vm.yaml");
     std::fs::write(
         &manifest,
-        r#"
-apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {name: dhcpvm}
-spec:
-  domain:
-    memory: {guest: 64Mi}
-    devices:
-      interfaces: [{name: default, masquerade: {}}]
-    firmware:
-      kernelBoot:
-        container: {image: "microvirt/probe:latest", kernelPath: /probe}
-        kernelArgs: "console=ttyS0 probe.test=dhcp probe.peer=10.244.0.1:7777"
-  networks: [{name: default, pod: {}}]
-"#,
+        tests::probe_vmi_yaml(
+            "dhcpvm",
+            "probe.test=dhcp probe.peer=10.244.0.1:7777",
+            r#"[{name: default, masquerade: {}}]"#,
+            r#"[{name: default, pod: {}}]"#,
+        ),
     )
     .unwrap();
     let (peer, pod) = tests::pod_namespace("dhcp", "10.244.0.5", "10.244.0.1");

@@ -315,6 +315,27 @@ fn run_ok(cmd: &str, args: &[&str]) {
     );
 }
 
+/// A VirtualMachineInstance booting the probe guest (64 MiB) with `probe_args` (e.g.
+/// `probe.test=dhcp probe.peer=...`) and the given interfaces and networks (YAML flow lists).
+pub fn probe_vmi_yaml(name: &str, probe_args: &str, interfaces: &str, networks: &str) -> String {
+    format!(
+        r#"apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: {name}}}
+spec:
+  domain:
+    memory: {{guest: 64Mi}}
+    devices:
+      interfaces: {interfaces}
+    firmware:
+      kernelBoot:
+        container: {{image: "microvirt/probe:latest", kernelPath: /probe}}
+        kernelArgs: "console=ttyS0 {probe_args}"
+  networks: {networks}
+"#
+    )
+}
+
 /// A Pod's network namespace as a CNI plugin leaves it: `eth0` with `pod_ip`/24, the other end
 /// of the veth in a "node" namespace with `gateway`/24, the default route through it. Returns
 /// (node, pod).
