@@ -323,16 +323,7 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     let work = tests::probe_workdir("mv-handler-mig");
     let pods_dir = work.join("pods");
     // Two nodes joined by a veth pair: node-1 is 10.78.0.1, node-2 10.78.0.2.
-    let n1 = tests::NetNs::new("hm1");
-    let n2 = tests::NetNs::new("hm2");
-    n1.exec(&[
-        "ip", "link", "add", "hv1", "type", "veth", "peer", "name", "hv2",
-    ]);
-    n1.exec(&["ip", "link", "set", "hv2", "netns", &n2.name]);
-    n1.exec(&["ip", "addr", "add", "10.78.0.1/24", "dev", "hv1"]);
-    n1.exec(&["ip", "link", "set", "hv1", "up"]);
-    n2.exec(&["ip", "addr", "add", "10.78.0.2/24", "dev", "hv2"]);
-    n2.exec(&["ip", "link", "set", "hv2", "up"]);
+    let (n1, n2) = tests::two_nodes("hm1", "hm2");
 
     let cluster = Cluster::start().await;
     let _controller = cluster.replica(test_config(), None);
@@ -563,16 +554,7 @@ async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
     tests::require_kvm();
     let work = tests::probe_workdir("mv-handler-netmig");
     let pods_dir = work.join("pods");
-    let n1 = tests::NetNs::new("nm1");
-    let n2 = tests::NetNs::new("nm2");
-    n1.exec(&[
-        "ip", "link", "add", "hv1", "type", "veth", "peer", "name", "hv2",
-    ]);
-    n1.exec(&["ip", "link", "set", "hv2", "netns", &n2.name]);
-    n1.exec(&["ip", "addr", "add", "10.78.0.1/24", "dev", "hv1"]);
-    n1.exec(&["ip", "link", "set", "hv1", "up"]);
-    n2.exec(&["ip", "addr", "add", "10.78.0.2/24", "dev", "hv2"]);
-    n2.exec(&["ip", "link", "set", "hv2", "up"]);
+    let (n1, n2) = tests::two_nodes("nm1", "nm2");
     let pod1 = tests::pod_namespace_on(&n1, "nm1", "10.244.1.5", "10.244.1.1");
     let pod2 = tests::pod_namespace_on(&n2, "nm2", "10.244.2.5", "10.244.2.1");
     // The nodes route each other's Pod subnets (what the CNI's routes do).

@@ -315,6 +315,22 @@ fn run_ok(cmd: &str, args: &[&str]) {
     );
 }
 
+/// Two "node" namespaces joined by a veth pair: the first is 10.78.0.1/24 (on `hv1`), the
+/// second 10.78.0.2/24 (on `hv2`).
+pub fn two_nodes(tag1: &str, tag2: &str) -> (NetNs, NetNs) {
+    let n1 = NetNs::new(tag1);
+    let n2 = NetNs::new(tag2);
+    n1.exec(&[
+        "ip", "link", "add", "hv1", "type", "veth", "peer", "name", "hv2",
+    ]);
+    n1.exec(&["ip", "link", "set", "hv2", "netns", &n2.name]);
+    n1.exec(&["ip", "addr", "add", "10.78.0.1/24", "dev", "hv1"]);
+    n1.exec(&["ip", "link", "set", "hv1", "up"]);
+    n2.exec(&["ip", "addr", "add", "10.78.0.2/24", "dev", "hv2"]);
+    n2.exec(&["ip", "link", "set", "hv2", "up"]);
+    (n1, n2)
+}
+
 /// A VirtualMachineInstance booting the probe guest (64 MiB) with `probe_args` (e.g.
 /// `probe.test=dhcp probe.peer=...`) and the given interfaces and networks (YAML flow lists).
 pub fn probe_vmi_yaml(name: &str, probe_args: &str, interfaces: &str, networks: &str) -> String {
