@@ -46,15 +46,23 @@ fn preserved_objects(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]
+/// VirtualMachine is a VM that keeps its identity, disks and network across restarts: its
+/// runStrategy says when virt-controller makes a VirtualMachineInstance from its template.
 pub struct VirtualMachineSpec {
     /// Deprecated in KubeVirt in favour of `runStrategy`; `true` means Always, `false` Halted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// When the VM runs: Always (restarted whenever it stops), RerunOnFailure (restarted
+    /// only after a failure), Manual (started and stopped by the user), Halted (never), Once
+    /// (until it stops once). Mutually exclusive with `running`.
     pub run_strategy: Option<RunStrategy>,
+    /// The VirtualMachineInstance made each time the VM starts.
     pub template: VirtualMachineInstanceTemplateSpec,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_objects")]
+    /// CDI DataVolumes created with the VM; microvirt accepts them and warns: it does not
+    /// run CDI, so a volume must name an existing PersistentVolumeClaim.
     pub data_volume_templates: Option<Vec<Value>>,
     /// The instance type that sizes the VM (instancetype.kubevirt.io).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -167,15 +175,23 @@ pub struct Condition {
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]
+/// VirtualMachineInstanceSpec is the guest: its devices and resources (`domain`), the
+/// volumes and networks they use, and where and how its launcher Pod runs.
 pub struct VirtualMachineInstanceSpec {
+    /// The guest's CPU, memory, firmware and devices.
     pub domain: DomainSpec,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Where the guest's disks come from, matched to `domain.devices.disks` by name.
     pub volumes: Vec<Volume>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// The networks (the Pod network, Multus) the guest's interfaces attach to, by name.
     pub networks: Vec<Network>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Seconds the guest gets to shut down (ACPI power button) before it is stopped.
     pub termination_grace_period_seconds: Option<i64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// What a node drain does to the VMI: LiveMigrate, LiveMigrateIfPossible, None or
+    /// External.
     pub eviction_strategy: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_selector: Option<BTreeMap<String, String>>,
@@ -197,14 +213,17 @@ pub struct VirtualMachineInstanceSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]
+/// The virtual hardware: CPU topology, memory, devices, firmware.
 pub struct DomainSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu: Option<Cpu>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Guest memory (`guest`), in any Kubernetes quantity; rounded up to whole MiB.
     pub memory: Option<Memory>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     #[serde(default)]
+    /// Disks, interfaces and other devices of the guest.
     pub devices: Devices,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub firmware: Option<Firmware>,

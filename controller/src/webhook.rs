@@ -75,14 +75,23 @@ pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, S
                 warnings.push(RUNNING_DEPRECATED.to_string());
             }
             warnings.extend(api::validation::warnings_vm(&vm));
-            api::validation::validate_vm(&vm)
+            // Judged as its VMI will be made: defaulted (the template itself is not).
+            let mut defaulted = vm;
+            api::validation::default_vm(&mut defaulted);
+            api::validation::validate_vm(&defaulted)
         }
         "VirtualMachineInstance" => {
             let vmi: VirtualMachineInstance = decode(obj, kind)?;
             warnings.extend(api::validation::warnings_vmi(&vmi));
             api::validation::validate_vmi(&vmi)
         }
-        "VirtualMachineInstanceReplicaSet" => api::validation::validate_vmirs(&decode(obj, kind)?),
+        "VirtualMachineInstanceReplicaSet" => {
+            let mut rs: VirtualMachineInstanceReplicaSet = decode(obj, kind)?;
+            if let Some(spec) = rs.spec.template.spec.as_mut() {
+                api::validation::default_vmi_spec(spec);
+            }
+            api::validation::validate_vmirs(&rs)
+        }
         "VirtualMachineInstanceMigration" => {
             api::validation::validate_migration(&decode(obj, kind)?)
         }
@@ -188,15 +197,28 @@ fn defaulted<T: DeserializeOwned + Serialize>(
 /// KubeVirt's defaulting as a JSON patch against the submitted object.
 pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patch::Patch>, String> {
     let (before, after) = match kind {
-        "VirtualMachine" => defaulted::<VirtualMachine>(obj, kind, api::validation::default_vm)?,
+        // KubeVirt's VM mutator: the instance type's and preference's kinds, nothing in the
+        // template. The VMI is defaulted when virt-controller makes it; defaults written into
+        // the template's lists would turn every later `kubectl apply` of the same file into a
+        // change (a merge patch replaces lists whole).
+        "VirtualMachine" => defaulted::<VirtualMachine>(obj, kind, |vm| {
+            if let Some(m) = vm.spec.instancetype.as_mut() {
+                if let (None, Ok((k, _))) = (&m.kind, api::instancetype::instancetype_kind(m)) {
+                    m.kind = Some(k.to_string());
+                }
+            }
+            if let Some(m) = vm.spec.preference.as_mut() {
+                if let (None, Ok((k, _))) = (&m.kind, api::instancetype::preference_kind(m)) {
+                    m.kind = Some(k.to_string());
+                }
+            }
+        })?,
         "VirtualMachineInstance" => defaulted::<VirtualMachineInstance>(obj, kind, |v| {
             api::validation::default_vmi_spec(&mut v.spec)
         })?,
         "VirtualMachineInstanceReplicaSet" => {
+            // The template, like a VM's, is defaulted in each VMI made from it.
             defaulted::<VirtualMachineInstanceReplicaSet>(obj, kind, |rs| {
-                if let Some(spec) = rs.spec.template.spec.as_mut() {
-                    api::validation::default_vmi_spec(spec);
-                }
                 rs.spec.replicas.get_or_insert(1);
             })?
         }

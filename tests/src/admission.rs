@@ -104,3 +104,97 @@ pub fn eviction(pod: &str) -> Value {
                "metadata": {"name": pod, "namespace": "default"}}),
     )
 }
+
+/// What `deploy/webhook.yaml` registers: the webhook's name, its path, the operations and the
+/// resources (all in group kubevirt.io) it is called for, mutating before validating.
+const REGISTRATIONS: [(&str, &str, &[&str], &[&str]); 2] = [
+    (
+        "mutate.microvirt.kubevirt.io",
+        "/mutate",
+        &["CREATE"],
+        &[
+            "virtualmachines",
+            "virtualmachineinstances",
+            "virtualmachineinstancereplicasets",
+        ],
+    ),
+    (
+        "validate.microvirt.kubevirt.io",
+        "/validate",
+        &["CREATE", "UPDATE"],
+        &[
+            "virtualmachines",
+            "virtualmachineinstances",
+            "virtualmachineinstancereplicasets",
+            "virtualmachineinstancemigrations",
+        ],
+    ),
+];
+
+impl Webhook {
+    /// This webhook as the test API server's object admission, called as the API server calls
+    /// the webhooks `deploy/webhook.yaml` registers: the mutating one's JSON patch applied, then
+    /// the validating one's decision; warnings of both returned to the client.
+    pub fn object_admission(self: Arc<Self>) -> crate::apiserver::ObjectAdmission {
+        Arc::new(move |attrs: crate::apiserver::AdmissionAttributes| {
+            let webhook = self.clone();
+            Box::pin(async move { webhook.admit(attrs).await })
+        })
+    }
+
+    async fn admit(
+        &self,
+        attrs: crate::apiserver::AdmissionAttributes,
+    ) -> Result<(Value, Vec<String>), (u16, String)> {
+        let mut object = attrs.object;
+        let mut warnings = vec![];
+        for (name, path, operations, resources) in REGISTRATIONS {
+            if attrs.group != "kubevirt.io"
+                || !operations.contains(&attrs.operation)
+                || !resources.contains(&attrs.resource)
+            {
+                continue;
+            }
+            let review = json!({
+                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "request": {
+                    "uid": crate::apiserver::new_uid(),
+                    "kind": {"group": attrs.group, "version": attrs.version, "kind": attrs.kind},
+                    "resource": {"group": attrs.group, "version": attrs.version, "resource": attrs.resource},
+                    // "" for a create with generateName, as the API server sends it.
+                    "name": object["metadata"]["name"].as_str().unwrap_or(""),
+                    "namespace": attrs.namespace,
+                    "operation": attrs.operation,
+                    "userInfo": {"username": "admin"},
+                    "object": object, "oldObject": attrs.old_object, "dryRun": false,
+                }
+            });
+            let answer = self.post(path, &review).await;
+            let response = &answer["response"];
+            for w in response["warnings"].as_array().into_iter().flatten() {
+                if let Some(w) = w.as_str() {
+                    warnings.push(w.to_string());
+                }
+            }
+            if response["allowed"] != json!(true) {
+                let code = response["status"]["code"].as_u64().unwrap_or(400) as u16;
+                let message = response["status"]["message"].as_str().unwrap_or("");
+                return Err((
+                    code,
+                    format!("admission webhook \"{name}\" denied the request: {message}"),
+                ));
+            }
+            if let Some(patch) = response["patch"].as_str() {
+                use base64::Engine;
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(patch)
+                    .map_err(|e| (500, format!("webhook {name} sent a bad patch: {e}")))?;
+                let patch: json_patch::Patch = serde_json::from_slice(&bytes)
+                    .map_err(|e| (500, format!("webhook {name} sent a bad patch: {e}")))?;
+                json_patch::patch(&mut object, &patch)
+                    .map_err(|e| (500, format!("webhook {name}'s patch does not apply: {e}")))?;
+            }
+        }
+        Ok((object, warnings))
+    }
+}

@@ -19,8 +19,10 @@
 //! - fault injection for the error-handling tests: failing requests with a status code, and
 //!   dropping every open watch.
 //!
+//! - discovery, OpenAPI v3, `/version` and Table output for kubectl (see [`crate::discovery`]).
+//!
 //! Not implemented (the controllers do not use them): server-side apply, deletecollection,
-//! protobuf, tables, admission (the webhook is tested on its own).
+//! protobuf, admission (the webhook is tested on its own).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -233,6 +235,7 @@ struct Inner {
     request_log: Mutex<Vec<(Method, String, u16)>>,
     auth: Mutex<Authentication>,
     eviction_admission: Mutex<Option<EvictionAdmission>>,
+    object_admission: Mutex<Option<ObjectAdmission>>,
 }
 
 /// A validating admission webhook on `pods/eviction`, as the API server calls it: given the
@@ -245,6 +248,34 @@ pub type EvictionAdmission = Arc<
         )
             -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<(u16, String)>> + Send>>
         + Send
+        + Sync,
+>;
+
+/// A create or update of an object, as the API server hands it to admission webhooks.
+#[derive(Clone, Debug)]
+pub struct AdmissionAttributes {
+    /// `CREATE` or `UPDATE`.
+    pub operation: &'static str,
+    pub group: &'static str,
+    pub version: &'static str,
+    pub resource: &'static str,
+    pub kind: &'static str,
+    pub namespace: Option<String>,
+    pub object: Value,
+    pub old_object: Option<Value>,
+}
+
+/// Mutating and validating admission of objects (`kubectl apply` goes through it): the object
+/// as admitted and the warnings to return, or the refusal's code and message.
+pub type ObjectAdmission = Arc<
+    dyn Fn(
+            AdmissionAttributes,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = Result<(Value, Vec<String>), (u16, String)>>
+                    + Send,
+            >,
+        > + Send
         + Sync,
 >;
 
@@ -294,6 +325,11 @@ fn random_suffix(n: usize) -> String {
         .collect()
 }
 
+/// A fresh UID, as the server gives objects (and admission requests).
+pub fn new_uid() -> String {
+    uid()
+}
+
 fn uid() -> String {
     let b: [u8; 16] = std::array::from_fn(|_| fastrand::u8(..));
     format!(
@@ -335,6 +371,87 @@ fn json_response(code: u16, body: &Value) -> Response<Body> {
         .header("content-type", "application/json")
         .body(Body::from(serde_json::to_vec(body).unwrap()))
         .unwrap()
+}
+
+/// A response carrying admission warnings, as `Warning: 299 - "..."` headers (kubectl prints
+/// each as `Warning: ...`).
+fn with_warnings(mut resp: Response<Body>, warnings: &[String]) -> Response<Body> {
+    for w in warnings {
+        let text = w.replace('"', "'");
+        if let Ok(v) = axum::http::HeaderValue::from_str(&format!("299 - \"{text}\"")) {
+            resp.headers_mut().append("warning", v);
+        }
+    }
+    resp
+}
+
+/// The `fieldValidation` query parameter (kubectl sends `Strict`): fields the schema does not
+/// know refused (`Strict`) or warned about (`Warn`), as the server's strict decoding does; a
+/// client that does not ask gets neither.
+fn field_validation(
+    rt: &ResourceType,
+    q: &BTreeMap<String, String>,
+    obj: &Value,
+) -> ApiResult<Vec<String>> {
+    let mode = q.get("fieldValidation").map(String::as_str);
+    if !matches!(mode, Some("Strict") | Some("Warn")) {
+        return Ok(vec![]);
+    }
+    let unknown: Vec<String> = crate::discovery::unknown_fields(rt, obj)
+        .into_iter()
+        .map(|f| format!("unknown field \"{f}\""))
+        .collect();
+    if unknown.is_empty() {
+        Ok(vec![])
+    } else if mode == Some("Strict") {
+        Err(ApiError::new(
+            400,
+            "BadRequest",
+            format!(
+                "{} in version \"{}\" cannot be handled as a {}: strict decoding error: {}",
+                rt.kind,
+                rt.version,
+                rt.kind,
+                unknown.join(", ")
+            ),
+        ))
+    } else {
+        Ok(unknown)
+    }
+}
+
+/// An events.k8s.io/v1 Event as core v1 shows it (the API server's conversion).
+fn core_event(e: &Value) -> Value {
+    let mut c = json!({
+        "apiVersion": "v1", "kind": "Event", "metadata": e["metadata"],
+        "involvedObject": e["regarding"], "reason": e["reason"], "message": e["note"],
+        "type": e["type"], "action": e["action"], "eventTime": e["eventTime"],
+        "reportingComponent": e["reportingController"],
+        "reportingInstance": e["reportingInstance"],
+        "source": e.get("deprecatedSource").cloned()
+            .unwrap_or_else(|| json!({"component": e["reportingController"]})),
+        "count": e.get("deprecatedCount").cloned().unwrap_or(json!(1)),
+    });
+    for (from, to) in [
+        ("deprecatedFirstTimestamp", "firstTimestamp"),
+        ("deprecatedLastTimestamp", "lastTimestamp"),
+        ("related", "related"),
+        ("series", "series"),
+    ] {
+        if let Some(v) = e.get(from) {
+            c[to] = v.clone();
+        }
+    }
+    c
+}
+
+fn admission_refusal((code, message): (u16, String)) -> ApiError {
+    let reason = match code {
+        403 => "Forbidden",
+        422 => "Invalid",
+        _ => "BadRequest",
+    };
+    ApiError::new(code, reason, message)
 }
 
 fn get_path<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
@@ -616,6 +733,7 @@ impl ApiServer {
             request_log: Mutex::new(vec![]),
             auth: Mutex::new(Authentication::default()),
             eviction_admission: Mutex::new(None),
+            object_admission: Mutex::new(None),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -646,6 +764,13 @@ impl ApiServer {
     /// [`EvictionAdmission`]); `None` removes it.
     pub fn set_eviction_admission(&self, hook: Option<EvictionAdmission>) {
         *self.inner.eviction_admission.lock().unwrap() = hook;
+    }
+
+    /// Sends every create and update of an object (not of its subresources) through `hook`
+    /// before it is stored, as the API server calls the admission webhooks registered for it;
+    /// `None` removes it.
+    pub fn set_object_admission(&self, hook: Option<ObjectAdmission>) {
+        *self.inner.object_admission.lock().unwrap() = hook;
     }
 
     /// Holds every request made with a token (see [`ApiServer::client_as`]) to these RBAC
@@ -764,6 +889,26 @@ impl Inner {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let path = uri.path().to_string();
         let q = query_map(&uri);
+        let host = headers
+            .get("host")
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        // Discovery, OpenAPI and /version are readable by every user (the real server's
+        // system:discovery and system:public-info-viewer roles).
+        if let Some(answer) = crate::discovery::serve(&self.types, &path, &host) {
+            let resp = match answer {
+                Ok(v) => json_response(200, &v),
+                Err(message) => {
+                    json_response(404, &ApiError::new(404, "NotFound", message).status())
+                }
+            };
+            self.request_log
+                .lock()
+                .unwrap()
+                .push((method, path, resp.status().as_u16()));
+            return resp;
+        }
         let resp = match self.authorize(&method, &path, &q, &headers) {
             Err(e) => Err(e),
             Ok(()) => {
@@ -913,21 +1058,46 @@ impl Inner {
                 if watch {
                     self.watch(&t, q)
                 } else {
-                    Ok(json_response(200, &self.list(&t, q)?))
+                    Ok(json_response(
+                        200,
+                        &self.as_requested(&t, headers, q, self.list(&t, q)?),
+                    ))
                 }
             }
-            (&Method::POST, None, None) => Ok(json_response(201, &self.create(&t, body_json()?)?)),
+            (&Method::POST, None, None) => {
+                let mut obj = body_json()?;
+                let mut warnings = field_validation(&t.rtype, q, &obj)?;
+                let hook = self.object_admission.lock().unwrap().clone();
+                if let Some(hook) = hook {
+                    if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
+                        m.entry("namespace").or_insert(json!(ns));
+                    }
+                    let attrs = self.admission_attributes(&t, "CREATE", obj, None);
+                    let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
+                    obj = admitted;
+                    warnings.extend(more);
+                }
+                Ok(with_warnings(
+                    json_response(201, &self.create(&t, obj)?),
+                    &warnings,
+                ))
+            }
             (&Method::POST, Some(name), Some("eviction")) if t.rtype.plural == "pods" => {
                 let eviction = body_json()?;
                 self.evict(&t, name, &eviction).await
             }
-            (&Method::GET, Some(name), None | Some("status")) => {
-                Ok(json_response(200, &self.get(&t, name)?))
-            }
+            (&Method::GET, Some(name), None | Some("status")) => Ok(json_response(
+                200,
+                &self.as_requested(&t, headers, q, self.get(&t, name)?),
+            )),
             (&Method::GET, Some(name), Some("scale")) => Ok(json_response(
                 200,
                 &self.scale_of(&t, &self.get(&t, name)?)?,
             )),
+            (&Method::PUT, Some(name), None) => {
+                self.admitted_update(&t, name, q, Update::Replace(body_json()?))
+                    .await
+            }
             (&Method::PUT, Some(name), sub) => {
                 let obj = body_json()?;
                 Ok(json_response(
@@ -950,6 +1120,9 @@ impl Inner {
                         format!("patch type {content_type:?} is not supported by this test server"),
                     ));
                 };
+                if sub.is_none() {
+                    return self.admitted_update(&t, name, q, kind).await;
+                }
                 Ok(json_response(200, &self.update(&t, name, sub, kind)?))
             }
             (&Method::DELETE, Some(name), None) => {
@@ -976,6 +1149,96 @@ impl Inner {
                 "MethodNotAllowed",
                 format!("{method} {path} is not supported"),
             )),
+        }
+    }
+
+    fn admission_attributes(
+        &self,
+        t: &Target,
+        operation: &'static str,
+        object: Value,
+        old_object: Option<Value>,
+    ) -> AdmissionAttributes {
+        AdmissionAttributes {
+            operation,
+            group: t.rtype.group,
+            version: t.rtype.version,
+            resource: t.rtype.plural,
+            kind: t.rtype.kind,
+            namespace: t.namespace.clone(),
+            object,
+            old_object,
+        }
+    }
+
+    /// An update or patch of an object, through admission when a hook is set: the hook sees
+    /// the object as it would be stored; it is then stored only if nothing changed it meanwhile
+    /// (a patch is retried on the newer object, as the real server does; a replace with the
+    /// client's resourceVersion gets the conflict).
+    async fn admitted_update(
+        &self,
+        t: &Target,
+        name: &str,
+        q: &BTreeMap<String, String>,
+        update: Update,
+    ) -> ApiResult<Response<Body>> {
+        let hook = self.object_admission.lock().unwrap().clone();
+        let Some(hook) = hook else {
+            let warnings = match &update {
+                Update::Replace(obj) => field_validation(&t.rtype, q, obj)?,
+                _ => vec![],
+            };
+            let stored = self.update(t, name, None, update)?;
+            return Ok(with_warnings(json_response(200, &stored), &warnings));
+        };
+        let client_pinned = match &update {
+            Update::Replace(_) => true,
+            Update::Merge(p) => p.pointer("/metadata/resourceVersion").is_some(),
+            Update::Json(_) => false,
+        };
+        for _ in 0..10 {
+            let old = self.get(t, name)?;
+            let candidate = match &update {
+                Update::Replace(obj) => obj.clone(),
+                Update::Merge(p) => {
+                    let mut o = old.clone();
+                    merge_patch(&mut o, p);
+                    o
+                }
+                Update::Json(p) => {
+                    let mut o = old.clone();
+                    apply_json_patch(&mut o, p.clone())?;
+                    o
+                }
+            };
+            let mut warnings = field_validation(&t.rtype, q, &candidate)?;
+            let attrs = self.admission_attributes(t, "UPDATE", candidate, Some(old));
+            let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
+            warnings.extend(more);
+            match self.update(t, name, None, Update::Replace(admitted)) {
+                Err(e) if e.code == 409 && !client_pinned => continue,
+                r => return Ok(with_warnings(json_response(200, &r?), &warnings)),
+            }
+        }
+        Err(conflict(&t.rtype, name))
+    }
+
+    /// `body` as the client asked for it: as a Table when its Accept header says so.
+    fn as_requested(
+        &self,
+        t: &Target,
+        headers: &HeaderMap,
+        q: &BTreeMap<String, String>,
+        body: Value,
+    ) -> Value {
+        let accept = headers
+            .get("accept")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if crate::discovery::wants_table(accept) {
+            crate::discovery::table(&t.rtype, &body, q.get("includeObject").map(String::as_str))
+        } else {
+            body
         }
     }
 
@@ -1177,6 +1440,13 @@ impl Inner {
                 break;
             }
             items.push(v.clone());
+        }
+        // One store of Events behind both APIs, as the real server has: the events.k8s.io ones
+        // (kube-rs's Recorder writes those) are listed as core v1 Events too (what `kubectl
+        // describe` reads).
+        if t.rtype.group.is_empty() && t.rtype.plural == "events" && cont.is_none() {
+            let newer = st.objects.get("events.k8s.io/v1/events").unwrap_or(&empty);
+            items.extend(newer.values().map(core_event).filter(|e| filter.matches(e)));
         }
         let mut metadata = json!({"resourceVersion": list_rv});
         if let Some(n) = next {

@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod apiserver;
 pub mod cluster;
+pub mod discovery;
 pub mod rbac;
 
 use std::io::Write;

@@ -143,36 +143,65 @@ async fn validation_gives_the_launchers_message() {
     assert_eq!(resp["response"]["allowed"], false);
 }
 
+/// The JSON patch of a `/mutate` answer applied to `obj` (`obj` unchanged when there is none).
+async fn mutated(w: &tests::admission::Webhook, kind: &str, resource: &str, obj: Value) -> Value {
+    let resp = w
+        .post("/mutate", &review(kind, resource, "CREATE", obj.clone()))
+        .await;
+    let r = &resp["response"];
+    assert_eq!(r["allowed"], true, "{resp}");
+    let mut patched = obj;
+    if let Some(bytes) = r["patch"].as_str() {
+        assert_eq!(r["patchType"], "JSONPatch");
+        use base64::Engine;
+        let patch: json_patch::Patch = serde_json::from_slice(
+            &base64::engine::general_purpose::STANDARD
+                .decode(bytes)
+                .unwrap(),
+        )
+        .unwrap();
+        json_patch::patch(&mut patched, &patch).unwrap();
+    }
+    patched
+}
+
 #[tokio::test]
 async fn mutation_applies_kubevirt_defaults_as_a_json_patch() {
     let w = start_webhook(None, EvictionStrategy::None).await;
-    let obj = vm(json!({"runStrategy": "Always"}), "64Mi");
-    let resp = w
-        .post(
-            "/mutate",
-            &review("VirtualMachine", "virtualmachines", "CREATE", obj.clone()),
-        )
-        .await;
-    let r = &resp["response"];
-    assert_eq!(r["allowed"], true);
-    assert_eq!(r["patchType"], "JSONPatch");
-    let bytes = r["patch"].as_str().unwrap();
-    use base64::Engine;
-    let patch: json_patch::Patch = serde_json::from_slice(
-        &base64::engine::general_purpose::STANDARD
-            .decode(bytes)
-            .unwrap(),
-    )
-    .unwrap();
-    let mut patched = obj;
-    json_patch::patch(&mut patched, &patch).unwrap();
-    let d = &patched["spec"]["template"]["spec"]["domain"];
+    // A VMI gets KubeVirt's defaults.
+    let vm = vm(json!({"runStrategy": "Always"}), "64Mi");
+    let vmi = json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                     "metadata": {"name": "web", "namespace": "default"},
+                     "spec": vm["spec"]["template"]["spec"]});
+    let patched = mutated(&w, "VirtualMachineInstance", "virtualmachineinstances", vmi).await;
+    let d = &patched["spec"]["domain"];
     assert_eq!(d["cpu"]["cores"], 1);
     assert_eq!(d["devices"]["disks"][0]["disk"]["bus"], "virtio");
     assert_eq!(
         patched["metadata"]["name"], "web",
         "the patch leaves the rest alone"
     );
+
+    // A VM, as KubeVirt's VM mutator does: its template untouched (defaulted in each VMI made
+    // from it, so a second `kubectl apply` of the same file is no change), the kinds of its
+    // instance type and preference filled in.
+    let patched = mutated(&w, "VirtualMachine", "virtualmachines", vm.clone()).await;
+    assert_eq!(patched, vm);
+    let typed = self::vm(
+        json!({"runStrategy": "Always", "instancetype": {"name": "u1.small"},
+               "preference": {"name": "fedora", "kind": "VirtualMachinePreference"}}),
+        "64Mi",
+    );
+    let patched = mutated(&w, "VirtualMachine", "virtualmachines", typed).await;
+    assert_eq!(
+        patched["spec"]["instancetype"]["kind"],
+        "VirtualMachineClusterInstancetype"
+    );
+    assert_eq!(
+        patched["spec"]["preference"]["kind"],
+        "VirtualMachinePreference"
+    );
+    assert_eq!(patched["spec"]["template"], vm["spec"]["template"]);
 }
 
 fn evictable_vm(name: &str) -> String {
