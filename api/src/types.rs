@@ -472,6 +472,10 @@ pub struct Volume {
     pub host_disk: Option<HostDiskSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init_no_cloud: Option<CloudInitNoCloudSource>,
+    /// cloud-init's OpenStack config drive: the same data as NoCloud, in the layout of the
+    /// ConfigDrive data source (a disk labelled `config-2`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init_config_drive: Option<CloudInitNoCloudSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_map: Option<ConfigMapSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

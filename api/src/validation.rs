@@ -452,6 +452,7 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             v.empty_disk.is_some(),
             v.host_disk.is_some(),
             v.cloud_init_no_cloud.is_some(),
+            v.cloud_init_config_drive.is_some(),
             v.config_map.is_some(),
             v.secret.is_some(),
             v.ephemeral.is_some(),
@@ -461,10 +462,10 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
         .count()
             + v.extra.len();
         if sources != 1 {
-            e.add(vp.clone(), format!("exactly one volume source is required, found {sources}; accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud"));
+            e.add(vp.clone(), format!("exactly one volume source is required, found {sources}; accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive"));
         }
         for k in v.extra.keys() {
-            e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud");
+            e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
         }
         for (set, name) in [
             (v.config_map.is_some(), "configMap"),
@@ -472,7 +473,7 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             (v.ephemeral.is_some(), "ephemeral"),
         ] {
             if set {
-                e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud");
+                e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
             }
         }
         if let Some(ed) = &v.empty_disk {
@@ -508,10 +509,14 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
                 e.add(format!("{vp}.containerDisk.image"), "is required");
             }
         }
-        if let Some(ci) = &v.cloud_init_no_cloud {
+        for (ci, field) in [
+            (&v.cloud_init_no_cloud, "cloudInitNoCloud"),
+            (&v.cloud_init_config_drive, "cloudInitConfigDrive"),
+        ] {
+            let Some(ci) = ci else { continue };
             if ci.user_data_secret_ref.is_some() || ci.network_data_secret_ref.is_some() {
                 e.unsupported(
-                    format!("{vp}.cloudInitNoCloud"),
+                    format!("{vp}.{field}"),
                     "secret references",
                     "inline userData/networkData (or their base64 forms)",
                 );

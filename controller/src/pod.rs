@@ -191,7 +191,10 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
                 ..Default::default()
             });
             mounts.push(mount(&vname, &parent));
-        } else if v.empty_disk.is_none() && v.cloud_init_no_cloud.is_none() {
+        } else if v.empty_disk.is_none()
+            && v.cloud_init_no_cloud.is_none()
+            && v.cloud_init_config_drive.is_none()
+        {
             return Err(err(
                 &format!("spec.volumes[{i}]"),
                 "has no source a launcher Pod can provide".into(),

@@ -12,7 +12,8 @@
 //!   `<volume_dir>/<claim>` when that is a block device.
 //! - emptyDisk: a sparse file in `<state_dir>`, deleted when the VM stops.
 //! - hostDisk: the path itself; DiskOrCreate creates a sparse file of `capacity`.
-//! - cloudInitNoCloud: a FAT seed labelled `cidata` in `<state_dir>`, attached read-only.
+//! - cloudInitNoCloud / cloudInitConfigDrive: a FAT seed labelled `cidata` / `config-2` in
+//!   `<state_dir>`, attached read-only (see `crate::cloudinit`).
 //! - kernel: firmware.kernelBoot.container, else the launcher's default guest kernel
 //!   (`--default-kernel`, `$MICROVIRT_KERNEL`, or `/usr/share/microvirt/vmlinux` in the image).
 
@@ -63,9 +64,10 @@ pub enum DiskSource {
         size: u64,
         ephemeral: bool,
     },
-    /// A NoCloud seed built from inline data.
+    /// A cloud-init seed (NoCloud or ConfigDrive layout) built from inline data.
     CloudInit {
         path: PathBuf,
+        layout: crate::cloudinit::Layout,
         user_data: Vec<u8>,
         network_config: Option<Vec<u8>>,
     },
@@ -251,20 +253,31 @@ fn disk_plan(
                 ephemeral: false,
             }
         }
-    } else if let Some(ci) = &vol.cloud_init_no_cloud {
+    } else if let Some((ci, layout)) = vol
+        .cloud_init_no_cloud
+        .as_ref()
+        .map(|c| (c, crate::cloudinit::Layout::NoCloud))
+        .or_else(|| {
+            vol.cloud_init_config_drive
+                .as_ref()
+                .map(|c| (c, crate::cloudinit::Layout::ConfigDrive))
+        })
+    {
         read_only = true;
+        let field = layout.field();
         let user_data = match (&ci.user_data, &ci.user_data_base64) {
             (Some(u), _) => u.clone().into_bytes(),
-            (None, Some(b)) => b64(b, &format!("{vp}.cloudInitNoCloud.userDataBase64"))?,
+            (None, Some(b)) => b64(b, &format!("{vp}.{field}.userDataBase64"))?,
             (None, None) => Vec::new(),
         };
         let network_config = match (&ci.network_data, &ci.network_data_base64) {
             (Some(n), _) => Some(n.clone().into_bytes()),
-            (None, Some(b)) => Some(b64(b, &format!("{vp}.cloudInitNoCloud.networkDataBase64"))?),
+            (None, Some(b)) => Some(b64(b, &format!("{vp}.{field}.networkDataBase64"))?),
             (None, None) => None,
         };
         DiskSource::CloudInit {
-            path: state.join(format!("{}.cidata.img", vol.name)),
+            path: state.join(format!("{}.{}.img", vol.name, layout.label())),
+            layout,
             user_data,
             network_config,
         }
@@ -465,12 +478,14 @@ impl Plan {
                 }
                 DiskSource::CloudInit {
                     path,
+                    layout,
                     user_data,
                     network_config,
                 } => {
                     crate::cloudinit::write_seed(
                         path,
                         &crate::cloudinit::Seed {
+                            layout: *layout,
                             instance_id: &self.name,
                             hostname: &self.name,
                             user_data,
@@ -509,12 +524,14 @@ impl Plan {
                     size, ephemeral, ..
                 } => format!("sparse {size} ephemeral={ephemeral}"),
                 DiskSource::CloudInit {
+                    layout,
                     user_data,
                     network_config,
                     ..
                 } => {
                     format!(
-                        "cloud-init user-data={}B network-config={}",
+                        "cloud-init layout={} user-data={}B network-config={}",
+                        layout.label(),
                         user_data.len(),
                         network_config
                             .as_ref()
