@@ -158,9 +158,17 @@ pub const VM_SPEC: &[(&str, Treatment)] = &[
     ("template.spec", Honoured),
     ("instancetype..", Honoured),
     ("preference..", Honoured),
-    ("dataVolumeTemplates..", NoEffect("DataVolumes are CDI's: the claims they create are used as volumes, the templates themselves are not processed here")),
-    ("updateVolumesStrategy", NoEffect("volumes are fixed for a VM's life")),
-    ("liveUpdateFeatures..", NoEffect("CPU and memory hotplug are not supported")),
+    // virt-controller makes each a CDI DataVolume and starts the VM once they are ready; the
+    // templates' contents are CDI's to judge.
+    ("dataVolumeTemplates..", Honoured),
+    (
+        "updateVolumesStrategy",
+        NoEffect("volumes are fixed for a VM's life"),
+    ),
+    (
+        "liveUpdateFeatures..",
+        NoEffect("CPU and memory hotplug are not supported"),
+    ),
 ];
 
 /// The treatment of `path` (items as `[]`) in `table`.

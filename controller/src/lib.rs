@@ -4,6 +4,7 @@
 
 pub mod context;
 pub mod crds;
+pub mod datavolume;
 pub mod disruption;
 pub mod evacuation;
 pub mod instancetype;

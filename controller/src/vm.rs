@@ -10,6 +10,8 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
+use crate::datavolume::DataVolumes;
+
 use crate::context::{
     finalizer_patch, has_finalizer, is_conflict, is_not_found, now_unix, remove_condition,
     set_condition, write_status, Context, Error, Result,
@@ -358,6 +360,33 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
         return Ok(Action::await_change());
     }
 
+    // DataVolumes are made as soon as the VM exists (CDI takes its time to populate them);
+    // the VMI waits until they are ready.
+    let data_volumes = if deleting {
+        DataVolumes::Ready
+    } else {
+        crate::datavolume::ensure(&ctx.client, vm).await?
+    };
+    if vm
+        .spec
+        .data_volume_templates
+        .as_ref()
+        .is_some_and(|t| !t.is_empty())
+    {
+        let (ready, reason, message) = match &data_volumes {
+            DataVolumes::Ready => (true, "AllDataVolumesReady", None),
+            DataVolumes::Provisioning(m) => (false, "NotAllDataVolumesReady", Some(m.clone())),
+            DataVolumes::Failed(m) => (false, "DataVolumeError", Some(m.clone())),
+        };
+        set_condition(
+            &mut status.conditions,
+            "DataVolumesReady",
+            ready,
+            Some(reason),
+            message,
+        );
+    }
+
     let mut view = vm.clone();
     view.status = Some(status.clone());
     let action = decide(&view, vmi.as_ref(), retry_after(&view), now);
@@ -365,6 +394,13 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     let mut current = vmi.clone();
     match action {
         VmAction::Nothing => {}
+        VmAction::CreateVmi if data_volumes != DataVolumes::Ready => {
+            if let DataVolumes::Failed(msg) = &data_volumes {
+                record_failure(ctx, vm, &mut status, "FailedCreate", "Create", msg.clone()).await;
+            }
+            // CDI's progress is not watched; look again shortly.
+            requeue = Action::requeue(std::time::Duration::from_secs(2));
+        }
         VmAction::CreateVmi => {
             let expanded = match crate::instancetype::resolve(&ctx.client, vm).await {
                 Ok(x) => vmi_for(vm, &x),
@@ -434,8 +470,12 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
 
     let mut view = vm.clone();
     view.status = Some(status.clone());
-    status.printable_status =
-        Some(printable_status(&view, current.as_ref(), retry_after(&view), now).to_string());
+    let printable = match (&current, &data_volumes) {
+        (None, DataVolumes::Provisioning(_)) if !deleting => "Provisioning",
+        (None, DataVolumes::Failed(_)) if !deleting => "DataVolumeError",
+        _ => printable_status(&view, current.as_ref(), retry_after(&view), now),
+    };
+    status.printable_status = Some(printable.to_string());
     let vmi_ready = current
         .as_ref()
         .and_then(|v| v.status.as_ref())

@@ -181,6 +181,15 @@ pub fn default_types() -> Vec<ResourceType> {
             false,
             false,
         ),
+        // CDI's, for dataVolumeTemplates (the tests play CDI).
+        t(
+            "cdi.kubevirt.io",
+            "v1beta1",
+            "datavolumes",
+            "DataVolume",
+            true,
+            true,
+        ),
         t(
             "apps",
             "v1",
