@@ -66,15 +66,8 @@ fn start_launcher_logged(
     let _ = std::fs::remove_file(&short);
     let _ = std::fs::remove_file(&socket);
     std::os::unix::fs::symlink(&short, &socket).unwrap();
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(launcher_bin());
-            c
-        }
-        None => Command::new(launcher_bin()),
-    };
-    let child = cmd
+    let mut launcher = Command::new(launcher_bin());
+    launcher
         .arg("daemon")
         .arg("--socket")
         .arg(&short)
@@ -82,7 +75,22 @@ fn start_launcher_logged(
         .arg(work.join("images"))
         .arg("--state-dir")
         .arg(work.join("state"))
-        .env("RUST_LOG", "error")
+        .env("RUST_LOG", "error");
+    // As the rendered Pod runs it: its non-root user, no capabilities, its own /dev/kvm.
+    tests::chown_to_pod_user(&work.join("state"));
+    let unprivileged = tests::as_pod_user(&launcher, work);
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns])
+                .arg(unprivileged.get_program())
+                .args(unprivileged.get_args())
+                .env("RUST_LOG", "error");
+            c
+        }
+        None => unprivileged,
+    };
+    let child = cmd
         .stdout(Stdio::null())
         .stderr(match log {
             Some(l) => Stdio::from(std::fs::File::create(l).unwrap()),
@@ -91,6 +99,13 @@ fn start_launcher_logged(
         .spawn()
         .unwrap();
     tests::wait_for_path(&short, Duration::from_secs(10));
+    let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
+    assert_eq!(
+        uid.split_whitespace().next(),
+        Some(tests::POD_UID.to_string().as_str()),
+        "the launcher runs as the Pod's user"
+    );
     Proc(child, None)
 }
 

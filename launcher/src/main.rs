@@ -185,6 +185,25 @@ enum Toggle {
 /// Runs the daemon until the VM has ended (plus a moment for clients to read its end), or
 /// until SIGTERM has shut it down.
 fn daemon(args: DaemonArgs) -> ExitCode {
+    // Least privilege before anything else, while this is the only thread: nothing inherited
+    // stays open, no capability is held (the launcher Pod's daemon is handed its TAPs and
+    // sockets as descriptors and needs none), and no exec could gain any.
+    for (what, r) in [
+        (
+            "closing inherited descriptors",
+            vmm::privileges::close_inherited_fds(),
+        ),
+        ("setting no_new_privs", vmm::privileges::set_no_new_privs()),
+        (
+            "dropping capabilities",
+            vmm::privileges::drop_capabilities().map_err(std::io::Error::other),
+        ),
+    ] {
+        if let Err(e) = r {
+            eprintln!("virt-launcher: {what}: {e}");
+            return ExitCode::from(EXIT_HOST_ERROR);
+        }
+    }
     // SIGTERM is taken synchronously by one thread: block it everywhere first.
     // SAFETY: plain signal-mask calls.
     let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };

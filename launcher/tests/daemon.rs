@@ -553,3 +553,66 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
     wait_running(&b);
     assert_eq!(a.exit_code(), Some(0));
 }
+
+/// `/proc/<pid>/task/*/status` field values of every thread.
+fn thread_fields(pid: u32, field: &str) -> Vec<(String, String)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+            let value = status
+                .lines()
+                .find_map(|l| l.strip_prefix(field))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_default();
+            (comm.trim().to_string(), value)
+        })
+        .collect()
+}
+
+#[test]
+fn the_daemon_holds_no_capability_and_no_inherited_descriptor() {
+    // A descriptor the launcher's parent leaks to it (no close-on-exec).
+    let leaked_path = std::env::temp_dir().join(format!("mv-leak-{}", std::process::id()));
+    let leaked = std::fs::File::create(&leaked_path).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: clears FD_CLOEXEC on a descriptor this test owns.
+    unsafe { libc::fcntl(leaked.as_raw_fd(), libc::F_SETFD, 0) };
+    let l = Launcher::start("privileges");
+    drop(leaked);
+    let mut c = l.client();
+    assert_eq!(
+        c.call(Request::Sync {
+            vmi: Box::new(probe_vmi("keyboard", 5))
+        }),
+        Response::Ok
+    );
+    wait_running(&l);
+    let pid = l.child.id();
+    // Started as root, yet no thread — control socket, vCPUs, devices — holds a capability,
+    // and none can gain one.
+    for field in ["CapEff:", "CapPrm:", "CapInh:", "CapBnd:", "CapAmb:"] {
+        for (comm, v) in thread_fields(pid, field) {
+            assert_eq!(v, "0000000000000000", "{comm} {field} {v}");
+        }
+    }
+    for (comm, v) in thread_fields(pid, "NoNewPrivs:") {
+        assert_eq!(v, "1", "{comm} NoNewPrivs");
+    }
+    let open: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .collect();
+    assert!(
+        !open.contains(&leaked_path),
+        "the inherited descriptor is still open: {open:?}"
+    );
+    assert!(
+        open.iter().any(|p| p == Path::new("anon_inode:kvm-vm")),
+        "the VM is the daemon's: {open:?}"
+    );
+    let _ = std::fs::remove_file(leaked_path);
+}

@@ -1,7 +1,9 @@
-//! The VMM's per-thread seccomp filters, for real: installed on every vCPU and the device
-//! thread (the kernel reports filter mode 2 for them, not for the others), and biting — a
+//! The VMM's per-thread hardening, for real: seccomp filters installed on every vCPU and the
+//! device thread (the kernel reports filter mode 2 for them, not for the others) and biting — a
 //! debug-build hook makes a filtered thread call socket(2), and the process ends with the
-//! documented line and exit status 31.
+//! documented line and exit status 31; those threads hold no capability even in a launcher run
+//! as root; and a launcher run as an unprivileged user, with only its KVM device node made
+//! accessible (as the device plugin does in a Pod), boots the guest.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -51,8 +53,10 @@ fn every_vcpu_and_the_device_thread_run_filtered() {
     let mut child = launcher(&dir, &m).stdout(Stdio::null()).spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = Vec::new();
+    let mut caps = Vec::new();
     while Instant::now() < deadline {
         seen.clear();
+        caps.clear();
         for t in std::fs::read_dir(format!("/proc/{}/task", child.id()))
             .unwrap()
             .flatten()
@@ -64,6 +68,22 @@ fn every_vcpu_and_the_device_thread_run_filtered() {
                 .find_map(|l| l.strip_prefix("Seccomp:"))
                 .map(|v| v.trim().to_string())
                 .unwrap_or_default();
+            let field = |f: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(f))
+                    .map(|v| v.trim().to_string())
+                    .unwrap_or_default()
+            };
+            caps.push((
+                comm.trim().to_string(),
+                [
+                    field("CapEff:"),
+                    field("CapPrm:"),
+                    field("CapBnd:"),
+                    field("CapAmb:"),
+                ],
+            ));
             seen.push((comm.trim().to_string(), mode));
         }
         if seen.iter().filter(|(c, _)| c.starts_with("vcpu")).count() == 2
@@ -83,6 +103,35 @@ fn every_vcpu_and_the_device_thread_run_filtered() {
         assert_eq!(mode == "2", filtered, "{comm}: Seccomp {mode} ({seen:?})");
     }
     assert!(seen.iter().any(|(c, _)| c == "vcpu1"), "{seen:?}");
+    // The launcher runs as root here; the threads the guest drives dropped every capability.
+    for (comm, sets) in &caps {
+        if comm.starts_with("vcpu") || comm == "vmm-events" {
+            assert!(
+                sets.iter().all(|s| s == "0000000000000000"),
+                "{comm} holds capabilities (CapEff, CapPrm, CapBnd, CapAmb): {sets:?}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_unprivileged_launcher_boots_the_guest() {
+    tests::require_kvm();
+    let dir = tests::probe_workdir("mv-unprivileged");
+    let m = manifest(&dir, "smp", 2);
+    // As the launcher Pod's user, with only its state directory and its KVM node its own.
+    tests::chown_to_pod_user(&dir);
+    tests::chown_to_pod_user(&dir.join("state"));
+    let mut c = tests::as_pod_user(&launcher(&dir, &m), &dir);
+    let out = c.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("PROBE RESULT smp OK"),
+        "exit {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -22,6 +22,58 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The user a launcher Pod's containers run as (`controller::pod::LAUNCHER_UID`).
+pub const POD_UID: u32 = controller::pod::LAUNCHER_UID as u32;
+
+/// `cmd` (program, arguments and environment; set its stdio afterwards) as a launcher Pod's
+/// container runs it: as the Pod's non-root user without any capability, in a private mount
+/// namespace whose `/dev/kvm` is a node owned by that user in `dir` — what the KVM device
+/// plugin gives the container. What the process writes (its state directory, ...) must be
+/// owned by [`POD_UID`]: see [`chown_to_pod_user`].
+pub fn as_pod_user(cmd: &Command, dir: &Path) -> Command {
+    let node = dir.join("kvm");
+    if !node.exists() {
+        let status = Command::new("mknod")
+            .arg(&node)
+            .args(["c", "10", "232"])
+            .status()
+            .expect("mknod runs");
+        assert!(status.success(), "mknod {}", node.display());
+        chown_to_pod_user(&node);
+    }
+    let script = format!(
+        "mount --bind {} /dev/kvm && exec setpriv --reuid={POD_UID} --regid={POD_UID} --clear-groups --inh-caps=-all --bounding-set=-all \"$@\"",
+        node.display()
+    );
+    let mut c = Command::new("unshare");
+    c.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        &script,
+        "sh",
+    ])
+    .arg(cmd.get_program())
+    .args(cmd.get_args());
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => c.env(k, v),
+            None => c.env_remove(k),
+        };
+    }
+    c
+}
+
+/// Gives `path` (created if missing, as a directory) to the launcher Pod's user.
+pub fn chown_to_pod_user(path: &Path) {
+    if !path.exists() {
+        std::fs::create_dir_all(path).unwrap();
+    }
+    std::os::unix::fs::chown(path, Some(POD_UID), Some(POD_UID)).unwrap();
+}
+
 /// Tests that need KVM fail loudly without it; they never pass by skipping.
 pub fn require_kvm() {
     if let Err(e) = std::fs::OpenOptions::new()

@@ -15,6 +15,7 @@ pub mod layout;
 pub mod memory;
 pub mod migration;
 pub mod persist;
+pub mod privileges;
 pub mod seccomp;
 pub mod vcpu;
 pub mod vm;

@@ -241,6 +241,13 @@ pub fn spawn(mut vcpu: Vcpu, ctx: VcpuContext) -> std::io::Result<JoinHandle<()>
     std::thread::Builder::new()
         .name(format!("vcpu{}", vcpu.id))
         .spawn(move || {
+            if let Err(e) = crate::privileges::drop_capabilities() {
+                ctx.end.signal(VmEnd::VcpuError {
+                    vcpu: vcpu.id,
+                    message: e.to_string(),
+                });
+                return;
+            }
             if ctx.seccomp {
                 if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Vcpu(vcpu.id)) {
                     ctx.end.signal(VmEnd::VcpuError {

@@ -154,6 +154,10 @@ impl EventLoop {
         let thread = std::thread::Builder::new()
             .name("vmm-events".into())
             .spawn(move || {
+                if let Err(e) = crate::privileges::drop_capabilities() {
+                    tracing::error!("device thread: {e}");
+                    return;
+                }
                 if seccomp {
                     if let Err(e) = crate::seccomp::install(crate::seccomp::ThreadKind::Devices) {
                         tracing::error!("device thread: {e}");
