@@ -6,12 +6,12 @@ use core::fmt::Write;
 use crate::virtio::{Device, Queue, Rings, DESC_F_WRITE};
 use crate::{result, Line};
 
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
+pub(crate) const T_IN: u32 = 0;
+pub(crate) const T_OUT: u32 = 1;
 const T_FLUSH: u32 = 4;
 const T_GET_ID: u32 = 8;
 const F_RO: u64 = 1 << 5;
-const F_FLUSH: u64 = 1 << 9;
+pub(crate) const F_FLUSH: u64 = 1 << 9;
 const SAMPLES: u64 = 16;
 const SPINS: u32 = 5_000_000;
 
@@ -45,14 +45,19 @@ pub fn pattern(sector: u64, buf: &mut [u8]) {
     buf[tag.len()..tag.len() + 20 - k].copy_from_slice(&digits[k..]);
 }
 
-struct Disk {
-    dev: Device,
-    q: Queue,
+pub(crate) struct Disk {
+    pub dev: Device,
+    pub q: Queue,
 }
 
 impl Disk {
+    /// The request header's address (status byte at +64).
+    pub(crate) fn header() -> u64 {
+        unsafe { core::ptr::addr_of_mut!(HDR.0) as u64 }
+    }
+
     /// Submits one request and returns its status byte. The header and status live in HDR.
-    fn request(
+    pub(crate) fn request(
         &mut self,
         kind: u32,
         sector: u64,
@@ -78,7 +83,7 @@ impl Disk {
     }
 }
 
-fn data_ptr() -> *mut u8 {
+pub(crate) fn data_ptr() -> *mut u8 {
     unsafe { core::ptr::addr_of_mut!(DATA.0) as *mut u8 }
 }
 

@@ -10,6 +10,7 @@
 #![no_std]
 #![no_main]
 
+mod attack;
 mod blk;
 mod dhcp;
 mod dirty;
@@ -227,6 +228,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "console" => console_test(),
         "keyboard" => keyboard_test(),
         "blk" => blk::run(boot.cmdline),
+        "attack" => attack::run(boot.cmdline),
         "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
         "dhcp" => dhcp::run(boot.cmdline),

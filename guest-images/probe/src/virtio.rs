@@ -144,6 +144,33 @@ impl Device {
         })
     }
 
+    pub fn status(&self) -> u32 {
+        self.read(0x70)
+    }
+
+    /// Like `setup_queue`, with the queue size the caller chooses (possibly invalid).
+    pub fn setup_queue_sized(&self, index: u32, size: u32, rings: &'static mut Rings) -> Queue {
+        self.write(0x30, index);
+        self.write(0x38, size);
+        let d = rings.desc.as_ptr() as u64;
+        let a = rings.avail.as_ptr() as u64;
+        let u = rings.used.as_ptr() as u64;
+        self.write(0x80, d as u32);
+        self.write(0x84, (d >> 32) as u32);
+        self.write(0x90, a as u32);
+        self.write(0x94, (a >> 32) as u32);
+        self.write(0xa0, u as u32);
+        self.write(0xa4, (u >> 32) as u32);
+        self.write(0x44, 1);
+        Queue {
+            rings,
+            index,
+            next_avail: 0,
+            last_used: 0,
+            free_head: 0,
+        }
+    }
+
     pub fn driver_ok(&self) {
         self.write(0x70, 1 | 2 | 8 | 4);
     }
@@ -178,6 +205,33 @@ impl Queue {
         self.next_avail = self.next_avail.wrapping_add(1);
         unsafe { write_volatile(&mut self.rings.avail[1], self.next_avail) };
         head
+    }
+
+    /// Writes descriptor `i` as given, unchecked (the guest-attack tests build hostile chains).
+    pub fn set_desc(&mut self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
+        let i = (i % QUEUE_SIZE) as usize;
+        unsafe {
+            write_volatile(&mut self.rings.desc[i][0], addr);
+            write_volatile(
+                &mut self.rings.desc[i][1],
+                len as u64 | (flags as u64) << 32 | (next as u64) << 48,
+            );
+        }
+    }
+
+    /// Puts `head` on the available ring and moves the index by `step` (1 normally; more to
+    /// claim entries that were never written).
+    pub fn publish(&mut self, head: u16, step: u16) {
+        let slot = 2 + (self.next_avail % QUEUE_SIZE) as usize;
+        unsafe { write_volatile(&mut self.rings.avail[slot], head) };
+        compiler_fence(Ordering::SeqCst);
+        self.next_avail = self.next_avail.wrapping_add(step);
+        unsafe { write_volatile(&mut self.rings.avail[1], self.next_avail) };
+    }
+
+    /// The address of descriptor `i` (for tables that point into the queue itself).
+    pub fn desc_addr(&self, i: u16) -> u64 {
+        self.rings.desc[(i % QUEUE_SIZE) as usize].as_ptr() as u64
     }
 
     /// Returns (head, len) of the next used element, if any.

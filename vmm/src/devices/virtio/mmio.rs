@@ -29,6 +29,11 @@ pub struct MmioTransport {
     pub(super) driver_features: u64,
     pub(super) status: u32,
     pub(super) config_generation: u32,
+    /// Queues whose driver wrote a size the spec forbids (0, above the maximum, not a power of
+    /// two): checked here, because virtio-queue logs every such write at error level — a log
+    /// any guest could flood — and keeps the old size. Such a queue fails activation (the
+    /// device needs a reset). Not persisted: it only matters before DRIVER_OK.
+    pub(super) bad_size: Vec<bool>,
 }
 
 impl MmioTransport {
@@ -37,13 +42,14 @@ impl MmioTransport {
         mem: GuestMemory,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Self {
-        let queues = {
+        let queues: Vec<Queue> = {
             let d = device.lock().unwrap_or_else(|p| p.into_inner());
             d.queue_max_sizes()
                 .iter()
                 .map(|&m| Queue::new(m).expect("queue max size is a power of 2"))
                 .collect()
         };
+        let queues_len = queues.len();
         MmioTransport {
             device,
             mem,
@@ -55,6 +61,7 @@ impl MmioTransport {
             driver_features: 0,
             status: 0,
             config_generation: 0,
+            bad_size: vec![false; queues_len],
         }
     }
 
@@ -90,6 +97,7 @@ impl MmioTransport {
         for q in &mut self.queues {
             q.reset();
         }
+        self.bad_size.iter_mut().for_each(|b| *b = false);
         self.status = 0;
         self.driver_features = 0;
         self.queue_select = 0;
@@ -161,7 +169,7 @@ impl MmioTransport {
 
     fn activate(&mut self) {
         for (i, q) in self.queues.iter().enumerate() {
-            if q.ready() && !q.is_valid(&self.mem) {
+            if q.ready() && (self.bad_size[i] || !q.is_valid(&self.mem)) {
                 tracing::warn!(
                     queue = i,
                     "virtio-mmio: queue rings are invalid; device needs reset"
@@ -243,7 +251,22 @@ impl MmioTransport {
             }
             0x024 => self.driver_features_select = v,
             0x030 => self.queue_select = v,
-            0x038 => self.update_queue(|q| q.set_size(v as u16)),
+            0x038 => {
+                let sel = self.queue_select as usize;
+                let Some(max) = self.queues.get(sel).map(|q| q.max_size() as u32) else {
+                    return;
+                };
+                if !self.queue_config_allowed() {
+                    return;
+                }
+                let valid = v != 0 && v <= max && v.is_power_of_two();
+                if valid {
+                    self.update_queue(|q| q.set_size(v as u16));
+                } else {
+                    tracing::debug!(queue = sel, size = v, "virtio-mmio: invalid queue size");
+                }
+                self.bad_size[sel] = !valid;
+            }
             0x044 => self.update_queue(|q| q.set_ready(v == 1)),
             0x050 => {
                 // Normally caught by the ioeventfd; reaching here means KVM did not match it.
@@ -439,6 +462,29 @@ mod tests {
         assert_eq!(b, [3, 4]);
         t.read(0x1fe, &mut b);
         assert_eq!(b, [0, 0], "beyond the config space reads as zero");
+    }
+
+    #[test]
+    fn a_queue_size_the_spec_forbids_fails_activation_until_reset() {
+        for bad in [15u32, 0, 3, 32, 0xffff] {
+            let (mut t, _, activations, _) = setup();
+            assert!(negotiate(&mut t, VIRTIO_F_VERSION_1));
+            setup_queue(&mut t, 0, bad, 0x10000);
+            let st = r(&mut t, 0x70);
+            w(&mut t, 0x70, st | status::DRIVER_OK);
+            assert_eq!(activations.load(Ordering::SeqCst), 0, "size {bad}");
+            assert_ne!(
+                r(&mut t, 0x70) & status::DEVICE_NEEDS_RESET,
+                0,
+                "size {bad}"
+            );
+            // A valid size after a reset is accepted again.
+            assert!(negotiate(&mut t, VIRTIO_F_VERSION_1));
+            setup_queue(&mut t, 0, 8, 0x10000);
+            let st = r(&mut t, 0x70);
+            w(&mut t, 0x70, st | status::DRIVER_OK);
+            assert_eq!(activations.load(Ordering::SeqCst), 1, "size {bad} then 8");
+        }
     }
 
     #[test]
