@@ -39,6 +39,8 @@ struct Run {
 
 fn run_probe(dir: &Path, test: &str) -> Run {
     let (rw, ro) = (dir.join("rw.img"), dir.join("ro.img"));
+    // Reaped below by wait4, which also gives its peak memory (std's wait does not).
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
         .args([
             "run",
