@@ -212,7 +212,13 @@ fn daemon(args: DaemonArgs) -> ExitCode {
         libc::sigaddset(&mut set, libc::SIGTERM);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
-    seccomp_setting(&args.host);
+    if seccomp_setting(&args.host) {
+        // Inherited by every thread from here on (see vmm::seccomp::ThreadKind::Control).
+        if let Err(e) = vmm::seccomp::install(vmm::seccomp::ThreadKind::Control) {
+            eprintln!("virt-launcher: {e}");
+            return ExitCode::from(EXIT_HOST_ERROR);
+        }
+    }
     let d = launcher::daemon::Daemon::new(args.host.environment());
     if let Err(e) = launcher::daemon::listen(d.clone(), &args.socket) {
         eprintln!("virt-launcher: {}: {e}", args.socket.display());

@@ -559,15 +559,15 @@ fn thread_fields(pid: u32, field: &str) -> Vec<(String, String)> {
     std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .flatten()
-        .map(|t| {
-            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-            let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        // A thread may end between the listing and the read (a finished client connection).
+        .filter_map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
             let value = status
                 .lines()
                 .find_map(|l| l.strip_prefix(field))
-                .map(|v| v.trim().to_string())
-                .unwrap_or_default();
-            (comm.trim().to_string(), value)
+                .map(|v| v.trim().to_string())?;
+            Some((comm.trim().to_string(), value))
         })
         .collect()
 }
@@ -600,6 +600,11 @@ fn the_daemon_holds_no_capability_and_no_inherited_descriptor() {
     }
     for (comm, v) in thread_fields(pid, "NoNewPrivs:") {
         assert_eq!(v, "1", "{comm} NoNewPrivs");
+    }
+    // Every thread is filtered: the control filter, inherited, and the vCPU and device
+    // threads' own on top.
+    for (comm, v) in thread_fields(pid, "Seccomp:") {
+        assert_eq!(v, "2", "{comm} Seccomp");
     }
     let open: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .unwrap()

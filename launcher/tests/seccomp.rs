@@ -1,7 +1,7 @@
 //! The VMM's per-thread hardening, for real: seccomp filters installed on every vCPU and the
 //! device thread (the kernel reports filter mode 2 for them, not for the others) and biting — a
-//! debug-build hook makes a filtered thread call socket(2), and the process ends with the
-//! documented line and exit status 31; those threads hold no capability even in a launcher run
+//! debug-build hook makes a filtered thread call socket(2), or the daemon's control thread
+//! unshare(2), and the process ends with the documented line and exit status 31; those threads hold no capability even in a launcher run
 //! as root; and a launcher run as an unprivileged user, with only its KVM device node made
 //! accessible (as the device plugin does in a Pod), boots the guest.
 
@@ -154,6 +154,24 @@ fn a_denied_syscall_ends_the_vmm_with_the_thread_and_the_number() {
             "{stderr}"
         );
     }
+    // The daemon's own threads: their filter traps what no launcher thread may do.
+    let out = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+        .args(["daemon", "--socket"])
+        .arg(dir.join("control.sock"))
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("MICROVIRT_SECCOMP_TEST_DENIED", "control")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(31), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "microvirt: seccomp: the virt-launcher (control) thread made syscall {}, which its seccomp filter does not allow; the VMM stops",
+            libc::SYS_unshare
+        )),
+        "{stderr}"
+    );
     // Without filters the same call goes through and the guest runs to its end.
     let out = launcher(&dir, &m)
         .args(["--seccomp", "off"])

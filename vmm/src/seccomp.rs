@@ -27,6 +27,11 @@ pub enum ThreadKind {
     Vcpu(u8),
     /// The device event loop (virtio queues, serial input, TAP and disk I/O).
     Devices,
+    /// The launcher daemon's own threads (control connections, which build VMs, snapshots,
+    /// migration senders and receivers, DHCP, watchers), installed once on its first thread
+    /// and inherited by every later one, the vCPU and device threads included (their own
+    /// allow-lists stack on top).
+    Control,
 }
 
 thread_local! {
@@ -99,6 +104,74 @@ const DEVICES: &[i64] = &[
     libc::SYS_recvmsg,
 ];
 
+/// What the control threads may not do. They open and create files, map memory, speak TLS,
+/// build and restore VMs — a surface too wide, and too dependent on the path a request takes,
+/// for an allow-list that would not break with the next feature; so their filter traps what no
+/// VMM thread has any business doing: running programs, touching other processes, namespaces
+/// and mounts, kernel modules and kexec, BPF and perf, keyrings, raw port I/O, changing
+/// identity, the clock or the host's name. (capset stays: the vCPU and device threads drop
+/// their capabilities with it, under this filter; without capabilities it cannot gain any.)
+const CONTROL_DENIED: &[i64] = &[
+    libc::SYS_execve,
+    libc::SYS_execveat,
+    libc::SYS_fork,
+    libc::SYS_vfork,
+    libc::SYS_ptrace,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+    libc::SYS_pidfd_getfd,
+    libc::SYS_kcmp,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_chroot,
+    libc::SYS_setns,
+    libc::SYS_unshare,
+    libc::SYS_open_tree,
+    libc::SYS_move_mount,
+    libc::SYS_fsopen,
+    libc::SYS_fsmount,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_bpf,
+    libc::SYS_perf_event_open,
+    libc::SYS_keyctl,
+    libc::SYS_add_key,
+    libc::SYS_request_key,
+    libc::SYS_reboot,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+    libc::SYS_iopl,
+    libc::SYS_ioperm,
+    libc::SYS_personality,
+    libc::SYS_setuid,
+    libc::SYS_setgid,
+    libc::SYS_setreuid,
+    libc::SYS_setregid,
+    libc::SYS_setresuid,
+    libc::SYS_setresgid,
+    libc::SYS_setgroups,
+    libc::SYS_setfsuid,
+    libc::SYS_setfsgid,
+    libc::SYS_acct,
+    libc::SYS_quotactl,
+    libc::SYS_syslog,
+    libc::SYS_open_by_handle_at,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_settimeofday,
+    libc::SYS_clock_settime,
+    libc::SYS_clock_adjtime,
+    libc::SYS_adjtimex,
+    libc::SYS_sethostname,
+    libc::SYS_setdomainname,
+    libc::SYS_mknod,
+    libc::SYS_mknodat,
+    libc::SYS_userfaultfd,
+];
+
 /// KVM's and TUN's ioctl request types (bits 8..16 of the request).
 fn ioctl_rules() -> Result<Vec<SeccompRule>, String> {
     [0xAE_u64, 0x54]
@@ -122,6 +195,19 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
     let own = match kind {
         ThreadKind::Vcpu(_) => VCPU,
         ThreadKind::Devices => DEVICES,
+        ThreadKind::Control => {
+            let rules = CONTROL_DENIED.iter().map(|&nr| (nr, vec![])).collect();
+            let f = SeccompFilter::new(
+                rules,
+                SeccompAction::Allow,
+                SeccompAction::Trap,
+                TargetArch::x86_64,
+            )
+            .map_err(|e| build(e.to_string()))?;
+            return f
+                .try_into()
+                .map_err(|e: seccompiler::BackendError| build(e.to_string()));
+        }
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for &nr in COMMON.iter().chain(own) {
@@ -164,6 +250,11 @@ fn bite_for_test(kind: ThreadKind) {
         (wanted.as_str(), kind),
         ("vcpu", ThreadKind::Vcpu(0)) | ("devices", ThreadKind::Devices)
     );
+    if wanted == "control" && kind == ThreadKind::Control {
+        // unshare(0) changes nothing, but no launcher thread may call it.
+        // SAFETY: a plain syscall; the filter traps it.
+        unsafe { libc::syscall(libc::SYS_unshare, 0) };
+    }
     if hit {
         // socket(2): no VMM thread has any use for it.
         // SAFETY: a plain syscall; the filter traps it before it does anything.
@@ -238,7 +329,16 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
             put_number(&mut buf, a, id as u64)
         }
         Some(ThreadKind::Devices) => put(&mut buf, at, b"vmm-events"),
-        None => put(&mut buf, at, b"(unfiltered)"),
+        // A control thread (the filter is inherited, the thread-local is not): its name.
+        Some(ThreadKind::Control) | None => {
+            let mut name = [0u8; 16];
+            // SAFETY: PR_GET_NAME writes at most 16 bytes; prctl is async-signal-safe and no
+            // filter denies it.
+            unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr()) };
+            let len = name.iter().position(|&b| b == 0).unwrap_or(16);
+            let a = put(&mut buf, at, &name[..len]);
+            put(&mut buf, a, b" (control)")
+        }
     };
     at = put(&mut buf, at, b" thread made syscall ");
     at = put_number(&mut buf, at, nr.max(0) as u64);
@@ -260,7 +360,11 @@ mod tests {
 
     #[test]
     fn filters_build_for_every_thread_kind() {
-        for k in [ThreadKind::Vcpu(0), ThreadKind::Devices] {
+        for k in [
+            ThreadKind::Vcpu(0),
+            ThreadKind::Devices,
+            ThreadKind::Control,
+        ] {
             assert!(!filter(k).unwrap().is_empty());
         }
     }
