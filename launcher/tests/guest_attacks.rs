@@ -1,5 +1,7 @@
 //! The guest-attack suite: the probe behaves like a hostile kernel (`probe.test=attack`: see
-//! guest-images/probe/src/attack.rs) against a launcher with a read-write and a read-only disk.
+//! guest-images/probe/src/attack.rs) against a launcher with a read-write and a read-only disk
+//! and a NIC on a real TAP, into which the host keeps sending broadcasts (so the receive path is
+//! attacked too).
 //! Every attack must leave the VMM alive and the disk working (the probe checks after each one
 //! and ends the run with its result); the host then checks what the guest cannot see: the launcher
 //! exits cleanly without a panic, both disk images are byte-for-byte what they were (every write
@@ -37,7 +39,59 @@ struct Run {
     max_rss_kib: i64,
 }
 
-fn run_probe(dir: &Path, test: &str) -> Run {
+/// A TAP with an address, up, and a thread broadcasting UDP datagrams out of it until dropped.
+struct Tap {
+    name: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Tap {
+    fn new() -> Tap {
+        let name = format!("mvatk{}", std::process::id() % 10_000);
+        let ip = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().unwrap();
+            assert!(st.success(), "ip {args:?}");
+        };
+        let _ = Command::new("ip").args(["link", "del", &name]).status();
+        ip(&["tuntap", "add", &name, "mode", "tap"]);
+        ip(&["addr", "add", "10.213.0.1/24", "dev", &name]);
+        ip(&["link", "set", &name, "up"]);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, n) = (stop.clone(), name.clone());
+        std::thread::spawn(move || {
+            let sock = std::net::UdpSocket::bind("10.213.0.1:0").unwrap();
+            sock.set_broadcast(true).unwrap();
+            use std::os::fd::AsRawFd;
+            // SAFETY: SO_BINDTODEVICE with the interface name and its length.
+            unsafe {
+                libc::setsockopt(
+                    sock.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_BINDTODEVICE,
+                    n.as_ptr() as *const libc::c_void,
+                    n.len() as libc::socklen_t,
+                )
+            };
+            while !s.load(std::sync::atomic::Ordering::SeqCst) {
+                // Fails while the TAP has no reader (no carrier); that is fine.
+                let _ = sock.send_to(&[0x42; 100], "10.213.0.255:9999");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+        Tap { name, stop }
+    }
+}
+
+impl Drop for Tap {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+fn run_probe(dir: &Path, test: &str, tap: &Tap) -> Run {
     let (rw, ro) = (dir.join("rw.img"), dir.join("ro.img"));
     // Reaped below by wait4, which also gives its peak memory (std's wait does not).
     #[allow(clippy::zombie_processes)]
@@ -56,6 +110,8 @@ fn run_probe(dir: &Path, test: &str) -> Run {
         .arg(&rw)
         .arg("--disk")
         .arg(format!("{},readonly", ro.display()))
+        .arg("--net")
+        .arg(format!("tap={}", tap.name))
         .arg("--cmdline")
         .arg(format!("console=ttyS0 probe.test={test}"))
         .arg("--state-dir")
@@ -108,12 +164,13 @@ fn workdir(tag: &str) -> (PathBuf, Vec<u8>, Vec<u8>) {
 fn a_hostile_guest_neither_breaks_the_vmm_nor_writes_where_it_must_not() {
     tests::require_kvm();
     // A benign run with the same devices, for the memory bound.
+    let tap = Tap::new();
     let (base_dir, _, _) = workdir("baseline");
-    let baseline = run_probe(&base_dir, "boot");
+    let baseline = run_probe(&base_dir, "boot", &tap);
     assert_eq!(baseline.code, Some(0), "{}", baseline.stderr);
 
     let (dir, rw, ro) = workdir("hostile");
-    let run = run_probe(&dir, "attack");
+    let run = run_probe(&dir, "attack", &tap);
     assert_eq!(
         run.code,
         Some(0),
@@ -125,12 +182,13 @@ fn a_hostile_guest_neither_breaks_the_vmm_nor_writes_where_it_must_not() {
     assert!(result.ok, "{}", run.stdout);
     let attacks: usize = result.field("attacks").unwrap().parse().unwrap();
     assert_eq!(
-        run.stdout.matches("; disk healthy").count(),
+        run.stdout.matches("; disk healthy").count() + run.stdout.matches("; nic healthy").count(),
         attacks,
-        "every attack reported, the disk healthy after each"
+        "every attack reported, the device healthy after each"
     );
-    assert!(attacks >= 50, "{attacks} attacks");
+    assert!(attacks >= 70, "{attacks} attacks");
     assert_eq!(result.field("disks"), Some("2"));
+    assert_eq!(result.field("nics"), Some("1"));
     assert!(
         result.field("ports").unwrap().parse::<u32>().unwrap() > 65_000,
         "port I/O to (nearly) every port"

@@ -2,8 +2,8 @@
 //! VMM descriptors outside RAM and in the MMIO gap, chains that loop, lengths near u32::MAX,
 //! indirect tables inside indirect tables, an available index that jumps past the queue size,
 //! queue sizes that are not powers of two, random values to every register in every device
-//! state, resets in the middle of I/O and interrupts it never acknowledges; then port I/O to
-//! every port. After each attack the disk must still work: a reset, a fresh setup and a read of
+//! state, resets in the middle of I/O and interrupts it never acknowledges; on every virtio-net
+//! NIC hostile transmit chains and receive buffers it must refuse; then port I/O to every port. After each attack the disk must still work: a reset, a fresh setup and a read of
 //! sector 0 that returns the host's marker. The host checks the rest — the VMM alive, the disk
 //! images untouched, its memory bounded.
 
@@ -264,6 +264,189 @@ fn on_disk(disk: usize, base: u64, count: &mut u32, rng: &mut Rng) {
     });
 }
 
+// ---------------------------------------------------------------------------------------------
+// virtio-net: transmit queue 1 fed hostile chains; receive queue 0 given buffers the device must
+// not use (outside RAM, in MMIO, too small for the header, not device-writable) while the host
+// keeps sending broadcasts. Healthy afterwards: after a reset, a frame goes out and one comes in.
+
+const NET_F_MAC: u64 = 1 << 5;
+const NET_HDR: u32 = 12;
+const NET_BUF: usize = 2048;
+
+static mut NET_RX_RINGS: Rings = Rings::new();
+static mut NET_TX_RINGS: Rings = Rings::new();
+
+#[repr(C, align(4096))]
+struct NetBufs([[u8; NET_BUF]; 4]);
+static mut NET_BUFS: NetBufs = NetBufs([[0; NET_BUF]; 4]);
+
+fn net_buf(i: usize) -> *mut u8 {
+    unsafe { addr_of_mut!(NET_BUFS.0[i]) as *mut u8 }
+}
+
+struct NetDev {
+    dev: Device,
+    rx: crate::virtio::Queue,
+    tx: crate::virtio::Queue,
+}
+
+fn fresh_net(base: u64) -> Result<NetDev, &'static str> {
+    let dev = Device { base };
+    dev.write(0x70, 0);
+    dev.init(NET_F_MAC)?;
+    let (rxr, txr) = unsafe {
+        (
+            &mut *addr_of_mut!(NET_RX_RINGS),
+            &mut *addr_of_mut!(NET_TX_RINGS),
+        )
+    };
+    unsafe {
+        write_bytes(
+            rxr as *mut Rings as *mut u8,
+            0,
+            core::mem::size_of::<Rings>(),
+        );
+        write_bytes(
+            txr as *mut Rings as *mut u8,
+            0,
+            core::mem::size_of::<Rings>(),
+        );
+    }
+    let rx = dev.setup_queue(0, rxr)?;
+    let tx = dev.setup_queue(1, txr)?;
+    dev.driver_ok();
+    Ok(NetDev { dev, rx, tx })
+}
+
+/// A broadcast frame of our own (local experimental ethertype) in buffer 3.
+fn frame() -> (u64, u32) {
+    let b = net_buf(3);
+    unsafe {
+        write_bytes(b, 0, NET_HDR as usize);
+        let eth = b.add(NET_HDR as usize);
+        write_bytes(eth, 0xff, 6);
+        write_bytes(eth.add(6), 0x02, 6);
+        *eth.add(12) = 0x88;
+        *eth.add(13) = 0xb5;
+        write_bytes(eth.add(14), 0x5a, 46);
+    }
+    (b as u64, NET_HDR + 60)
+}
+
+/// After a reset: a frame sent completes, and a frame from the host arrives.
+fn net_healthy(base: u64) -> Result<(), &'static str> {
+    let mut n = fresh_net(base)?;
+    n.rx.push(&[(net_buf(0) as u64, NET_BUF as u32, DESC_F_WRITE)]);
+    n.dev.notify(&n.rx);
+    let (addr, len) = frame();
+    n.tx.push(&[(addr, len, 0)]);
+    n.dev.notify(&n.tx);
+    n.tx.wait_used(50_000_000)
+        .ok_or("a valid frame was not sent")?;
+    n.rx.wait_used(200_000_000)
+        .ok_or("no frame from the host arrived")?;
+    Ok(())
+}
+
+fn net_attack(
+    count: &mut u32,
+    nic: usize,
+    base: u64,
+    name: &str,
+    f: impl FnOnce(&mut NetDev) -> (bool, u32),
+) {
+    let outcome = match fresh_net(base) {
+        Ok(mut n) => f(&mut n),
+        Err(e) => result(false, format_args!("{name} nic{nic}: setup: {e}")),
+    };
+    if let Err(e) = net_healthy(base) {
+        result(false, format_args!("{name} nic{nic}: afterwards {e}"));
+    }
+    *count += 1;
+    let _ = writeln!(
+        Serial,
+        "probe: attack {name} nic{nic}: completed={} device_status={:#x}; nic healthy",
+        outcome.0, outcome.1
+    );
+}
+
+fn on_nic(nic: usize, base: u64, count: &mut u32) {
+    let buf = net_buf(0) as u64;
+    for (name, addr, len, flags) in [
+        ("tx-from-outside-ram", OUTSIDE_RAM, 1514, 0u16),
+        ("tx-from-own-mmio", base, 1514, 0),
+        ("tx-len-u32-max", buf, u32::MAX, 0),
+        ("tx-shorter-than-header", buf, 4, 0),
+        ("tx-len-zero", buf, 0, 0),
+        ("tx-device-writable", buf, 1514, DESC_F_WRITE),
+        ("tx-indirect-outside-ram", OUTSIDE_RAM, 64, DESC_F_INDIRECT),
+    ] {
+        net_attack(count, nic, base, name, |n| {
+            n.tx.set_desc(0, addr, len, flags, 0);
+            n.tx.publish(0, 1);
+            n.dev.notify(&n.tx);
+            (n.tx.wait_used(SHORT_SPINS).is_some(), n.dev.status())
+        });
+    }
+    net_attack(count, nic, base, "tx-chain-loop", |n| {
+        n.tx.set_desc(0, buf, 64, DESC_F_NEXT, 1);
+        n.tx.set_desc(1, buf, 64, DESC_F_NEXT, 0);
+        n.tx.publish(0, 1);
+        n.dev.notify(&n.tx);
+        (n.tx.wait_used(SHORT_SPINS).is_some(), n.dev.status())
+    });
+    net_attack(count, nic, base, "tx-many-segments-overflowing", |n| {
+        for i in 0..QUEUE_SIZE {
+            n.tx.set_desc(i, buf, 0x2000_0000, DESC_F_NEXT, i + 1);
+        }
+        n.tx.set_desc(QUEUE_SIZE - 1, buf, 0x2000_0000, 0, 0);
+        n.tx.publish(0, 1);
+        n.dev.notify(&n.tx);
+        (n.tx.wait_used(SHORT_SPINS).is_some(), n.dev.status())
+    });
+    net_attack(count, nic, base, "tx-avail-index-jumps", |n| {
+        let (addr, len) = frame();
+        n.tx.set_desc(0, addr, len, 0, 0);
+        n.tx.publish(0, QUEUE_SIZE * 40 + 7);
+        n.dev.notify(&n.tx);
+        (n.tx.wait_used(SHORT_SPINS).is_some(), n.dev.status())
+    });
+    // Receive buffers the device must refuse, with the host's broadcasts arriving.
+    let ro = net_buf(1);
+    unsafe { write_bytes(ro, 0xaa, NET_BUF) };
+    for (name, addr, len, flags) in [
+        (
+            "rx-into-outside-ram",
+            OUTSIDE_RAM,
+            NET_BUF as u32,
+            DESC_F_WRITE,
+        ),
+        ("rx-into-own-mmio", base, NET_BUF as u32, DESC_F_WRITE),
+        ("rx-smaller-than-header", buf, 4, DESC_F_WRITE),
+        ("rx-len-u32-max", buf, u32::MAX, DESC_F_WRITE),
+        ("rx-not-device-writable", ro as u64, NET_BUF as u32, 0),
+    ] {
+        net_attack(count, nic, base, name, |n| {
+            n.rx.set_desc(0, addr, len, flags, 0);
+            n.rx.publish(0, 1);
+            n.dev.notify(&n.rx);
+            let used = n.rx.wait_used(20_000_000).is_some();
+            (used, n.dev.status())
+        });
+    }
+    let untouched = unsafe { core::slice::from_raw_parts(ro, NET_BUF) }
+        .iter()
+        .all(|&b| b == 0xaa);
+    if !untouched {
+        result(
+            false,
+            format_args!(
+                "nic{nic}: the device wrote into a buffer the driver did not make writable"
+            ),
+        );
+    }
+}
+
 /// Ports the probe leaves alone, and why: its console, the i8042 (whose reset command would end
 /// the VM — a clean end, but the end of this test) and the shutdown port, which gets every value
 /// but the two documented ones.
@@ -306,6 +489,17 @@ pub fn run(cmdline: &str) -> ! {
         on_disk(i, b, &mut count, &mut rng);
         disks += 1;
     }
+    let mut nics = 0;
+    for (i, &b) in bases[..n].iter().enumerate() {
+        if (Device { base: b }).device_id() != 1 {
+            continue;
+        }
+        if let Err(e) = net_healthy(b) {
+            result(false, format_args!("nic{i} before any attack: {e}"));
+        }
+        on_nic(i, b, &mut count);
+        nics += 1;
+    }
     let ports = ports(&mut rng);
     let _ = writeln!(
         Serial,
@@ -320,6 +514,6 @@ pub fn run(cmdline: &str) -> ! {
     }
     result(
         disks > 0,
-        format_args!("disks={disks} attacks={count} ports={ports}"),
+        format_args!("disks={disks} nics={nics} attacks={count} ports={ports}"),
     )
 }
