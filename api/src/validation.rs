@@ -196,6 +196,50 @@ pub fn validate_vmirs(rs: &VirtualMachineInstanceReplicaSet) -> Result<(), Valid
     )
 }
 
+/// VM number `ordinal` of a pool, as virt-controller makes it (`<pool>-<ordinal>`, the
+/// template's labels and annotations; virt-controller adds its owner reference).
+pub fn pool_vm(pool: &VirtualMachinePool, ordinal: u32) -> VirtualMachine {
+    let t = pool.spec.virtual_machine_template.clone();
+    let meta = t.metadata.unwrap_or_default();
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    let mut vm = VirtualMachine::new(&format!("{name}-{ordinal}"), t.spec);
+    vm.metadata.namespace = pool.metadata.namespace.clone();
+    vm.metadata.labels = meta.labels;
+    vm.metadata.annotations = meta.annotations;
+    vm
+}
+
+/// KubeVirt's checks of a pool: replicas, the selector selects the template, and the VMs it
+/// makes are valid (their errors named by the pool's paths).
+pub fn validate_pool(pool: &VirtualMachinePool) -> Result<(), ValidationError> {
+    let mut e = Errors(Vec::new());
+    if pool.spec.replicas.is_some_and(|r| r < 0) {
+        e.add("spec.replicas", "must be 0 or more");
+    }
+    let labels = pool
+        .spec
+        .virtual_machine_template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    for (k, v) in pool.spec.selector.match_labels.iter().flatten() {
+        if labels.get(k) != Some(v) {
+            e.add(format!("spec.selector.matchLabels.{k}"), "does not match spec.virtualMachineTemplate.metadata.labels; the selector must select the template");
+        }
+    }
+    if let Err(vm) = validate_vm(&pool_vm(pool, 0)) {
+        for f in vm.errors {
+            let path = match f.path.strip_prefix("spec") {
+                Some(rest) => format!("spec.virtualMachineTemplate.spec{rest}"),
+                None => f.path,
+            };
+            e.add(path, f.reason);
+        }
+    }
+    finish("VirtualMachinePool", &object_name(&pool.metadata), e)
+}
+
 pub fn validate_migration(m: &VirtualMachineInstanceMigration) -> Result<(), ValidationError> {
     let mut e = Errors(Vec::new());
     if m.spec.vmi_name.is_empty() {

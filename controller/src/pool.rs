@@ -53,38 +53,14 @@ pub fn scale_down_order(pool: &str, vms: &mut [VirtualMachine]) {
 
 /// The pool's template as a VM named `<pool>-<n>`.
 pub fn vm_for(pool: &VirtualMachinePool, n: u32) -> VirtualMachine {
-    let t = pool.spec.virtual_machine_template.clone();
-    let meta = t.metadata.unwrap_or_default();
-    let mut vm = VirtualMachine::new(&format!("{}-{n}", pool.name_any()), t.spec);
-    vm.metadata.namespace = pool.namespace();
-    vm.metadata.labels = meta.labels;
-    vm.metadata.annotations = meta.annotations;
+    let mut vm = api::validation::pool_vm(pool, n);
     vm.metadata.owner_references = controller_ref(pool).map(|r| vec![r]);
     vm
 }
 
-/// KubeVirt's checks of a pool: the selector selects the template, the VM template is valid.
+/// KubeVirt's checks of a pool (`api::validation::validate_pool`), as one message.
 pub fn validate(pool: &VirtualMachinePool) -> std::result::Result<(), String> {
-    if pool.spec.replicas.is_some_and(|r| r < 0) {
-        return Err("spec.replicas: must be 0 or more".into());
-    }
-    let labels = pool
-        .spec
-        .virtual_machine_template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.labels.clone())
-        .unwrap_or_default();
-    for (k, v) in pool.spec.selector.match_labels.iter().flatten() {
-        if labels.get(k) != Some(v) {
-            return Err(format!("spec.selector.matchLabels.{k}: does not match spec.virtualMachineTemplate.metadata.labels; the selector must select the template"));
-        }
-    }
-    let vm = vm_for(pool, 0);
-    api::validation::validate_vm(&vm).map_err(|e| {
-        e.to_string()
-            .replace("spec.", "spec.virtualMachineTemplate.spec.")
-    })
+    api::validation::validate_pool(pool).map_err(|e| e.to_string())
 }
 
 async fn reconcile_inner(pool: &VirtualMachinePool, ctx: &Context) -> Result<Action> {

@@ -2,7 +2,9 @@
 //! YAML errors with line and column, then KubeVirt defaulting and validation. A file may hold
 //! several documents: one VM or VMI, and the instance types and preferences it refers to
 //! (more of them can come from a directory); a VM's instance type and preference are expanded
-//! into its template as virt-controller does.
+//! into its template as virt-controller does. A VirtualMachineInstanceReplicaSet or a
+//! VirtualMachinePool is checked whole and stands for its first replica (`<name>-0`): the VMI or
+//! VM virt-controller would make from its template.
 
 use api::validation::{default_vm, default_vmi_spec, validate_vm, validate_vmi, ValidationError};
 use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceSpec};
@@ -18,7 +20,7 @@ pub enum ManifestError {
     },
     #[error("{path}: {msg}")]
     Schema { path: String, msg: String },
-    #[error("{path}: apiVersion {api_version:?} kind {kind:?} is not accepted; accepted: apiVersion kubevirt.io/v1 with kind VirtualMachine or VirtualMachineInstance")]
+    #[error("{path}: apiVersion {api_version:?} kind {kind:?} is not accepted; accepted: apiVersion kubevirt.io/v1 with kind VirtualMachine, VirtualMachineInstance or VirtualMachineInstanceReplicaSet, or pool.kubevirt.io/v1beta1 VirtualMachinePool")]
     UnknownKind {
         path: String,
         api_version: String,
@@ -221,14 +223,40 @@ pub fn parse_with(path: &str, text: &str, mut library: Library) -> Result<Manife
         msg: e.to_string(),
     };
     match (api_version.as_str(), kind.as_str()) {
-        ("kubevirt.io/v1", "VirtualMachine") => {
-            let mut vm: VirtualMachine = serde_yaml::from_str(text).map_err(schema)?;
+        ("kubevirt.io/v1", "VirtualMachine")
+        | ("pool.kubevirt.io/v1beta1", "VirtualMachinePool") => {
+            let mut vm: VirtualMachine = if kind == "VirtualMachinePool" {
+                let pool: api::VirtualMachinePool = serde_yaml::from_str(text).map_err(schema)?;
+                api::validation::validate_pool(&pool)
+                    .map_err(|e| ManifestError::Invalid(e, path.into()))?;
+                api::validation::pool_vm(&pool, 0)
+            } else {
+                serde_yaml::from_str(text).map_err(schema)?
+            };
             default_vm(&mut vm);
             validate_vm(&vm).map_err(|e| ManifestError::Invalid(e, path.into()))?;
             if vm.spec.instancetype.is_some() || vm.spec.preference.is_some() {
                 expand(&mut vm, &library, path)?;
             }
             Ok(Manifest::VirtualMachine(Box::new(vm)))
+        }
+        ("kubevirt.io/v1", "VirtualMachineInstanceReplicaSet") => {
+            let mut rs: api::VirtualMachineInstanceReplicaSet =
+                serde_yaml::from_str(text).map_err(schema)?;
+            if let Some(spec) = rs.spec.template.spec.as_mut() {
+                default_vmi_spec(spec);
+            }
+            api::validation::validate_vmirs(&rs)
+                .map_err(|e| ManifestError::Invalid(e, path.into()))?;
+            let t = rs.spec.template;
+            let name = rs.metadata.name.unwrap_or_else(|| "vmirs".into());
+            let mut vmi = VirtualMachineInstance::new(
+                &format!("{name}-0"),
+                t.spec.expect("validated: the template has a spec"),
+            );
+            vmi.metadata.namespace = rs.metadata.namespace;
+            vmi.metadata.labels = t.metadata.as_ref().and_then(|m| m.labels.clone());
+            Ok(Manifest::VirtualMachineInstance(Box::new(vmi)))
         }
         ("kubevirt.io/v1", "VirtualMachineInstance") => {
             let mut vmi: VirtualMachineInstance = serde_yaml::from_str(text).map_err(schema)?;

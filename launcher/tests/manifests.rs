@@ -224,7 +224,7 @@ fn assert_rejected(manifest: &str, expected: &[&str]) {
 #[test]
 fn malformed_manifests_are_rejected_with_exit_code_2() {
     assert_rejected("apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: [unclosed\n", &["YAML syntax error at line 5, column 1: did not find expected ',' or ']', while parsing a flow sequence"]);
-    assert_rejected("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", &["apiVersion \"v1\" kind \"Pod\" is not accepted; accepted: apiVersion kubevirt.io/v1 with kind VirtualMachine or VirtualMachineInstance"]);
+    assert_rejected("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n", &["apiVersion \"v1\" kind \"Pod\" is not accepted; accepted: apiVersion kubevirt.io/v1 with kind VirtualMachine, VirtualMachineInstance or VirtualMachineInstanceReplicaSet, or pool.kubevirt.io/v1beta1 VirtualMachinePool"]);
     assert_rejected(
         "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: x}\nspec:\n  domain:\n    memory: {guest: 64Mi}\n    devices:\n      disks: [{name: d, disk: {bus: sata}}]\n    firmware: {bootloader: {efi: {}}}\n  volumes: [{name: d, emptyDisk: {capacity: 1Gi}}]\n",
         &[
