@@ -265,6 +265,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
             image_pull_policy: k.image_pull_policy.clone(),
             command: Some(vec!["/bin/sh".into(), "-c".into(), copies.join(" && ")]),
             volume_mounts: Some(vec![mount("container-disks", CONTAINER_DISKS)]),
+            security_context: Some(container_security()),
             ..Default::default()
         });
     }
