@@ -149,6 +149,15 @@ async fn a_vm_starts_once_cdi_has_populated_its_datavolume() {
         .any(|c| c.type_ == "DataVolumesReady" && c.status == "True"));
 }
 
+fn failure_of(vm: VirtualMachine) -> api::Condition {
+    vm.status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "Failure")
+        .expect("a Failure condition")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_import_or_a_cluster_without_cdi_is_named_on_the_vm() {
     let c = Cluster::start().await;
@@ -166,14 +175,7 @@ async fn a_failed_import_or_a_cluster_without_cdi_is_named_on_the_vm() {
         "Unable to connect to http data source: 404 Not Found",
     )
     .await;
-    let v = printable(&c, "broken", "DataVolumeError").await;
-    let failure = v
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.type_ == "Failure")
-        .expect("a Failure condition");
+    let failure = failure_of(printable(&c, "broken", "DataVolumeError").await);
     assert_eq!(
         failure.message.as_deref(),
         Some("DataVolume broken-root failed: Unable to connect to http data source: 404 Not Found")
@@ -183,14 +185,7 @@ async fn a_failed_import_or_a_cluster_without_cdi_is_named_on_the_vm() {
     c.api
         .fail_requests(Some(axum::http::Method::POST), "/datavolumes", 404, 1000);
     c.apply_yaml::<VirtualMachine>(&vm_yaml("nocdi")).await;
-    let v = printable(&c, "nocdi", "DataVolumeError").await;
-    let failure = v
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.type_ == "Failure")
-        .unwrap();
+    let failure = failure_of(printable(&c, "nocdi", "DataVolumeError").await);
     assert!(
         failure.message.unwrap().contains("install CDI"),
         "the failure says what is missing"

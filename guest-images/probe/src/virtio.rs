@@ -120,28 +120,10 @@ impl Device {
         rings: &'static mut Rings,
     ) -> Result<Queue, &'static str> {
         self.write(0x30, index);
-        let max = self.read(0x34);
-        if max < QUEUE_SIZE as u32 {
+        if self.read(0x34) < QUEUE_SIZE as u32 {
             return Err("queue too small");
         }
-        self.write(0x38, QUEUE_SIZE as u32);
-        let d = rings.desc.as_ptr() as u64;
-        let a = rings.avail.as_ptr() as u64;
-        let u = rings.used.as_ptr() as u64;
-        self.write(0x80, d as u32);
-        self.write(0x84, (d >> 32) as u32);
-        self.write(0x90, a as u32);
-        self.write(0x94, (a >> 32) as u32);
-        self.write(0xa0, u as u32);
-        self.write(0xa4, (u >> 32) as u32);
-        self.write(0x44, 1);
-        Ok(Queue {
-            rings,
-            index,
-            next_avail: 0,
-            last_used: 0,
-            free_head: 0,
-        })
+        Ok(self.setup_queue_sized(index, QUEUE_SIZE as u32, rings))
     }
 
     pub fn status(&self) -> u32 {
