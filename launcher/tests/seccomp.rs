@@ -154,6 +154,21 @@ fn a_denied_syscall_ends_the_vmm_with_the_thread_and_the_number() {
             "{stderr}"
         );
     }
+    // A vCPU thread may run KVM_RUN, but not change the guest's memory map: the same ioctl
+    // type, refused by its number.
+    let out = launcher(&dir, &m)
+        .env("MICROVIRT_SECCOMP_TEST_DENIED", "vcpu-memory")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(31), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "the vcpu0 thread made syscall {}, which its seccomp filter does not allow",
+            libc::SYS_ioctl
+        )),
+        "{stderr}"
+    );
     // The daemon's own threads: their filter traps what no launcher thread may do.
     let out = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
         .args(["daemon", "--socket"])

@@ -267,19 +267,74 @@ const IOCTL_TYPES: &[u64] = &[0xAE, 0x54];
 /// (0xAF) and socket interface queries (0x89).
 const CONTROL_IOCTL_TYPES: &[u64] = &[0xAE, 0x54, 0x12, 0xAF, 0x89];
 
-/// Rules allowing ioctl requests of `types` only.
-fn ioctl_rules(types: &[u64]) -> Result<Vec<SeccompRule>, String> {
+// The VM-level KVM requests a guest-driven thread must never make (numbers computed from the
+// kvm-bindings structures, as the kernel's _IO/_IOW macros do).
+mod vm_level {
+    use kvm_bindings::{
+        kvm_create_device, kvm_enable_cap, kvm_ioeventfd, kvm_irq_routing, kvm_irqfd,
+        kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO,
+    };
+    vmm_sys_util::ioctl_io_nr!(KVM_CREATE_VM, KVMIO, 0x01);
+    vmm_sys_util::ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
+    vmm_sys_util::ioctl_iow_nr!(
+        KVM_SET_USER_MEMORY_REGION,
+        KVMIO,
+        0x46,
+        kvm_userspace_memory_region
+    );
+    vmm_sys_util::ioctl_iow_nr!(
+        KVM_SET_USER_MEMORY_REGION2,
+        KVMIO,
+        0x49,
+        kvm_userspace_memory_region2
+    );
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_GSI_ROUTING, KVMIO, 0x6a, kvm_irq_routing);
+    vmm_sys_util::ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+    vmm_sys_util::ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
+    vmm_sys_util::ioctl_iow_nr!(KVM_ENABLE_CAP, KVMIO, 0xa3, kvm_enable_cap);
+    vmm_sys_util::ioctl_iowr_nr!(KVM_CREATE_DEVICE, KVMIO, 0xe0, kvm_create_device);
+
+    /// New VMs and vCPUs, the guest's memory map (a thread that could change it could map
+    /// host memory into the guest), interrupt and ioeventfd wiring, capabilities, in-kernel
+    /// devices: the control thread sets these up before the guest's first instruction.
+    pub fn requests() -> [u64; 9] {
+        [
+            KVM_CREATE_VM(),
+            KVM_CREATE_VCPU(),
+            KVM_SET_USER_MEMORY_REGION(),
+            KVM_SET_USER_MEMORY_REGION2(),
+            KVM_SET_GSI_ROUTING(),
+            KVM_IRQFD(),
+            KVM_IOEVENTFD(),
+            KVM_ENABLE_CAP(),
+            KVM_CREATE_DEVICE(),
+        ]
+        .map(u64::from)
+    }
+}
+
+/// Rules allowing ioctl requests of `types` only; with `guest_driven`, KVM's VM-level requests
+/// (`vm_level::requests`) are refused too.
+fn ioctl_rules(types: &[u64], guest_driven: bool) -> Result<Vec<SeccompRule>, String> {
     types
         .iter()
-        .map(|t| {
-            let c = SeccompCondition::new(
+        .map(|&t| {
+            let mut conditions = vec![SeccompCondition::new(
                 1,
                 SeccompCmpArgLen::Dword,
                 SeccompCmpOp::MaskedEq(0xff00),
                 t << 8,
             )
-            .map_err(|e| e.to_string())?;
-            SeccompRule::new(vec![c]).map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?];
+            if guest_driven && t == 0xAE {
+                for nr in vm_level::requests() {
+                    conditions.push(
+                        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, nr)
+                            .map_err(|e| e.to_string())?,
+                    );
+                }
+            }
+            SeccompRule::new(conditions).map_err(|e| e.to_string())
         })
         .collect()
 }
@@ -296,7 +351,7 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for &nr in COMMON.iter().chain(own.iter().flat_map(|l| l.iter())) {
         let r = if nr == libc::SYS_ioctl {
-            ioctl_rules(ioctl_types).map_err(build)?
+            ioctl_rules(ioctl_types, kind != ThreadKind::Control).map_err(build)?
         } else {
             vec![]
         };
@@ -334,6 +389,13 @@ fn bite_for_test(kind: ThreadKind) {
         (wanted.as_str(), kind),
         ("vcpu", ThreadKind::Vcpu(0)) | ("devices", ThreadKind::Devices)
     );
+    if wanted == "vcpu-memory" && kind == ThreadKind::Vcpu(0) {
+        // KVM_SET_USER_MEMORY_REGION, on no descriptor at all: the filter must trap it by its
+        // number although KVM_RUN, of the same type, is allowed.
+        let nr = vm_level::requests()[2];
+        // SAFETY: a plain syscall on an invalid descriptor; the filter traps it.
+        unsafe { libc::ioctl(-1, nr as libc::c_ulong, 0) };
+    }
     if wanted == "control" && kind == ThreadKind::Control {
         // unshare(0) changes nothing, but no launcher thread may call it.
         // SAFETY: a plain syscall; the filter traps it.
@@ -451,6 +513,25 @@ mod tests {
         ] {
             assert!(!filter(k).unwrap().is_empty());
         }
+    }
+
+    #[test]
+    fn vm_level_requests_have_the_kernels_numbers() {
+        // From <linux/kvm.h> on x86_64.
+        assert_eq!(
+            vm_level::requests(),
+            [
+                0xae01,
+                0xae41,
+                0x4020_ae46,
+                0x40a0_ae49,
+                0x4008_ae6a,
+                0x4020_ae76,
+                0x4040_ae79,
+                0x4068_aea3,
+                0xc00c_aee0
+            ]
+        );
     }
 
     #[test]
