@@ -135,57 +135,48 @@ fn an_unprivileged_launcher_boots_the_guest() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `cmd` ends with status 31 and the line naming `thread` and syscall `nr`.
+fn assert_trapped(cmd: &mut Command, thread: &str, nr: i64) {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(31), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "microvirt: seccomp: the {thread} thread made syscall {nr}, which its seccomp filter does not allow; the VMM stops"
+        )),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_denied_syscall_ends_the_vmm_with_the_thread_and_the_number() {
     tests::require_kvm();
     let dir = tests::probe_workdir("mv-seccomp-bite");
     let m = manifest(&dir, "boot", 1);
     for (thread, name) in [("vcpu", "vcpu0"), ("devices", "vmm-events")] {
-        let out = launcher(&dir, &m)
-            .env("MICROVIRT_SECCOMP_TEST_DENIED", thread)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(31), "{stderr}");
-        assert!(
-            stderr.contains(&format!(
-                "microvirt: seccomp: the {name} thread made syscall 41, which its seccomp filter does not allow; the VMM stops"
-            )),
-            "{stderr}"
+        assert_trapped(
+            launcher(&dir, &m).env("MICROVIRT_SECCOMP_TEST_DENIED", thread),
+            name,
+            libc::SYS_socket,
         );
     }
     // A vCPU thread may run KVM_RUN, but not change the guest's memory map: the same ioctl
     // type, refused by its number.
-    let out = launcher(&dir, &m)
-        .env("MICROVIRT_SECCOMP_TEST_DENIED", "vcpu-memory")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(31), "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "the vcpu0 thread made syscall {}, which its seccomp filter does not allow",
-            libc::SYS_ioctl
-        )),
-        "{stderr}"
+    assert_trapped(
+        launcher(&dir, &m).env("MICROVIRT_SECCOMP_TEST_DENIED", "vcpu-memory"),
+        "vcpu0",
+        libc::SYS_ioctl,
     );
     // The daemon's own threads: their filter traps what no launcher thread may do.
-    let out = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
-        .args(["daemon", "--socket"])
-        .arg(dir.join("control.sock"))
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .env("MICROVIRT_SECCOMP_TEST_DENIED", "control")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(31), "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "microvirt: seccomp: the virt-launcher (control) thread made syscall {}, which its seccomp filter does not allow; the VMM stops",
-            libc::SYS_unshare
-        )),
-        "{stderr}"
+    assert_trapped(
+        Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+            .args(["daemon", "--socket"])
+            .arg(dir.join("control.sock"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .env("MICROVIRT_SECCOMP_TEST_DENIED", "control"),
+        "virt-launcher (control)",
+        libc::SYS_unshare,
     );
     // Without filters the same call goes through and the guest runs to its end.
     let out = launcher(&dir, &m)

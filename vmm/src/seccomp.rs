@@ -116,13 +116,7 @@ const DEVICES: &[i64] = &[
 /// (capset stays: the vCPU and device threads drop their capabilities with it; without
 /// capabilities it cannot gain any.)
 const CONTROL: &[i64] = &[
-    // Files and images.
-    libc::SYS_read,
-    libc::SYS_readv,
-    libc::SYS_pread64,
-    libc::SYS_preadv,
-    libc::SYS_pwrite64,
-    libc::SYS_pwritev,
+    // Besides the vCPU and device lists (chained in): files and images.
     libc::SYS_open,
     libc::SYS_openat,
     libc::SYS_close_range,
@@ -133,7 +127,6 @@ const CONTROL: &[i64] = &[
     libc::SYS_statx,
     libc::SYS_statfs,
     libc::SYS_fstatfs,
-    libc::SYS_lseek,
     libc::SYS_access,
     libc::SYS_faccessat,
     libc::SYS_faccessat2,
@@ -150,9 +143,6 @@ const CONTROL: &[i64] = &[
     libc::SYS_renameat,
     libc::SYS_renameat2,
     libc::SYS_ftruncate,
-    libc::SYS_fallocate,
-    libc::SYS_fsync,
-    libc::SYS_fdatasync,
     libc::SYS_sync_file_range,
     libc::SYS_fchmod,
     libc::SYS_fchown,
@@ -165,7 +155,6 @@ const CONTROL: &[i64] = &[
     libc::SYS_memfd_create,
     libc::SYS_msync,
     libc::SYS_mincore,
-    libc::SYS_ioctl,
     // Sockets: the control socket, descriptors over SCM_RIGHTS, migration streams, DHCP.
     libc::SYS_socket,
     libc::SYS_socketpair,
@@ -178,10 +167,6 @@ const CONTROL: &[i64] = &[
     libc::SYS_getpeername,
     libc::SYS_setsockopt,
     libc::SYS_getsockopt,
-    libc::SYS_sendto,
-    libc::SYS_recvfrom,
-    libc::SYS_sendmsg,
-    libc::SYS_recvmsg,
     libc::SYS_sendmmsg,
     libc::SYS_recvmmsg,
     libc::SYS_shutdown,
@@ -191,9 +176,6 @@ const CONTROL: &[i64] = &[
     libc::SYS_select,
     libc::SYS_pselect6,
     libc::SYS_epoll_create1,
-    libc::SYS_epoll_ctl,
-    libc::SYS_epoll_wait,
-    libc::SYS_epoll_pwait,
     libc::SYS_eventfd2,
     libc::SYS_timerfd_create,
     libc::SYS_timerfd_settime,
