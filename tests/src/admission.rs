@@ -72,6 +72,28 @@ impl Webhook {
 
 /// An AdmissionReview request for `object` in namespace `default`.
 pub fn review(kind: &str, resource: &str, operation: &str, object: Value) -> Value {
+    admission_review(
+        "705ab4f5-6393-11e8-b7cc-42010a800002",
+        kind,
+        resource,
+        operation,
+        Some("default"),
+        object,
+        None,
+    )
+}
+
+/// An AdmissionReview request as the API server sends it: group and version from the object's
+/// apiVersion, the name "" for a create with generateName.
+fn admission_review(
+    uid: &str,
+    kind: &str,
+    resource: &str,
+    operation: &str,
+    namespace: Option<&str>,
+    object: Value,
+    old_object: Option<Value>,
+) -> Value {
     let (group, version) = match object["apiVersion"]
         .as_str()
         .unwrap_or("v1")
@@ -83,13 +105,14 @@ pub fn review(kind: &str, resource: &str, operation: &str, object: Value) -> Val
     json!({
         "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {
-            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "uid": uid,
             "kind": {"group": group, "version": version, "kind": kind},
             "resource": {"group": group, "version": version, "resource": resource},
-            "name": object["metadata"]["name"], "namespace": "default",
+            "name": object["metadata"]["name"].as_str().unwrap_or(""),
+            "namespace": namespace,
             "operation": operation,
             "userInfo": {"username": "admin"},
-            "object": object, "oldObject": null, "dryRun": false,
+            "object": object, "oldObject": old_object, "dryRun": false,
         }
     })
 }
@@ -155,20 +178,15 @@ impl Webhook {
             {
                 continue;
             }
-            let review = json!({
-                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                "request": {
-                    "uid": crate::apiserver::new_uid(),
-                    "kind": {"group": attrs.group, "version": attrs.version, "kind": attrs.kind},
-                    "resource": {"group": attrs.group, "version": attrs.version, "resource": attrs.resource},
-                    // "" for a create with generateName, as the API server sends it.
-                    "name": object["metadata"]["name"].as_str().unwrap_or(""),
-                    "namespace": attrs.namespace,
-                    "operation": attrs.operation,
-                    "userInfo": {"username": "admin"},
-                    "object": object, "oldObject": attrs.old_object, "dryRun": false,
-                }
-            });
+            let review = admission_review(
+                &crate::apiserver::new_uid(),
+                attrs.kind,
+                attrs.resource,
+                attrs.operation,
+                attrs.namespace.as_deref(),
+                object.clone(),
+                attrs.old_object.clone(),
+            );
             let answer = self.post(path, &review).await;
             let response = &answer["response"];
             for w in response["warnings"].as_array().into_iter().flatten() {
