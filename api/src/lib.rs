@@ -11,6 +11,7 @@
 pub mod fields;
 pub mod instancetype;
 pub mod migratability;
+pub mod ownership;
 pub mod protocol;
 pub mod quantity;
 pub mod types;

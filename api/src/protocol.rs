@@ -32,6 +32,18 @@ pub const SNAPSHOT_SINCE: u32 = 2;
 pub const MIGRATION_SINCE: u32 = 3;
 pub const NETWORK_SINCE: u32 = 4;
 
+/// The longest control-socket line either side reads (requests and answers, newline
+/// included). The largest real message is a VMI spec or a status report, well under this; a
+/// peer that sends more without a newline is dropped rather than buffered without end.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+/// How long a peer may take to send one whole line once it has been asked for one (the
+/// launcher waiting for the next request; virt-handler waiting for an answer is bounded by its
+/// own per-call timeout): a deadline per line, not per read, so trickling bytes does not help.
+pub const LINE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+/// The most descriptors a launcher keeps from one connection before they are used (a VMI
+/// has at most two per NIC and 19 devices).
+pub const MAX_HELD_FDS: usize = 64;
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(tag = "request", rename_all = "camelCase")]
 pub enum Request {

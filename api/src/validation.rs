@@ -373,6 +373,19 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
                     "kernelPath or initrdPath is required",
                 );
             }
+            for (field, path) in [
+                ("kernelPath", &c.kernel_path),
+                ("initrdPath", &c.initrd_path),
+            ] {
+                if let Some(path) = path {
+                    confined_path(
+                        e,
+                        format!("{p}.domain.firmware.kernelBoot.container.{field}"),
+                        path,
+                        "the kernelBoot image",
+                    );
+                }
+            }
         }
     }
     if let Some(m) = d.machine.as_ref().and_then(|m| m.type_.as_ref()) {
@@ -483,6 +496,25 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     let mut seen = BTreeSet::new();
     for (i, v) in spec.volumes.iter().enumerate() {
         let vp = format!("{p}.volumes[{i}]");
+        plain_name(e, format!("{vp}.name"), &v.name);
+        if let Some(c) = &v.persistent_volume_claim {
+            plain_name(
+                e,
+                format!("{vp}.persistentVolumeClaim.claimName"),
+                &c.claim_name,
+            );
+        }
+        if let Some(d) = &v.data_volume {
+            plain_name(e, format!("{vp}.dataVolume.name"), &d.name);
+        }
+        if let Some(path) = v.container_disk.as_ref().and_then(|c| c.path.as_ref()) {
+            confined_path(
+                e,
+                format!("{vp}.containerDisk.path"),
+                path,
+                "the containerDisk image",
+            );
+        }
         if !seen.insert(v.name.as_str()) {
             e.add(
                 format!("{vp}.name"),
@@ -546,6 +578,13 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             }
             if !h.path.starts_with('/') {
                 e.add(format!("{vp}.hostDisk.path"), "must be an absolute path");
+            } else {
+                confined_path(
+                    e,
+                    format!("{vp}.hostDisk.path"),
+                    &h.path,
+                    "the host directories the cluster allows",
+                );
             }
         }
         if let Some(c) = &v.container_disk {
@@ -676,6 +715,37 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
 }
 
 /// A unicast MAC in `aa:bb:cc:dd:ee:ff` form.
+/// A path inside a directory microvirt provides (an image's files, an allowed host
+/// directory): a `..` component would leave it, and NUL ends it early in every system call.
+fn confined_path(e: &mut Errors, field: String, path: &str, inside: &str) {
+    if path.contains('\0') {
+        e.add(field, "must not contain a NUL character");
+    } else if path.split('/').any(|c| c == "..") {
+        e.add(
+            field,
+            format!("{path:?} has a \"..\" component, which would reach outside {inside}; give the path without \"..\""),
+        );
+    }
+}
+
+/// A Kubernetes object or volume name that microvirt turns into a file or directory name
+/// (`<volume-dir>/<claim>`, `<state-dir>/<volume>.emptydisk.img`): it must not be a path.
+fn plain_name(e: &mut Errors, field: String, name: &str) {
+    let bad = name.is_empty()
+        || name == "."
+        || name == ".."
+        || name.len() > 253
+        || name
+            .bytes()
+            .any(|b| b == b'/' || b == 0 || b.is_ascii_control());
+    if bad {
+        e.add(
+            field,
+            format!("{name:?} is not a valid name: names are 1 to 253 characters without '/', control characters, \".\" or \"..\" alone (they name files microvirt creates)"),
+        );
+    }
+}
+
 pub fn check_mac(mac: &str) -> Result<[u8; 6], String> {
     let parts: Vec<&str> = mac.split(':').collect();
     let bad = || format!("{mac:?} is not a MAC address like 02:00:00:00:00:01");
@@ -796,5 +866,82 @@ pub fn default_vm(vm: &mut VirtualMachine) {
     }
     if let Some(spec) = vm.spec.template.spec.as_mut() {
         default_vmi_spec(spec);
+    }
+}
+
+/// The cluster's rule for `hostDisk` volumes (KubeVirt's `HostDisk` feature gate). A hostDisk
+/// is a file on the node that the kubelet mounts into the launcher Pod, and every launcher runs
+/// as the same UID: without this rule one tenant could attach another's image or any host
+/// file. Off by default, as in KubeVirt; when on, only paths below `allowed_prefixes` (each may
+/// hold `{namespace}`, the VMI's namespace, so that tenants get a directory each).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostDiskPolicy {
+    pub feature_gate: bool,
+    pub allowed_prefixes: Vec<String>,
+}
+
+impl HostDiskPolicy {
+    /// The prefixes that apply to `namespace`, `{namespace}` filled in.
+    fn prefixes(&self, namespace: &str) -> Vec<std::path::PathBuf> {
+        self.allowed_prefixes
+            .iter()
+            .map(|p| std::path::PathBuf::from(p.replace("{namespace}", namespace)))
+            .collect()
+    }
+
+    /// Every hostDisk of `spec` (whose fields are named below `p`) this policy refuses, with
+    /// the reason. A path is compared by whole components after `..` was refused by
+    /// `validate_spec`, so `/var/lib/hostdisks-other` is not below `/var/lib/hostdisks`.
+    pub fn refusals(
+        &self,
+        spec: &VirtualMachineInstanceSpec,
+        p: &str,
+        namespace: &str,
+    ) -> Vec<FieldError> {
+        let mut e = Errors(Vec::new());
+        for (i, v) in spec.volumes.iter().enumerate() {
+            let Some(h) = &v.host_disk else { continue };
+            let field = format!("{p}.volumes[{i}].hostDisk");
+            if !self.feature_gate {
+                e.add(
+                    field,
+                    "HostDisk feature gate is not enabled (the cluster administrator enables it with --feature-gates HostDisk and allows host directories with --host-disk-prefix)",
+                );
+                continue;
+            }
+            let path = std::path::Path::new(&h.path);
+            let prefixes = self.prefixes(namespace);
+            let below = path
+                .components()
+                .any(|c| c == std::path::Component::ParentDir)
+                || !prefixes
+                    .iter()
+                    .any(|pre| path.starts_with(pre) && path != pre);
+            if below {
+                let allowed: Vec<String> =
+                    prefixes.iter().map(|p| p.display().to_string()).collect();
+                e.add(
+                    format!("{field}.path"),
+                    format!(
+                        "{} is outside the host directories this cluster allows for hostDisks in namespace {namespace:?} ({})",
+                        h.path,
+                        if allowed.is_empty() { "none are allowed".to_string() } else { allowed.join(", ") }
+                    ),
+                );
+            }
+        }
+        e.0
+    }
+
+    /// `refusals` as the one error the webhook and virt-controller report.
+    pub fn check(
+        &self,
+        kind: &str,
+        meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+        spec: &VirtualMachineInstanceSpec,
+        p: &str,
+    ) -> Result<(), ValidationError> {
+        let ns = meta.namespace.as_deref().unwrap_or("default");
+        finish(kind, &object_name(meta), Errors(self.refusals(spec, p, ns)))
     }
 }

@@ -209,3 +209,89 @@ fn run_strategy_from_deprecated_running() {
     vm.spec.run_strategy = Some(RunStrategy::Manual);
     assert_eq!(run_strategy(&vm), RunStrategy::Manual);
 }
+
+#[test]
+fn paths_that_leave_their_directory_are_refused_by_field() {
+    let v = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: escape, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    firmware:
+      kernelBoot:
+        container: {image: k, kernelPath: /boot/../../etc/shadow, initrdPath: ../initrd}
+    devices:
+      disks: [{name: a}, {name: b}, {name: c}, {name: d}, {name: ..}]
+  volumes:
+    - {name: a, containerDisk: {image: x, path: /disk/../../../../etc/passwd}}
+    - {name: b, persistentVolumeClaim: {claimName: ../other-tenant}}
+    - {name: c, dataVolume: {name: a/b}}
+    - {name: d, hostDisk: {path: /var/lib/hostdisks/../../../etc/x.img, type: Disk}}
+    - {name: .., emptyDisk: {capacity: 1Mi}}
+"#);
+    let text = validate_vmi(&v).unwrap_err().to_string();
+    for field in [
+        "spec.domain.firmware.kernelBoot.container.kernelPath: \"/boot/../../etc/shadow\" has a \"..\" component",
+        "spec.domain.firmware.kernelBoot.container.initrdPath: \"../initrd\" has a \"..\" component",
+        "spec.volumes[0].containerDisk.path: \"/disk/../../../../etc/passwd\" has a \"..\" component",
+        "spec.volumes[1].persistentVolumeClaim.claimName: \"../other-tenant\" is not a valid name",
+        "spec.volumes[2].dataVolume.name: \"a/b\" is not a valid name",
+        "spec.volumes[3].hostDisk.path: \"/var/lib/hostdisks/../../../etc/x.img\" has a \"..\" component",
+        "spec.volumes[4].name: \"..\" is not a valid name",
+    ] {
+        assert!(text.contains(field), "missing {field:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn host_disks_follow_the_cluster_policy() {
+    let v = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: h, namespace: team-a}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      disks: [{name: own}, {name: theirs}, {name: sibling}]
+  volumes:
+    - {name: own, hostDisk: {path: /srv/disks/team-a/own.img, type: Disk}}
+    - {name: theirs, hostDisk: {path: /srv/disks/team-b/db.img, type: Disk}}
+    - {name: sibling, hostDisk: {path: /srv/disks/team-a-evil/x.img, type: DiskOrCreate, capacity: 1Gi}}
+"#);
+    validate_vmi(&v).unwrap();
+    let off = HostDiskPolicy::default();
+    let refused = off.refusals(&v.spec, "spec", "team-a");
+    assert_eq!(refused.len(), 3);
+    assert!(refused
+        .iter()
+        .all(|f| f.reason.starts_with("HostDisk feature gate is not enabled")));
+    let on = HostDiskPolicy {
+        feature_gate: true,
+        allowed_prefixes: vec!["/srv/disks/{namespace}".into()],
+    };
+    let refused: Vec<String> = on
+        .refusals(&v.spec, "spec", "team-a")
+        .iter()
+        .map(|f| format!("{}: {}", f.path, f.reason))
+        .collect();
+    assert_eq!(
+        refused,
+        [
+            "spec.volumes[1].hostDisk.path: /srv/disks/team-b/db.img is outside the host directories this cluster allows for hostDisks in namespace \"team-a\" (/srv/disks/team-a)",
+            "spec.volumes[2].hostDisk.path: /srv/disks/team-a-evil/x.img is outside the host directories this cluster allows for hostDisks in namespace \"team-a\" (/srv/disks/team-a)",
+        ]
+    );
+    // The same VMI in team-b may use only team-b's directory.
+    assert_eq!(on.refusals(&v.spec, "spec", "team-b").len(), 2);
+    let err = on
+        .check("VirtualMachineInstance", &v.metadata, &v.spec, "spec")
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("VirtualMachineInstance team-a/h is invalid:"),
+        "{err}"
+    );
+}

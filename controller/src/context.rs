@@ -42,6 +42,7 @@ impl Default for ControllerConfig {
         ControllerConfig {
             pod: PodConfig {
                 launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
+                ..Default::default()
             },
             parallel_migrations_per_cluster: 5,
             parallel_outbound_migrations_per_node: 2,
@@ -142,6 +143,21 @@ impl Context {
         action: &str,
         note: String,
     ) {
+        self.event_related(obj, warning, reason, action, note, None)
+            .await
+    }
+
+    /// `event`, naming a second object it concerns (the recorder aggregates Events per
+    /// object pair, so Events about different related objects stay apart).
+    pub async fn event_related<K: Resource<DynamicType = ()>>(
+        &self,
+        obj: &K,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+        related: Option<k8s_openapi::api::core::v1::ObjectReference>,
+    ) {
         let ev = Event {
             type_: if warning {
                 EventType::Warning
@@ -151,7 +167,7 @@ impl Context {
             reason: reason.into(),
             note: Some(note),
             action: action.into(),
-            secondary: None,
+            secondary: related,
         };
         if let Err(e) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
             tracing::warn!(object = %obj.name_any(), error = %e, "recording an event failed");

@@ -67,6 +67,32 @@ struct RunArgs {
     /// nodeDrainTaintKey); an empty value turns that off.
     #[arg(long, default_value = controller::evacuation::DEFAULT_DRAIN_TAINT)]
     node_drain_taint_key: String,
+    /// KubeVirt feature gates to enable (comma-separated); microvirt knows HostDisk.
+    #[arg(long, value_delimiter = ',', value_parser = parse_feature_gate)]
+    feature_gates: Vec<String>,
+    /// A host directory below which hostDisks may lie (repeatable; `{namespace}` is replaced
+    /// by the VMI's namespace). Without one, HostDisk allows nothing.
+    #[arg(long, value_parser = parse_host_disk_prefix)]
+    host_disk_prefix: Vec<String>,
+}
+
+fn parse_feature_gate(s: &str) -> Result<String, String> {
+    match s {
+        "HostDisk" => Ok(s.into()),
+        _ => Err(format!(
+            "unknown feature gate {s:?}; microvirt knows: HostDisk"
+        )),
+    }
+}
+
+fn parse_host_disk_prefix(p: &str) -> Result<String, String> {
+    if !p.starts_with('/') || p.split('/').any(|c| c == "..") || p.trim_end_matches('/').is_empty()
+    {
+        return Err(format!(
+            "{p:?}: an absolute directory other than / and without \"..\" is required"
+        ));
+    }
+    Ok(p.into())
 }
 
 fn parse_strategy(s: &str) -> Result<EvictionStrategy, String> {
@@ -110,6 +136,10 @@ async fn shutdown_signal() {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let host_disks = api::validation::HostDiskPolicy {
+        feature_gate: args.feature_gates.iter().any(|g| g == "HostDisk"),
+        allowed_prefixes: args.host_disk_prefix.clone(),
+    };
     let client = kube::Client::try_default()
         .await
         .context("connecting to the Kubernetes API (in-cluster config or $KUBECONFIG)")?;
@@ -148,6 +178,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         let app = controller::webhook::router(controller::webhook::WebhookState {
             client: Some(client.clone()),
             default_eviction_strategy: args.default_eviction_strategy,
+            host_disks: host_disks.clone(),
         });
         tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
         if let (Some(pem), Some(_)) = (ca, &args.webhook_service) {
@@ -169,6 +200,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     });
     let mut config = ControllerConfig::default();
     config.pod.launcher_image = args.launcher_image.clone();
+    config.pod.host_disks = host_disks;
     config.parallel_migrations_per_cluster = args.parallel_migrations_per_cluster;
     config.parallel_outbound_migrations_per_node = args.parallel_outbound_migrations_per_node;
     config.default_eviction_strategy = args.default_eviction_strategy;

@@ -296,7 +296,10 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
     }
     let source_node = vstatus.node_name.clone().unwrap_or_default();
     let muid = m.uid().unwrap_or_default();
-    let target = target_pods(&apis.pods, &muid).await?.into_iter().next();
+    let target = target_pods(&apis.pods, &muid, &vmi, ctx)
+        .await?
+        .into_iter()
+        .next();
 
     if phase == MigrationPhase::Pending {
         // Admission is serialized (one reconcile at a time decides, and writes its decision
@@ -580,8 +583,7 @@ async fn succeed(
     labels.insert(LABEL_NODE_NAME.into(), target_node.clone());
     crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
     // Source Pods: the ones the VMI ran in before.
-    let uid = vmi.uid().unwrap_or_default();
-    for p in crate::vmi::pods_of(&apis.pods, &uid).await? {
+    for p in crate::vmi::pods_of(&apis.pods, vmi, ctx).await? {
         if p.uid().is_some_and(|u| old_pods.contains_key(&u)) {
             delete_pod(&apis.pods, &p.name_any()).await?;
         }
@@ -622,7 +624,11 @@ async fn fail(
     ctx: &Context,
 ) -> Result<()> {
     let muid = m.uid().unwrap_or_default();
-    let targets = target_pods(&apis.pods, &muid).await?;
+    // Without the VMI no Pod can be its: the garbage collector removes what it controlled.
+    let targets = match vmi {
+        Some(vmi) => target_pods(&apis.pods, &muid, vmi, ctx).await?,
+        None => Vec::new(),
+    };
     for p in targets
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
@@ -668,10 +674,15 @@ async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
     delete_if_present(pods, name, &DeleteParams::default()).await
 }
 
-/// The target Pods of a migration (by its uid label), from the API server.
-async fn target_pods(pods: &Api<Pod>, migration_uid: &str) -> Result<Vec<Pod>> {
-    let lp = ListParams::default().labels(&format!("{LABEL_MIGRATION_JOB}={migration_uid}"));
-    Ok(pods.list(&lp).await?.items)
+/// The target Pods of a migration (by its uid label) that the VMI controls, from the API
+/// server: a Pod a tenant labelled with the uid is never taken as the target.
+async fn target_pods(
+    pods: &Api<Pod>,
+    migration_uid: &str,
+    vmi: &VirtualMachineInstance,
+    ctx: &Context,
+) -> Result<Vec<Pod>> {
+    crate::vmi::owned_pods(pods, LABEL_MIGRATION_JOB, migration_uid, vmi, ctx).await
 }
 
 #[cfg(test)]

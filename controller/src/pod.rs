@@ -75,9 +75,11 @@ fn pod_security() -> PodSecurityContext {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct PodConfig {
     pub launcher_image: String,
+    /// Whether, and where, a VMI may mount a host directory for a hostDisk.
+    pub host_disks: api::validation::HostDiskPolicy,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -221,15 +223,33 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
             });
             mounts.push(mount(&vname, &format!("{VOLUMES}/{}", claim.0)));
         } else if let Some(h) = &v.host_disk {
+            // Checked here as well as at admission: a webhook can be bypassed, and this is
+            // the point where a host directory is handed to a tenant.
+            let ns = vmi.metadata.namespace.as_deref().unwrap_or("default");
+            if let Some(refused) = cfg
+                .host_disks
+                .refusals(spec, "spec", ns)
+                .into_iter()
+                .find(|f| f.path.starts_with(&format!("spec.volumes[{i}].")))
+            {
+                return Err(err(&refused.path, refused.reason));
+            }
             let parent = std::path::Path::new(&h.path)
                 .parent()
                 .map(|p| p.display().to_string())
                 .unwrap_or_else(|| "/".into());
+            // The kubelet creates the directory only for DiskOrCreate, and then only below an
+            // allowed prefix (checked above).
+            let host_type = if h.type_ == "DiskOrCreate" {
+                "DirectoryOrCreate"
+            } else {
+                "Directory"
+            };
             volumes.push(Volume {
                 name: vname.clone(),
                 host_path: Some(HostPathVolumeSource {
                     path: parent.clone(),
-                    type_: Some("DirectoryOrCreate".into()),
+                    type_: Some(host_type.into()),
                 }),
                 ..Default::default()
             });
@@ -254,16 +274,25 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
     {
         // The kernelBoot image's kernel and initrd go where the launcher resolves kernelPath.
         let dir = format!("{CONTAINER_DISKS}/{}", k.image.replace(['/', ':'], "_"));
-        let copies: Vec<String> = [&k.kernel_path, &k.initrd_path]
-            .into_iter()
-            .flatten()
-            .map(|p| format!("mkdir -p {dir}$(dirname {p}) && cp {p} {dir}{p}"))
-            .collect();
+        // The tenant's paths reach the shell as arguments, never as script text.
+        let mut command: Vec<String> = vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            r#"set -e; dir=$1; shift; for p; do mkdir -p "$dir$(dirname "$p")"; cp "$p" "$dir$p"; done"#.into(),
+            "kernel-boot".into(),
+            dir,
+        ];
+        command.extend(
+            [&k.kernel_path, &k.initrd_path]
+                .into_iter()
+                .flatten()
+                .cloned(),
+        );
         init_containers.push(Container {
             name: "kernel-boot".into(),
             image: Some(k.image.clone()),
             image_pull_policy: k.image_pull_policy.clone(),
-            command: Some(vec!["/bin/sh".into(), "-c".into(), copies.join(" && ")]),
+            command: Some(command),
             volume_mounts: Some(vec![mount("container-disks", CONTAINER_DISKS)]),
             security_context: Some(container_security()),
             ..Default::default()
@@ -354,6 +383,7 @@ mod tests {
             &vmi,
             &PodConfig {
                 launcher_image: "launcher".into(),
+                ..Default::default()
             },
         )
         .unwrap();

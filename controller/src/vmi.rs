@@ -47,9 +47,45 @@ pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Cont
 
 /// The Pods made for this VMI (its launcher and any migration target), read from the API
 /// server rather than a cache so that a Pod created a moment ago is never created twice.
-pub async fn pods_of(pods: &Api<Pod>, uid: &str) -> Result<Vec<Pod>> {
-    let lp = ListParams::default().labels(&format!("{LABEL_CREATED_BY}={uid}"));
-    Ok(pods.list(&lp).await?.items)
+pub async fn pods_of(
+    pods: &Api<Pod>,
+    vmi: &VirtualMachineInstance,
+    ctx: &Context,
+) -> Result<Vec<Pod>> {
+    let uid = vmi.uid().unwrap_or_default();
+    owned_pods(pods, LABEL_CREATED_BY, &uid, vmi, ctx).await
+}
+
+/// The Pods labelled `label=value` that `vmi` controls. A label is anyone's to write, so a
+/// Pod that carries it without the VMI's controller reference is a stranger: it is named in
+/// an Event on the VMI and otherwise left alone (never adopted, given a guest or deleted).
+pub async fn owned_pods(
+    pods: &Api<Pod>,
+    label: &str,
+    value: &str,
+    vmi: &VirtualMachineInstance,
+    ctx: &Context,
+) -> Result<Vec<Pod>> {
+    let lp = ListParams::default().labels(&format!("{label}={value}"));
+    let uid = vmi.uid().unwrap_or_default();
+    let (owned, strangers): (Vec<Pod>, Vec<Pod>) = pods
+        .list(&lp)
+        .await?
+        .items
+        .into_iter()
+        .partition(|p| api::ownership::controlled_by_vmi(&p.metadata, &uid));
+    for p in strangers {
+        let note = api::ownership::stranger_note(
+            &p.name_any(),
+            &vmi.name_any(),
+            &format!("{label}={value}"),
+        );
+        tracing::warn!(vmi = %vmi.name_any(), pod = %p.name_any(), "{note}");
+        let related = Some(kube::Resource::object_ref(&p, &()));
+        ctx.event_related(vmi, true, "ForeignPodIgnored", "Sync", note, related)
+            .await;
+    }
+    Ok(owned)
 }
 
 fn pod_phase(pod: &Pod) -> &str {
@@ -105,12 +141,11 @@ fn termination_reason(pod: &Pod) -> String {
 async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<Action> {
     let ns = vmi.namespace().unwrap_or_default();
     let name = vmi.name_any();
-    let uid = vmi.uid().unwrap_or_default();
     let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
 
     if vmi.metadata.deletion_timestamp.is_some() {
-        let all = pods_of(&pods, &uid).await?;
+        let all = pods_of(&pods, vmi, ctx).await?;
         let grace = vmi
             .spec
             .termination_grace_period_seconds
@@ -145,7 +180,13 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     if matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed)) {
         return Ok(Action::await_change());
     }
-    if let Err(e) = api::validation::validate_vmi(vmi) {
+    let admitted = api::validation::validate_vmi(vmi).and_then(|()| {
+        ctx.config
+            .pod
+            .host_disks
+            .check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
+    });
+    if let Err(e) = admitted {
         let msg = e.to_string();
         let known = status
             .conditions
@@ -172,7 +213,7 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         .conditions
         .retain(|c| !(c.type_ == "Synchronized" && c.reason.as_deref() == Some("FailedCreate")));
 
-    let all = pods_of(&pods, &uid).await?;
+    let all = pods_of(&pods, vmi, ctx).await?;
     let active_uids: Vec<String> = status
         .active_pods
         .as_ref()

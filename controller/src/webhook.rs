@@ -37,6 +37,8 @@ pub struct WebhookState {
     pub client: Option<Client>,
     /// The eviction strategy of VMIs that set none.
     pub default_eviction_strategy: EvictionStrategy,
+    /// Whether, and where, tenants may use hostDisks.
+    pub host_disks: api::validation::HostDiskPolicy,
 }
 
 pub fn router(state: WebhookState) -> axum::Router {
@@ -65,8 +67,13 @@ fn decode<T: DeserializeOwned>(obj: &DynamicObject, kind: &str) -> Result<T, Str
     serde_json::from_value(v).map_err(|e| format!("{kind} cannot be decoded: {e}"))
 }
 
-/// The admission decision for one object, as the launcher would judge it.
-pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, String> {
+/// The admission decision for one object, as the launcher would judge it, and then as the
+/// cluster's policy does (hostDisks).
+pub fn validate_object(
+    kind: &str,
+    obj: &DynamicObject,
+    host_disks: &api::validation::HostDiskPolicy,
+) -> Result<Vec<String>, String> {
     let mut warnings = vec![];
     let checked = match kind {
         "VirtualMachine" => {
@@ -78,19 +85,30 @@ pub fn validate_object(kind: &str, obj: &DynamicObject) -> Result<Vec<String>, S
             // Judged as its VMI will be made: defaulted (the template itself is not).
             let mut defaulted = vm;
             api::validation::default_vm(&mut defaulted);
-            api::validation::validate_vm(&defaulted)
+            api::validation::validate_vm(&defaulted).and_then(|()| {
+                match &defaulted.spec.template.spec {
+                    Some(spec) => {
+                        host_disks.check(kind, &defaulted.metadata, spec, "spec.template.spec")
+                    }
+                    None => Ok(()),
+                }
+            })
         }
         "VirtualMachineInstance" => {
             let vmi: VirtualMachineInstance = decode(obj, kind)?;
             warnings.extend(api::validation::warnings_vmi(&vmi));
             api::validation::validate_vmi(&vmi)
+                .and_then(|()| host_disks.check(kind, &vmi.metadata, &vmi.spec, "spec"))
         }
         "VirtualMachineInstanceReplicaSet" => {
             let mut rs: VirtualMachineInstanceReplicaSet = decode(obj, kind)?;
             if let Some(spec) = rs.spec.template.spec.as_mut() {
                 api::validation::default_vmi_spec(spec);
             }
-            api::validation::validate_vmirs(&rs)
+            api::validation::validate_vmirs(&rs).and_then(|()| match &rs.spec.template.spec {
+                Some(spec) => host_disks.check(kind, &rs.metadata, spec, "spec.template.spec"),
+                None => Ok(()),
+            })
         }
         "VirtualMachineInstanceMigration" => {
             api::validation::validate_migration(&decode(obj, kind)?)
@@ -152,7 +170,7 @@ async fn validate(
     };
     let mut resp = AdmissionResponse::from(&req);
     if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
-        let mut verdict = validate_object(&req.kind.kind, obj);
+        let mut verdict = validate_object(&req.kind.kind, obj, &state.host_disks);
         if let (Ok(_), Some(client), "VirtualMachineInstanceMigration", Operation::Create) = (
             &verdict,
             &state.client,

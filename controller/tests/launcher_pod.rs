@@ -37,16 +37,79 @@ fn vmi_from_vm(yaml: &str) -> VirtualMachineInstance {
     vmi
 }
 
+/// The full manifest's hostDisk lies in /var/lib/vms, which this cluster allows.
+fn full_config() -> PodConfig {
+    PodConfig {
+        launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
+        host_disks: api::validation::HostDiskPolicy {
+            feature_gate: true,
+            allowed_prefixes: vec!["/var/lib/vms".into()],
+        },
+    }
+}
+
+#[test]
+fn host_disks_need_the_gate_and_an_allowed_prefix() {
+    let vmi = vmi_from_vm(include_str!("../../api/tests/data/vm-full.yaml"));
+    let i = vmi
+        .spec
+        .volumes
+        .iter()
+        .position(|v| v.host_disk.is_some())
+        .unwrap();
+    let gate_off = render(&vmi, &PodConfig::default()).unwrap_err();
+    assert_eq!(gate_off.path, format!("spec.volumes[{i}].hostDisk"));
+    assert!(
+        gate_off
+            .reason
+            .starts_with("HostDisk feature gate is not enabled"),
+        "{gate_off}"
+    );
+    for prefixes in [
+        vec![],
+        vec!["/var/lib/vm".to_string()],
+        vec!["/var/lib/vms/{namespace}".into()],
+    ] {
+        let cfg = PodConfig {
+            host_disks: api::validation::HostDiskPolicy {
+                feature_gate: true,
+                allowed_prefixes: prefixes.clone(),
+            },
+            ..Default::default()
+        };
+        let outside = render(&vmi, &cfg).unwrap_err();
+        assert_eq!(
+            outside.path,
+            format!("spec.volumes[{i}].hostDisk.path"),
+            "{prefixes:?}"
+        );
+        assert!(
+            outside
+                .reason
+                .contains("/var/lib/vms/host.img is outside the host directories"),
+            "{outside}"
+        );
+    }
+    // Allowed: the kubelet creates the parent only for DiskOrCreate.
+    let pod = render(&vmi, &full_config()).unwrap();
+    let host = pod
+        .spec
+        .unwrap()
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find_map(|v| v.host_path)
+        .unwrap();
+    assert_eq!(
+        (host.path.as_str(), host.type_.as_deref()),
+        ("/var/lib/vms", Some("DirectoryOrCreate"))
+    );
+}
+
 #[test]
 fn full_vm_renders_the_documented_pod() {
     let vmi = vmi_from_vm(include_str!("../../api/tests/data/vm-full.yaml"));
-    let pod = render(
-        &vmi,
-        &PodConfig {
-            launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
-        },
-    )
-    .unwrap();
+    let pod = render(&vmi, &full_config()).unwrap();
     golden(
         "launcher-pod-full.yaml",
         &serde_yaml::to_string(&pod).unwrap(),
@@ -112,6 +175,7 @@ fn a_vmi_without_interfaces_needs_no_tun() {
         &vmi,
         &PodConfig {
             launcher_image: "l".into(),
+            ..Default::default()
         },
     )
     .unwrap();
@@ -139,6 +203,7 @@ fn a_vmi_without_uid_is_not_rendered() {
         &vmi,
         &PodConfig {
             launcher_image: "l".into(),
+            ..Default::default()
         },
     )
     .unwrap_err();
@@ -155,26 +220,13 @@ fn migration_target_pod_avoids_the_source_node() {
         },
     );
     m.metadata.uid = Some("7d5c3a1e-0000-4000-8000-00000000beef".into());
-    let pod = controller::migration::target_pod(
-        &vmi,
-        &m,
-        &PodConfig {
-            launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
-        },
-    )
-    .unwrap();
+    let pod = controller::migration::target_pod(&vmi, &m, &full_config()).unwrap();
     golden(
         "migration-target-pod-full.yaml",
         &serde_yaml::to_string(&pod).unwrap(),
     );
     // Everything but the migration label and the anti-affinity term is the launcher Pod's.
-    let source = render(
-        &vmi,
-        &PodConfig {
-            launcher_image: "quay.io/microvirt/virt-launcher:v0.1.0".into(),
-        },
-    )
-    .unwrap();
+    let source = render(&vmi, &full_config()).unwrap();
     assert_eq!(
         pod.spec.as_ref().unwrap().containers,
         source.spec.as_ref().unwrap().containers

@@ -86,9 +86,16 @@ struct NicInfo {
 /// The control connection's reading side: every read is a recvmsg, so descriptors sent along
 /// with a message (SCM_RIGHTS) are collected in arrival order instead of being dropped by a
 /// plain read.
+///
+/// Everything on this socket comes from a peer that may be hostile (anyone who can exec into
+/// the Pod as its user): the descriptors it may leave here are capped, and while a request line
+/// is owed it must arrive before a deadline (`deadline`), however slowly it trickles.
 struct FdReader {
     stream: UnixStream,
     fds: VecDeque<OwnedFd>,
+    /// When the line being read must be complete; `None` while the peer owes nothing (console
+    /// input, which may stay idle as long as its user likes).
+    deadline: Option<Instant>,
 }
 
 /// At most this many descriptors per read (a VMI has at most 2 per NIC).
@@ -97,17 +104,81 @@ const MAX_FDS_PER_READ: usize = 64;
 impl Read for FdReader {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         use sendfd::RecvWithFd;
+        let timeout = match self.deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "no whole request line within {:?}",
+                            api::protocol::LINE_DEADLINE
+                        ),
+                    ));
+                }
+                Some(left)
+            }
+            None => None,
+        };
+        self.stream.set_read_timeout(timeout)?;
         let mut fds = [-1; MAX_FDS_PER_READ];
-        let (n, nfds) = self.stream.recv_with_fd(buf, &mut fds)?;
+        let (n, nfds) = self.stream.recv_with_fd(buf, &mut fds).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no whole request line in time",
+                )
+            } else {
+                e
+            }
+        })?;
+        let mut overflow = false;
         for &fd in &fds[..nfds] {
             // SAFETY: the kernel just installed this descriptor for us; nobody else owns it.
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            if self.fds.len() >= api::protocol::MAX_HELD_FDS {
+                overflow = true;
+                continue; // closed here
+            }
             // SAFETY: F_SETFD on a descriptor we own.
             unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
             self.fds.push_back(fd);
         }
+        if overflow {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the peer sent more than {} descriptors that no request used",
+                    api::protocol::MAX_HELD_FDS
+                ),
+            ));
+        }
         Ok(n)
     }
+}
+
+/// Reads one request line into `line`: at most `MAX_LINE_BYTES`, complete within
+/// `LINE_DEADLINE`. `Ok(false)` when the peer closed the connection; an error (the connection
+/// is then dropped) for a longer line, a late one, or too many descriptors.
+fn read_request(reader: &mut BufReader<FdReader>, line: &mut String) -> std::io::Result<bool> {
+    line.clear();
+    reader.get_mut().deadline = Some(Instant::now() + api::protocol::LINE_DEADLINE);
+    let n = reader
+        .by_ref()
+        .take(api::protocol::MAX_LINE_BYTES as u64)
+        .read_line(line);
+    reader.get_mut().deadline = None;
+    let n = n?;
+    if n >= api::protocol::MAX_LINE_BYTES && !line.ends_with('\n') {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "a request line longer than {} bytes",
+                api::protocol::MAX_LINE_BYTES
+            ),
+        ));
+    }
+    Ok(n > 0)
 }
 
 /// A duplicate of `fd` for the VM, which takes ownership of what it is given.
@@ -683,6 +754,7 @@ impl Daemon {
         let mut reader = BufReader::new(FdReader {
             stream,
             fds: VecDeque::new(),
+            deadline: None,
         });
         let mut line = String::new();
         let send = |out: &mut UnixStream, r: &Response| -> std::io::Result<()> {
@@ -692,7 +764,7 @@ impl Daemon {
         };
         // Greeting: the client names its protocol version; every version this launcher
         // speaks is answered in that version.
-        if reader.read_line(&mut line)? == 0 {
+        if !read_request(&mut reader, &mut line)? {
             return Ok(());
         }
         let version = match serde_json::from_str::<Request>(&line) {
@@ -721,8 +793,7 @@ impl Daemon {
             }
         };
         loop {
-            line.clear();
-            if reader.read_line(&mut line)? == 0 {
+            if !read_request(&mut reader, &mut line)? {
                 return Ok(());
             }
             let req = match serde_json::from_str::<Request>(&line) {
@@ -868,12 +939,50 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// The user of the process at the other end of `stream` (`SO_PEERCRED`, as the kernel
+/// recorded it at connect time: the peer cannot lie about it).
+fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: u32::MAX,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is that large.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
 /// Accepts connections on `socket` until the process exits.
 pub fn listen(daemon: Arc<Daemon>, socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket)?;
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
+            // Only the launcher's own user and root (virt-handler) may drive it.
+            match peer_uid(&stream) {
+                // SAFETY: geteuid cannot fail.
+                Ok(uid) if uid == 0 || uid == unsafe { libc::geteuid() } => {}
+                Ok(uid) => {
+                    tracing::warn!(uid, "control connection from another user refused");
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("control connection: SO_PEERCRED: {e}");
+                    continue;
+                }
+            }
             let d = daemon.clone();
             std::thread::spawn(move || {
                 if let Err(e) = d.serve_connection(stream) {

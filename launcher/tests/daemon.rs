@@ -621,3 +621,115 @@ fn the_daemon_holds_no_capability_and_no_inherited_descriptor() {
     );
     let _ = std::fs::remove_file(leaked_path);
 }
+
+fn hello_line() -> Vec<u8> {
+    let hello = Request::Hello {
+        version: PROTOCOL_VERSION,
+    };
+    let mut line = serde_json::to_vec(&hello).unwrap();
+    line.push(b'\n');
+    line
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// True once the daemon has closed `s` (a read sees the end, or the connection was reset).
+fn closed_by_daemon(s: &mut UnixStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue, // a greeting or an error answer before the close
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[test]
+fn hostile_control_clients_are_dropped_and_the_guest_goes_on() {
+    use sendfd::SendWithFd;
+    use std::os::fd::AsRawFd;
+    let l = Launcher::start("hostile");
+    let mut c = l.client();
+    let sync = Request::Sync {
+        vmi: Box::new(probe_vmi("console", 30)),
+    };
+    assert_eq!(c.call(sync), Response::Ok);
+    let mut con = l.client();
+    assert_eq!(con.call(Request::Console), Response::Ok);
+    con.out
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut seen = String::new();
+    read_until(&mut con.inp, &mut seen, "tick 1");
+    let pid = l.child.id();
+    let before = vm_hwm_kib(pid);
+
+    // A trickler: a greeting, then a byte a second and never a newline. The deadline is per
+    // line, so it is dropped after LINE_DEADLINE however regularly it sends.
+    let socket = l.socket.clone();
+    let trickler = std::thread::spawn(move || {
+        let mut t = UnixStream::connect(&socket).unwrap();
+        t.write_all(&hello_line()).unwrap();
+        let started = Instant::now();
+        let mut r = BufReader::new(t.try_clone().unwrap());
+        let mut hello = String::new();
+        r.read_line(&mut hello).unwrap();
+        while t.write_all(b" ").is_ok() && started.elapsed() < LINE_DEADLINE * 2 {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        started.elapsed()
+    });
+
+    // 64 MiB without a newline: refused after the 1 MiB cap, the connection dropped.
+    let mut flood = UnixStream::connect(&l.socket).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let mut sent = 0usize;
+    for _ in 0..64 {
+        if flood.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += chunk.len();
+    }
+    assert!(
+        sent < 64 << 20 || closed_by_daemon(&mut flood, Duration::from_secs(5)),
+        "a 64 MiB line was taken whole"
+    );
+    assert!(sent <= 8 << 20, "the daemon read {sent} bytes of one line");
+
+    // Descriptors that no request uses: at most MAX_HELD_FDS are kept, then the connection goes.
+    let mut fds = UnixStream::connect(&l.socket).unwrap();
+    fds.write_all(&hello_line()).unwrap();
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let many = vec![null.as_raw_fd(); 40];
+    for _ in 0..3 {
+        if fds.send_with_fd(b" ", &many).is_err() {
+            break;
+        }
+    }
+    assert!(
+        closed_by_daemon(&mut fds, Duration::from_secs(5)),
+        "120 unused descriptors were kept"
+    );
+
+    let lasted = trickler.join().unwrap();
+    assert!(
+        lasted >= LINE_DEADLINE && lasted < LINE_DEADLINE + Duration::from_secs(10),
+        "the trickler was dropped after {lasted:?}"
+    );
+    // The guest went on, the daemon still answers, and its memory did not follow the flood.
+    let ticks = seen.matches("tick ").count();
+    read_until(&mut con.inp, &mut seen, &format!("tick {}", ticks + 1));
+    assert_eq!(c.status().state, VmState::Running);
+    let after = vm_hwm_kib(pid);
+    assert!(
+        after < before + 16 * 1024,
+        "peak RSS grew from {before} KiB to {after} KiB"
+    );
+}

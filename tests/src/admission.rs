@@ -15,20 +15,28 @@ pub struct Webhook {
     pub ca: String,
 }
 
-/// Serves the webhook on a loopback port with a fresh self-signed certificate.
+/// Serves the webhook on a loopback port with a fresh self-signed certificate (HostDisk off,
+/// as a cluster has it by default).
 pub async fn start_webhook(
     client: Option<kube::Client>,
     default_eviction_strategy: EvictionStrategy,
 ) -> Webhook {
+    serve_webhook(controller::webhook::WebhookState {
+        client,
+        default_eviction_strategy,
+        host_disks: Default::default(),
+    })
+    .await
+}
+
+/// Serves the webhook with `state` on a loopback port with a fresh self-signed certificate.
+pub async fn serve_webhook(state: controller::webhook::WebhookState) -> Webhook {
     let (tls, ca) =
         controller::webhook::self_signed(vec!["virt-controller-webhook.microvirt.svc".into()])
             .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = controller::webhook::router(controller::webhook::WebhookState {
-        client,
-        default_eviction_strategy,
-    });
+    let app = controller::webhook::router(state);
     tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
     Webhook { addr, ca }
 }

@@ -114,7 +114,12 @@ fn min_available(b: &PodDisruptionBudget) -> Option<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_migratable_follows_claims_and_host_disks_and_gates_migrations() {
     let c = Cluster::start().await;
-    let r = c.replica(test_config(), None);
+    let mut config = test_config();
+    config.pod.host_disks = api::validation::HostDiskPolicy {
+        feature_gate: true,
+        allowed_prefixes: vec!["/var/lib/vm".into()],
+    };
+    let r = c.replica(config, None);
     let w = start_webhook(Some(c.controller_client()), EvictionStrategy::None).await;
     claim(&c, "shared", "ReadWriteMany").await;
     claim(&c, "local", "ReadWriteOnce").await;
