@@ -13,9 +13,85 @@ use tokio::net::UnixStream;
 /// Where a launcher Pod's control socket is on the node: the Pod's `sockets` emptyDir as the
 /// kubelet lays it out (the handler mounts the kubelet's pods directory).
 pub fn socket_path(pods_dir: &Path, pod_uid: &str) -> PathBuf {
-    pods_dir
-        .join(pod_uid)
-        .join("volumes/kubernetes.io~empty-dir/sockets/launcher.sock")
+    pods_dir.join(pod_uid).join(SOCKET_IN_POD_DIR)
+}
+
+/// The control socket below a Pod's directory.
+const SOCKET_IN_POD_DIR: &str = "volumes/kubernetes.io~empty-dir/sockets/launcher.sock";
+
+/// A Pod UID as the API server makes them (a UUID): anything else would let a crafted value
+/// name another directory below the kubelet's pods directory.
+pub fn check_pod_uid(uid: &str) -> Result<(), String> {
+    let ok = !uid.is_empty()
+        && uid.len() <= 64
+        && uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "Pod UID {uid:?} is not a UID (letters, digits and '-' only)"
+        ))
+    }
+}
+
+/// Opens the socket file at `path` as an `O_PATH` descriptor without following any symbolic
+/// link and without leaving `root`, the kubelet's pods directory (`openat2` with
+/// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). The directories below a Pod's are writable by the
+/// Pod's user: a `launcher.sock` that is a link to the node's container runtime socket, or a
+/// directory swapped for a link to another Pod's, must not be what the root node agent talks
+/// to. Connecting through `/proc/self/fd/N` of this descriptor reaches exactly that inode.
+fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let rel = path.strip_prefix(root).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not below {}", path.display(), root.display()),
+        )
+    })?;
+    let root_fd = std::fs::File::open(root)?;
+    let rel = std::ffi::CString::new(rel.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: open_how is plain data; zeroed is a valid value.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    // No O_NOFOLLOW: with it O_PATH would open a final link itself; RESOLVE_NO_SYMLINKS
+    // refuses it instead (ELOOP), like every link before it.
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: openat2 reads `how` (its size given) and the NUL-terminated `rel`.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            std::os::fd::AsRawFd::as_raw_fd(&root_fd),
+            rel.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::EXDEV) => std::io::Error::new(
+                e.kind(),
+                "a symbolic link (or a path leaving the pods directory) is on the way to it; refused",
+            ),
+            _ => e,
+        });
+    }
+    // SAFETY: openat2 returned a new descriptor that we now own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let meta = std::fs::metadata(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(&fd)
+    ))?;
+    use std::os::unix::fs::FileTypeExt;
+    if !meta.file_type().is_socket() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a socket; refused",
+        ));
+    }
+    Ok(fd)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -46,25 +122,52 @@ pub struct LauncherClient {
 }
 
 impl LauncherClient {
-    pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
+    /// Connects to the launcher socket of the Pod with `pod_uid` below `pods_dir` (the
+    /// kubelet's pods directory), refusing links and paths that leave it.
+    pub async fn connect_pod(
+        pods_dir: &Path,
+        pod_uid: &str,
+        timeout: Duration,
+    ) -> Result<LauncherClient, LauncherError> {
+        let path = socket_path(pods_dir, pod_uid);
+        check_pod_uid(pod_uid).map_err(|why| LauncherError::Connect {
+            path: path.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
+        })?;
+        Self::connect_beneath(pods_dir, &path, timeout).await
+    }
+
+    /// Connects to the socket at `path`, which must lie below `root` with no symbolic link on
+    /// the way (see `open_socket_beneath`).
+    pub async fn connect_beneath(
+        root: &Path,
+        path: &Path,
+        timeout: Duration,
+    ) -> Result<LauncherClient, LauncherError> {
         let err = |source| LauncherError::Connect {
             path: path.display().to_string(),
             source,
         };
-        // A socket path is limited to 107 bytes, and the kubelet's pods directory plus a Pod
-        // UID and the volume layout can be longer: connect through the directory's descriptor
-        // (/proc/self/fd/N/NAME) instead.
-        let dir = std::fs::File::open(path.parent().unwrap_or(Path::new("/"))).map_err(err)?;
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        let short = format!(
-            "/proc/self/fd/{}/{name}",
-            std::os::fd::AsRawFd::as_raw_fd(&dir)
-        );
+        // Connecting through /proc/self/fd/N also keeps the path short: a socket path is
+        // limited to 107 bytes, and the kubelet's pods directory plus a Pod UID and the volume
+        // layout can be longer.
+        let sock = open_socket_beneath(root, path).map_err(err)?;
+        let short = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&sock));
         let stream = tokio::time::timeout(timeout, UnixStream::connect(&short))
             .await
             .map_err(|_| LauncherError::Timeout(timeout))?
             .map_err(err)?;
-        drop(dir);
+        drop(sock);
+        Self::greet(stream, timeout).await
+    }
+
+    /// Connects to the socket at `path` as it is (a launcher the caller started itself).
+    pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
+        let root = path.parent().unwrap_or(Path::new("/"));
+        Self::connect_beneath(root, path, timeout).await
+    }
+
+    async fn greet(stream: UnixStream, timeout: Duration) -> Result<LauncherClient, LauncherError> {
         let pid = stream
             .peer_cred()
             .ok()
@@ -101,14 +204,23 @@ impl LauncherClient {
 
     /// The next line the launcher sends (a streamed event, or the answer after them).
     pub async fn next_answer(&mut self) -> Result<Response, LauncherError> {
+        use tokio::io::AsyncReadExt;
         let mut answer = String::new();
-        let n = tokio::time::timeout(self.timeout, self.reader.read_line(&mut answer))
+        // A launcher is the tenant's process: its answers are capped in size and in time.
+        let cap = api::protocol::MAX_LINE_BYTES as u64;
+        let mut limited = (&mut self.reader).take(cap);
+        let n = tokio::time::timeout(self.timeout, limited.read_line(&mut answer))
             .await
             .map_err(|_| LauncherError::Timeout(self.timeout))??;
         if n == 0 {
             return Err(LauncherError::Io(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "the launcher closed the connection",
+            )));
+        }
+        if n as u64 >= cap && !answer.ends_with('\n') {
+            return Err(LauncherError::Garbage(format!(
+                "an answer longer than {cap} bytes"
             )));
         }
         serde_json::from_str(&answer)
@@ -237,5 +349,94 @@ mod tests {
             .unwrap();
         assert!(matches!(e, LauncherError::Timeout(_)), "{e}");
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// What a tenant can put in its Pod's sockets directory: a link to another socket (the
+    /// container runtime's, another Pod's), a link on the way, a file. The handler refuses
+    /// each before it sends a byte; the real socket right beside them works.
+    #[tokio::test]
+    async fn links_and_strangers_in_the_pod_directory_are_refused() {
+        // Short, so that the real socket can be bound by its whole path (107 bytes at most).
+        let pods = std::path::PathBuf::from(format!("/tmp/mp{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&pods);
+        let uid = "0b1c2d3e-0000-4000-8000-000000000001";
+        let sockets = socket_path(&pods, uid);
+        let sockets = sockets.parent().unwrap();
+        std::fs::create_dir_all(sockets).unwrap();
+        // The "victim": a socket outside the Pod that answers like a launcher.
+        let victim = pods.join("victim.sock");
+        let l = tokio::net::UnixListener::bind(&victim).unwrap();
+        let contacted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = contacted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                let _ = s
+                    .write_all(b"{\"response\":\"hello\",\"version\":4,\"launcher\":\"x\"}\n")
+                    .await;
+            }
+        });
+        let t = Duration::from_secs(2);
+        let sock = socket_path(&pods, uid);
+        std::os::unix::fs::symlink(&victim, &sock).unwrap();
+        let e = LauncherClient::connect_pod(&pods, uid, t)
+            .await
+            .err()
+            .expect("a link is refused");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        std::fs::remove_file(&sock).unwrap();
+        // A link on the way: the Pod's directory replaced by a link to another Pod's.
+        let other = "0b1c2d3e-0000-4000-8000-000000000002";
+        std::os::unix::fs::symlink(pods.join(uid), pods.join(other)).unwrap();
+        let e = LauncherClient::connect_pod(&pods, other, t)
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("symbolic link"), "{e}");
+        // Not a socket at all.
+        std::fs::write(&sock, b"").unwrap();
+        let e = LauncherClient::connect_pod(&pods, uid, t)
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        std::fs::remove_file(&sock).unwrap();
+        // A crafted UID.
+        let e = LauncherClient::connect_pod(&pods, "../../run", t)
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("is not a UID"), "{e}");
+        assert!(
+            !contacted.load(std::sync::atomic::Ordering::SeqCst),
+            "the victim was reached"
+        );
+
+        // The launcher's real socket, and a launcher that answers with 64 MiB and no newline:
+        // the handler stops after the cap and reports it.
+        let l = tokio::net::UnixListener::bind(&sock).unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 256];
+            let _ = s.read(&mut b).await;
+            let chunk = vec![b'x'; 1 << 20];
+            let mut sent = 0usize;
+            for _ in 0..64 {
+                if s.write_all(&chunk).await.is_err() {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            sent
+        });
+        let e = LauncherClient::connect_pod(&pods, uid, Duration::from_secs(10))
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("an answer longer than"), "{e}");
+        // The connection is dropped once the error is returned: the flood stops short of 64 MiB.
+        let sent = server.await.unwrap();
+        assert!(sent < 64 << 20, "the handler read all {sent} bytes");
+        let _ = std::fs::remove_dir_all(pods);
     }
 }

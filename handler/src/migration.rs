@@ -113,7 +113,12 @@ pub async fn reconcile_target(
     let address = match known {
         Some(a) => a,
         None => {
-            let mut l = LauncherClient::connect(&socket, ctx.config.launcher_timeout).await?;
+            let mut l = LauncherClient::connect_pod(
+                &ctx.config.pods_dir,
+                &uid,
+                ctx.config.launcher_timeout,
+            )
+            .await?;
             // The target Pod's network is wired like any other before the VM arrives: the
             // same MAC and guest address on a new node.
             if !l.status().await?.network_attached {
@@ -214,7 +219,10 @@ pub async fn source_leg(
     if ms.failed == Some(true) {
         if running_here {
             // The migration was deleted or failed elsewhere: stop sending; the VM stays.
-            if let Ok(mut l) = LauncherClient::connect(socket, ctx.config.launcher_timeout).await {
+            let pods = &ctx.config.pods_dir;
+            if let Ok(mut l) =
+                LauncherClient::connect_beneath(pods, socket, ctx.config.launcher_timeout).await
+            {
                 let _ = l.call(&Request::CancelMigration).await;
             }
         }
@@ -242,9 +250,14 @@ pub async fn source_leg(
     let ns = vmi.namespace().unwrap_or_default();
     tokio::spawn(async move {
         let metrics = ctx.metrics.clone();
-        let outcome = migrate_out(&socket, &address, opts, tls, &mut |p| {
-            metrics.record_migration(&ns, &name, Some(p))
-        })
+        let outcome = migrate_out(
+            &ctx.config.pods_dir,
+            &socket,
+            &address,
+            opts,
+            tls,
+            &mut |p| metrics.record_migration(&ns, &name, Some(p)),
+        )
         .await;
         match &outcome {
             // The VMI lives on the target node now: its figures are that handler's.
@@ -279,6 +292,7 @@ pub async fn source_leg(
 
 /// Runs MigrateOut on the source launcher to its end.
 async fn migrate_out(
+    pods_dir: &std::path::Path,
     socket: &std::path::Path,
     address: &str,
     options: MigrationOptions,
@@ -286,7 +300,7 @@ async fn migrate_out(
     progress: &mut (dyn FnMut(crate::metrics::MigrationSample) + Send),
 ) -> Result<(), String> {
     // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
-    let mut l = LauncherClient::connect(socket, Duration::from_secs(3600))
+    let mut l = LauncherClient::connect_beneath(pods_dir, socket, Duration::from_secs(3600))
         .await
         .map_err(|e| e.to_string())?;
     let first = l

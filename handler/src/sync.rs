@@ -208,7 +208,9 @@ pub async fn reconcile(
     }
     let api: Api<VirtualMachineInstance> =
         Api::namespaced(ctx.client.clone(), &vmi.namespace().unwrap_or_default());
-    let mut launcher = match LauncherClient::connect(&socket, ctx.config.launcher_timeout).await {
+    let connected =
+        LauncherClient::connect_pod(&ctx.config.pods_dir, pod_uid, ctx.config.launcher_timeout);
+    let mut launcher = match connected.await {
         Ok(l) => l,
         Err(e) => {
             let mut s = status.clone();

@@ -58,19 +58,18 @@ fn start_launcher_logged(
     work: &Path,
     log: Option<&Path>,
 ) -> Proc {
-    // In the Pod the launcher binds a short path in its `sockets` volume; the node sees it
-    // under the kubelet's (long) pods directory. A symlink stands in for that mount.
+    // In the Pod the launcher binds its socket in its `sockets` volume, which the node sees
+    // under the kubelet's pods directory: here the launcher binds that path itself. The
+    // directory belongs to the Pod's user, as the kubelet's emptyDir does.
     let socket = handler::launcher::socket_path(pods_dir, uid);
     std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
-    let short = std::env::temp_dir().join(format!("mvh-{}-{}.sock", std::process::id(), &uid[..8]));
-    let _ = std::fs::remove_file(&short);
+    tests::chown_to_pod_user(socket.parent().unwrap());
     let _ = std::fs::remove_file(&socket);
-    std::os::unix::fs::symlink(&short, &socket).unwrap();
     let mut launcher = Command::new(launcher_bin());
     launcher
         .arg("daemon")
         .arg("--socket")
-        .arg(&short)
+        .arg(&socket)
         .arg("--image-dir")
         .arg(work.join("images"))
         .arg("--state-dir")
@@ -98,7 +97,7 @@ fn start_launcher_logged(
         })
         .spawn()
         .unwrap();
-    tests::wait_for_path(&short, Duration::from_secs(10));
+    tests::wait_for_path(&socket, Duration::from_secs(10));
     let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
     let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
     assert_eq!(

@@ -967,7 +967,12 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
 /// Accepts connections on `socket` until the process exits.
 pub fn listen(daemon: Arc<Daemon>, socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket)?;
+    // A socket path is limited to 107 bytes; bound through the directory's descriptor
+    // (/proc/self/fd/N/NAME) any path works, as it does for virt-handler's connect.
+    let dir = std::fs::File::open(socket.parent().unwrap_or(Path::new(".")))?;
+    let name = socket.file_name().unwrap_or_default().to_string_lossy();
+    let listener = UnixListener::bind(format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))?;
+    drop(dir);
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             // Only the launcher's own user and root (virt-handler) may drive it.

@@ -30,6 +30,9 @@ const CB_TRANSLATE: u8 = 0x40;
 
 const ACK: u8 = 0xfa;
 
+/// The most bytes the keyboard holds for the guest (a saved state holds no more either).
+pub(crate) const MAX_QUEUED: usize = 64;
+
 /// Ctrl, Alt, Del pressed then released, in scancode set 1 (what the guest reads with
 /// translation on) and set 2.
 const CTRL_ALT_DEL_SET1: &[u8] = &[0x1d, 0x38, 0xe0, 0x53, 0xe0, 0xd3, 0xb8, 0x9d];
@@ -72,9 +75,20 @@ impl I8042 {
         }
     }
 
+    /// Queues bytes for the guest to read. The queue is the keyboard's buffer, and like a
+    /// real keyboard's it overruns: bytes beyond `MAX_QUEUED` are dropped. A guest writing
+    /// commands without reading the answers (`out 0x60, 0xf2` in a loop) would otherwise grow
+    /// it without bound, and a restore refuses more than that many.
     fn push(&mut self, bytes: &[u8]) {
         let was_empty = self.out.is_empty();
-        self.out.extend(bytes);
+        let room = MAX_QUEUED.saturating_sub(self.out.len());
+        if bytes.len() > room {
+            tracing::debug!(
+                "i8042: keyboard buffer overrun, {} bytes dropped",
+                bytes.len() - room
+            );
+        }
+        self.out.extend(&bytes[..bytes.len().min(room)]);
         if was_empty {
             self.signal();
         }
@@ -215,6 +229,25 @@ mod tests {
         let mut b = [0u8];
         d.read(off, &mut b);
         b[0]
+    }
+
+    /// `out 0x60, 0xf2` in a loop without reading: the buffer overruns at its size and the
+    /// controller can still be saved and restored (so the VM can still migrate).
+    #[test]
+    fn a_guest_that_never_reads_cannot_grow_the_buffer() {
+        use crate::persist::Persist;
+        let (mut d, reset, irq) = dev();
+        for _ in 0..100_000 {
+            d.write(DATA, &[0xf2]);
+        }
+        assert_eq!(d.out.len(), MAX_QUEUED);
+        let state = d.save();
+        let args = persist::I8042Args {
+            reset_evt: EventFdTrigger(reset.try_clone().unwrap()),
+            irq: EventFdTrigger(irq.try_clone().unwrap()),
+        };
+        let mut back = I8042::restore(args, &state).expect("a full buffer restores");
+        assert_eq!(rd(&mut back, DATA), ACK);
     }
 
     #[test]

@@ -21,8 +21,7 @@ pub struct I8042Args {
     pub irq: EventFdTrigger,
 }
 
-/// More queued bytes than any command sequence produces: a state claiming so is not ours.
-const MAX_QUEUED: usize = 64;
+use super::MAX_QUEUED;
 
 impl Persist for I8042 {
     type State = I8042State;

@@ -154,10 +154,11 @@ fn build_config(sectors: u64) -> Vec<u8> {
     c[12..16].copy_from_slice(&SEG_MAX.to_le_bytes());
     c[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes()); // blk_size
     c[36..40].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes());
-    c[40..44].copy_from_slice(&1u32.to_le_bytes()); // max_discard_seg
+    let segments = request::MAX_ZEROING_SEGMENTS as u32;
+    c[40..44].copy_from_slice(&segments.to_le_bytes()); // max_discard_seg
     c[44..48].copy_from_slice(&1u32.to_le_bytes()); // discard_sector_alignment
     c[48..52].copy_from_slice(&MAX_DISCARD_SECTORS.to_le_bytes()); // max_write_zeroes_sectors
-    c[52..56].copy_from_slice(&1u32.to_le_bytes()); // max_write_zeroes_seg
+    c[52..56].copy_from_slice(&segments.to_le_bytes()); // max_write_zeroes_seg
     c[56] = 1; // write_zeroes_may_unmap
     c
 }
@@ -705,6 +706,29 @@ mod tests {
         assert_eq!(
             submit(&mut b, &m, VIRTIO_BLK_T_DISCARD, 0, Some((16, false))).0,
             VIRTIO_BLK_S_IOERR
+        );
+        // More segments than the device advertises (one): refused whole, nothing zeroed, and
+        // the device goes on serving.
+        std::fs::write(&p, vec![9u8; 64 * 512]).unwrap();
+        for (i, sector) in [0u64, 16].into_iter().enumerate() {
+            let at = DATA + 16 * i as u64;
+            m.write_obj(sector, GuestAddress(at)).unwrap();
+            m.write_obj(8u32, GuestAddress(at + 8)).unwrap();
+            m.write_obj(0u32, GuestAddress(at + 12)).unwrap();
+        }
+        for kind in [VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES] {
+            assert_ne!(
+                submit(&mut b, &m, kind, 0, Some((32, false))).0,
+                VIRTIO_BLK_S_OK
+            );
+        }
+        assert!(
+            std::fs::read(&p).unwrap().iter().all(|&x| x == 9),
+            "nothing was zeroed"
+        );
+        assert_eq!(
+            submit(&mut b, &m, VIRTIO_BLK_T_DISCARD, 0, Some((16, false))).0,
+            VIRTIO_BLK_S_OK
         );
         std::fs::remove_file(p).unwrap();
     }

@@ -24,6 +24,10 @@ pub const VIRTIO_BLK_ID_BYTES: u32 = 20;
 /// A discard / write-zeroes segment: sector u64, num_sectors u32, flags u32.
 pub const SEGMENT_SIZE: u32 = 16;
 pub const WRITE_ZEROES_FLAG_UNMAP: u32 = 1;
+/// Discard / write-zeroes segments per request: what the device advertises
+/// (max_discard_seg, max_write_zeroes_seg). A guest that sends more is refused, not served:
+/// 126 descriptors of 64 KiB would otherwise be half a million hole punches in one request.
+pub const MAX_ZEROING_SEGMENTS: u64 = 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestType {
@@ -92,6 +96,8 @@ pub enum RequestError {
     Unaligned,
     #[error("data buffers are too small for the request")]
     ShortBuffer,
+    #[error("{0} discard/write-zeroes segments; the device accepts {MAX_ZEROING_SEGMENTS}")]
+    TooManyZeroingSegments(u64),
 }
 
 impl RequestError {
@@ -175,6 +181,13 @@ pub fn parse<M: GuestMemoryBackend>(
             if len == 0 || !len.is_multiple_of(SEGMENT_SIZE as u64) =>
         {
             return fail(RequestError::ShortBuffer)
+        }
+        RequestType::Discard | RequestType::WriteZeroes
+            if len / SEGMENT_SIZE as u64 > MAX_ZEROING_SEGMENTS =>
+        {
+            return fail(RequestError::TooManyZeroingSegments(
+                len / SEGMENT_SIZE as u64,
+            ))
         }
         _ => {}
     }
