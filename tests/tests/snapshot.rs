@@ -324,6 +324,29 @@ fn bad_snapshots_are_refused_with_a_clear_error() {
         .unwrap();
     refuse(&config, "too short for guest RAM");
     std::fs::write(&paths.memory, &mem).unwrap();
+    // Both files are private to their owner.
+    use std::os::unix::fs::PermissionsExt;
+    for p in [&paths.state, &paths.memory] {
+        let mode = std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", p.display());
+    }
+    // Memory from another snapshot of the same machine (a crash between the two renames, or
+    // files copied from two snapshots): refused, never run.
+    let other = scratch("bad-other");
+    let vm = Vm::restore(&config, &paths).expect("the pair restores");
+    snapshot_and_drop(vm, &other);
+    std::fs::copy(other.join("memory"), &paths.memory).unwrap();
+    refuse(&config, "belongs to another snapshot than the state file");
+    std::fs::write(&paths.memory, &mem).unwrap();
+    // A link planted where the state's temporary goes is replaced, not followed.
+    let victim = other.join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    let vm = Vm::restore(&config, &paths).expect("the pair restores");
+    std::os::unix::fs::symlink(&victim, paths.state.with_extension("tmp")).unwrap();
+    std::os::unix::fs::symlink(&victim, paths.memory.with_extension("tmp")).unwrap();
+    snapshot_and_drop(vm, &dir);
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    std::fs::remove_dir_all(other).unwrap();
 
     std::fs::remove_file(&image).unwrap();
     refuse(&config, "no such file");

@@ -266,7 +266,13 @@ impl Vm {
         paths: &SnapshotPaths,
     ) -> Result<Vm, VmError> {
         check_matches(config, &state)?;
-        let ram = GuestRam::from_file(&paths.memory, &state.memory)?;
+        let Some(seal) = state.memory_seal else {
+            return Err(VmError::StateMismatch(format!(
+                "state file {}: it records no memory seal, so its memory file cannot be matched to it (it is a migration state, not a snapshot)",
+                paths.state.display()
+            )));
+        };
+        let ram = GuestRam::from_file(&paths.memory, &state.memory, Some(&seal))?;
         let vm = Self::restore_paused(config, state, ram, true)?;
         vm.resume();
         Ok(vm)

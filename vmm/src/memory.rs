@@ -113,7 +113,12 @@ impl GuestRam {
     /// RAM mapped `MAP_PRIVATE` from a memory file: pages are read from the file when the guest
     /// first touches them and copied on its first write, so this costs the same for any size and
     /// never writes to the file.
-    pub fn from_file(path: &Path, layout: &[RegionLayout]) -> Result<GuestRam, MemoryError> {
+    /// With `seal`, the file must end with it (it was written with this snapshot's state).
+    pub fn from_file(
+        path: &Path,
+        layout: &[RegionLayout],
+        seal: Option<&crate::persist::MemorySeal>,
+    ) -> Result<GuestRam, MemoryError> {
         let file_err = |source| MemoryError::File {
             path: path.display().to_string(),
             source,
@@ -146,6 +151,17 @@ impl GuestRam {
                 GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
                     .ok_or_else(|| map_err("region wraps the address space"))?,
             );
+        }
+        // After the length checks, so a short file is reported as short.
+        if let Some(seal) = seal {
+            use std::os::unix::fs::FileExt;
+            let mut found = [0u8; 16];
+            let at = file_end(layout);
+            if file.read_exact_at(&mut found, at).is_err() || &found != seal {
+                return Err(file_err(std::io::Error::other(
+                    "belongs to another snapshot than the state file (their seals differ): refusing to pair them",
+                )));
+            }
         }
         let memory = GuestMemory::from_regions(regions).map_err(map_err)?;
         Ok(GuestRam {
@@ -273,23 +289,25 @@ impl GuestRam {
 
     /// Writes all of RAM to `path` in the file layout, sparsely: zero pages are holes, never
     /// written. `path` is created anew (never an existing mapped file rewritten in place).
+    /// `seal` follows the RAM (see `persist::MemorySeal`); the file is created 0600.
     pub fn write_file(
         &self,
         path: &Path,
+        seal: &crate::persist::MemorySeal,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<MemoryFileStats, MemoryError> {
         let err = |source| MemoryError::File {
             path: path.display().to_string(),
             source,
         };
-        let _ = std::fs::remove_file(path);
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(err)?;
+        let file = crate::persist::create_private(path).map_err(err)?;
         let total = self.size();
         file.set_len(total).map_err(err)?;
+        {
+            use std::os::unix::fs::FileExt;
+            file.write_all_at(seal, file_end(&self.layout))
+                .map_err(err)?;
+        }
         let mut written = 0;
         // Progress in chunks, so a caller can show how far a large guest got.
         const CHUNK: usize = 256 << 20;
@@ -529,10 +547,18 @@ mod tests {
         m.write_obj(0x1234u32, GuestAddress((1 << 30) + 0x1f_fffc))
             .unwrap();
         let path = std::env::temp_dir().join(format!("mv-memfile-{}", std::process::id()));
-        let stats = ram.write_file(&path, &mut |_, _| {}).unwrap();
+        let seal = [5u8; 16];
+        let stats = ram.write_file(&path, &seal, &mut |_, _| {}).unwrap();
         assert_eq!(stats.logical_bytes, 6 << 20);
         assert_eq!(stats.written_bytes, 2 * PAGE_SIZE, "only non-zero pages");
-        let back = GuestRam::from_file(&path, ram.layout()).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o600,
+            "guest RAM is readable by its owner only"
+        );
+        let back = GuestRam::from_file(&path, ram.layout(), Some(&seal)).unwrap();
         let bm = back.memory();
         assert_eq!(
             bm.read_obj::<u64>(GuestAddress(0x1000)).unwrap(),
@@ -545,7 +571,12 @@ mod tests {
         );
         // Private: writing the restored RAM leaves the file as it was.
         bm.write_obj(7u64, GuestAddress(0x1000)).unwrap();
-        let again = GuestRam::from_file(&path, ram.layout()).unwrap();
+        let again = GuestRam::from_file(&path, ram.layout(), Some(&seal)).unwrap();
+        // Another snapshot's seal: refused.
+        let e = GuestRam::from_file(&path, ram.layout(), Some(&[6u8; 16]))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("belongs to another snapshot"), "{e}");
         assert_eq!(
             again
                 .memory()
@@ -560,7 +591,9 @@ mod tests {
             .unwrap()
             .set_len(5 << 20)
             .unwrap();
-        let e = GuestRam::from_file(&path, ram.layout()).err().unwrap();
+        let e = GuestRam::from_file(&path, ram.layout(), None)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("too short"), "{e}");
         std::fs::remove_file(path).unwrap();
     }
@@ -617,4 +650,13 @@ mod tests {
         assert!(log.contains(0x10_2fff));
         assert!(!log.contains(0x10_1000));
     }
+}
+
+/// Where guest RAM ends in the memory file: the seal goes there.
+fn file_end(layout: &[RegionLayout]) -> u64 {
+    layout
+        .iter()
+        .map(|r| r.file_offset.saturating_add(r.size))
+        .max()
+        .unwrap_or(0)
 }

@@ -16,7 +16,9 @@ use crate::devices::virtio::net::Net;
 use crate::kvm::{KvmAcceleration, KvmError};
 use crate::memory::{DirtyLog, GuestRam, MemoryError};
 use crate::persist::vm::KvmVmState;
-use crate::persist::{write_state_file, MachineState, SnapshotPaths, StateFileError};
+use crate::persist::{
+    commit_state_file, write_state_file_uncommitted, MachineState, SnapshotPaths, StateFileError,
+};
 use crate::vcpu::{self, RunState, VcpuControl, VcpuRequest};
 
 pub use crate::devices::manager::{VirtioSlot, VIRTIO_FIRST_IRQ};
@@ -247,6 +249,7 @@ impl Vm {
             vm: KvmVmState::save(&self.vm_fd).map_err(VmError::Snapshot)?,
             vcpu_states,
             devices: self.devices.save(),
+            memory_seal: None,
         })
     }
 
@@ -291,18 +294,25 @@ impl Vm {
         paths: &SnapshotPaths,
         progress: &mut dyn FnMut(SnapshotProgress),
     ) -> Result<(u64, crate::memory::MemoryFileStats), VmError> {
-        let state = self.save_state()?;
-        // Memory to a new file, renamed into place: a running VM restored from the old file
-        // maps its inode, which must never change under it.
-        let tmp = paths.memory.with_extension("tmp");
-        let mem = self.ram.write_file(&tmp, &mut |done, total| {
-            progress(SnapshotProgress::Memory { done, total })
-        })?;
-        std::fs::rename(&tmp, &paths.memory).map_err(|source| MemoryError::File {
+        let mut state = self.save_state()?;
+        let mem_err = |source| MemoryError::File {
             path: paths.memory.display().to_string(),
             source,
+        };
+        let seal = crate::persist::new_memory_seal().map_err(mem_err)?;
+        state.memory_seal = Some(seal);
+        // Both files are written whole as temporaries before either is renamed, so a failure
+        // while writing leaves the previous pair as it was. Memory goes to a new file: a VM
+        // restored from the old one maps its inode, which must never change under it. The
+        // seal in both makes a pair that a crash between the renames would mix refuse to
+        // restore instead of running one snapshot's vCPUs on another's RAM.
+        let tmp = paths.memory.with_extension("tmp");
+        let mem = self.ram.write_file(&tmp, &seal, &mut |done, total| {
+            progress(SnapshotProgress::Memory { done, total })
         })?;
-        let state_bytes = write_state_file(&paths.state, &state)?;
+        let state_bytes = write_state_file_uncommitted(&paths.state, &state)?;
+        std::fs::rename(&tmp, &paths.memory).map_err(mem_err)?;
+        commit_state_file(&paths.state)?;
         Ok((state_bytes, mem))
     }
 

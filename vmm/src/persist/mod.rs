@@ -34,7 +34,7 @@ pub trait Persist: Sized {
 
 pub const STATE_MAGIC: [u8; 8] = *b"MVRTSTAT";
 /// Bumped whenever `MachineState`'s encoding changes; a restore refuses any other version.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 pub const VMM_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Far above any real state (a few KiB per vCPU): a length beyond it is corruption.
 const MAX_PAYLOAD: u64 = 64 << 20;
@@ -96,6 +96,45 @@ pub struct MachineState {
     pub vm: KvmVmState,
     pub vcpu_states: Vec<VcpuState>,
     pub devices: DevicesState,
+    /// A snapshot's memory file ends with this value after guest RAM (see `MemorySeal`):
+    /// a restore refuses a memory file from another snapshot. `None` in a migration stream,
+    /// which carries memory itself.
+    pub memory_seal: Option<MemorySeal>,
+}
+
+/// 16 random bytes that pair a snapshot's state file with its memory file. The two files are
+/// renamed into place one after the other, so a crash between the renames, or files copied
+/// from two snapshots, could otherwise pair one snapshot's memory with another's vCPU state.
+pub type MemorySeal = [u8; 16];
+
+/// A fresh seal (getrandom).
+pub fn new_memory_seal() -> std::io::Result<MemorySeal> {
+    let mut seal = [0u8; 16];
+    // SAFETY: getrandom writes at most `seal.len()` bytes into `seal`.
+    let n = unsafe { libc::getrandom(seal.as_mut_ptr().cast(), seal.len(), 0) };
+    if n != seal.len() as isize {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(seal)
+}
+
+/// Creates `path` for writing with mode 0600 (snapshot files hold guest RAM and device state,
+/// readable by nobody else), never through a symbolic link and never an existing file
+/// (`O_CREAT | O_EXCL | O_NOFOLLOW`). A stale temporary left by a crash is removed first; a
+/// link there is removed, not followed.
+pub fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -207,17 +246,33 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<MachineState, StateFileError>
 /// Writes the state file atomically: a temporary file, fsync, rename. A crash mid-write leaves
 /// the previous snapshot (if any) intact.
 pub fn write_state_file(path: &Path, state: &MachineState) -> Result<u64, StateFileError> {
+    let n = write_state_file_uncommitted(path, state)?;
+    commit_state_file(path)?;
+    Ok(n)
+}
+
+/// The first half of `write_state_file`: the temporary beside `path`, written and synced.
+pub fn write_state_file_uncommitted(
+    path: &Path,
+    state: &MachineState,
+) -> Result<u64, StateFileError> {
     let err = |source| StateFileError::Io {
         path: path.display().to_string(),
         source,
     };
     let bytes = encode(state);
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    let mut f = create_private(&path.with_extension("tmp")).map_err(err)?;
     f.write_all(&bytes).map_err(err)?;
     f.sync_all().map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)?;
     Ok(bytes.len() as u64)
+}
+
+/// The second half: the temporary renamed over `path`.
+pub fn commit_state_file(path: &Path) -> Result<(), StateFileError> {
+    std::fs::rename(path.with_extension("tmp"), path).map_err(|source| StateFileError::Io {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 pub fn read_state_file(path: &Path) -> Result<MachineState, StateFileError> {
@@ -325,6 +380,7 @@ mod tests {
                     },
                 }],
             },
+            memory_seal: Some([7; 16]),
         }
     }
 
