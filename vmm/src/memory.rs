@@ -512,6 +512,15 @@ impl DirtyLog {
     }
 }
 
+/// Where guest RAM ends in the memory file: the seal goes there.
+fn file_end(layout: &[RegionLayout]) -> u64 {
+    layout
+        .iter()
+        .map(|r| r.file_offset.saturating_add(r.size))
+        .max()
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -650,13 +659,4 @@ mod tests {
         assert!(log.contains(0x10_2fff));
         assert!(!log.contains(0x10_1000));
     }
-}
-
-/// Where guest RAM ends in the memory file: the seal goes there.
-fn file_end(layout: &[RegionLayout]) -> u64 {
-    layout
-        .iter()
-        .map(|r| r.file_offset.saturating_add(r.size))
-        .max()
-        .unwrap_or(0)
 }
