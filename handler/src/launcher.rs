@@ -94,6 +94,18 @@ fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd:
     Ok(fd)
 }
 
+/// Connects to the unix socket at `path`, which must lie below `root` with no symbolic link
+/// on the way (`open_socket_beneath`). Connecting through /proc/self/fd/N also keeps the path
+/// short: a socket path is limited to 107 bytes, and the kubelet's pods directory plus a Pod
+/// UID and the volume layout can be longer.
+pub async fn connect_unix_beneath(root: &Path, path: &Path) -> std::io::Result<UnixStream> {
+    let sock = open_socket_beneath(root, path)?;
+    let short = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&sock));
+    let stream = UnixStream::connect(&short).await;
+    drop(sock);
+    stream
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LauncherError {
     #[error("launcher socket {path}: {source}")]
@@ -148,16 +160,10 @@ impl LauncherClient {
             path: path.display().to_string(),
             source,
         };
-        // Connecting through /proc/self/fd/N also keeps the path short: a socket path is
-        // limited to 107 bytes, and the kubelet's pods directory plus a Pod UID and the volume
-        // layout can be longer.
-        let sock = open_socket_beneath(root, path).map_err(err)?;
-        let short = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&sock));
-        let stream = tokio::time::timeout(timeout, UnixStream::connect(&short))
+        let stream = tokio::time::timeout(timeout, connect_unix_beneath(root, path))
             .await
             .map_err(|_| LauncherError::Timeout(timeout))?
             .map_err(err)?;
-        drop(sock);
         Self::greet(stream, timeout).await
     }
 
@@ -196,10 +202,16 @@ impl LauncherClient {
     }
 
     pub async fn call(&mut self, r: &Request) -> Result<Response, LauncherError> {
+        self.send(r).await?;
+        self.next_answer().await
+    }
+
+    /// Sends a request without waiting for its answer (`next_answer` reads it).
+    pub async fn send(&mut self, r: &Request) -> Result<(), LauncherError> {
         let mut line = serde_json::to_string(r).expect("serializable");
         line.push('\n');
         self.writer.write_all(line.as_bytes()).await?;
-        self.next_answer().await
+        Ok(())
     }
 
     /// The next line the launcher sends (a streamed event, or the answer after them).

@@ -8,6 +8,7 @@ pub mod deviceplugin;
 pub mod launcher;
 pub mod metrics;
 pub mod migration;
+pub mod migration_proxy;
 pub mod network;
 pub mod sync;
 

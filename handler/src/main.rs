@@ -40,6 +40,10 @@ enum Command {
         /// Without it migration streams are plain TCP.
         #[arg(long)]
         migration_tls_dir: Option<PathBuf>,
+        /// The node address migration targets listen on and publish (the DaemonSet sets
+        /// POD_IP, the node's address on the host network). Without it: loopback only.
+        #[arg(long, env = "POD_IP")]
+        migration_address: Option<std::net::IpAddr>,
         /// Where the device nodes are looked for (tests).
         #[arg(long, default_value = "/", hide = true)]
         device_root: PathBuf,
@@ -64,9 +68,13 @@ async fn main() -> ExitCode {
             no_device_plugins,
             device_root,
             migration_tls_dir,
+            migration_address,
         } => {
             let migration_tls = match &migration_tls_dir {
-                Some(d) => match api::protocol::MigrationTls::from_dir(d) {
+                Some(d) => match api::protocol::MigrationTls::from_dir(d).and_then(|t| {
+                    handler::migration_proxy::NodeTls::new(&t)?;
+                    Ok(t)
+                }) {
                     Ok(t) => Some(t),
                     Err(e) => {
                         eprintln!("virt-handler: --migration-tls-dir: {e}");
@@ -104,6 +112,12 @@ async fn main() -> ExitCode {
             config.pods_dir = pods_dir;
             config.resync = std::time::Duration::from_secs(resync_seconds.max(1));
             config.migration_tls = migration_tls;
+            match migration_address {
+                Some(ip) => config.migration_ip = ip,
+                None => tracing::warn!(
+                    "no --migration-address (POD_IP): migration targets listen on loopback only"
+                ),
+            }
             handler::run(client, config, Some(listener)).await;
             ExitCode::SUCCESS
         }

@@ -99,12 +99,29 @@ pub async fn reconcile_target(
     let pod = Api::<Pod>::namespaced(ctx.client.clone(), &ns)
         .get(&pod_name)
         .await?;
-    let (Some(uid), Some(ip)) = (
+    let (Some(uid), Some(_ip)) = (
         pod.metadata.uid.clone(),
         pod.status.as_ref().and_then(|s| s.pod_ip.clone()),
     ) else {
         return Ok(Action::requeue(Duration::from_millis(500)));
     };
+    if !api::ownership::controlled_by_vmi(&pod.metadata, &vmi.uid().unwrap_or_default()) {
+        // A Pod the controller did not make for this VMI gets neither the VM nor a stream.
+        let why =
+            api::ownership::stranger_note(&pod_name, &vmi.name_any(), "the migration's targetPod");
+        tracing::warn!(vmi = %vmi.name_any(), "{why}");
+        edit_state(
+            &Api::namespaced(ctx.client.clone(), &ns),
+            &vmi.name_any(),
+            &muid,
+            |m| {
+                m.failed = Some(true);
+                m.failure_reason = Some(why.clone());
+            },
+        )
+        .await?;
+        return Ok(Action::await_change());
+    }
     let socket = socket_path(&ctx.config.pods_dir, &uid);
     if !socket.exists() {
         return Ok(Action::requeue(Duration::from_millis(500)));
@@ -142,22 +159,17 @@ pub async fn reconcile_target(
                     return Ok(Action::await_change());
                 }
             }
+            // The launcher receives on a socket in its own Pod; this handler listens on the
+            // node for the source node's handler and carries the stream to it.
             let listening = l
                 .call(&Request::PrepareMigrationTarget {
                     vmi: Box::new((*vmi).clone()),
-                    // A fixed port, which the masquerade NAT keeps for the launcher.
-                    listen: format!("0.0.0.0:{}", crate::network::MIGRATION_PORT),
-                    tls: ctx.config.migration_tls.clone(),
+                    listen: format!("unix:{MIGRATION_IN_SOCKET}"),
+                    tls: None,
                 })
                 .await?;
-            let port = match listening {
-                Response::MigrationListening { address } => address
-                    .rsplit(':')
-                    .next()
-                    .and_then(|p| p.parse::<u16>().ok())
-                    .ok_or_else(|| {
-                        crate::launcher::LauncherError::Garbage(format!("listening on {address:?}"))
-                    })?,
+            match listening {
+                Response::MigrationListening { .. } => {}
                 Response::Error { message } => {
                     edit_state(
                         &Api::namespaced(ctx.client.clone(), &ns),
@@ -178,7 +190,25 @@ pub async fn reconcile_target(
                     )
                 }
             };
-            let a = format!("{ip}:{port}");
+            let source_node = ms.source_node.clone().unwrap_or_default();
+            let vmi_name = vmi.name_any();
+            let served = crate::migration_proxy::serve_target(
+                ctx.config.migration_ip,
+                ctx.node_tls().map_err(crate::launcher::LauncherError::Refused)?,
+                source_node,
+                ctx.config.pods_dir.clone(),
+                socket.with_file_name(MIGRATION_IN_SOCKET),
+                TARGET_WAIT,
+                move |outcome| match outcome {
+                    Ok((sent, received)) => {
+                        tracing::info!(vmi = %vmi_name, sent, received, "migration stream carried in")
+                    }
+                    Err(e) => tracing::warn!(vmi = %vmi_name, "incoming migration stream: {e}"),
+                },
+            )
+            .await
+            .map_err(crate::launcher::LauncherError::Refused)?;
+            let a = served.to_string();
             ctx.legs
                 .incoming
                 .lock()
@@ -245,19 +275,14 @@ pub async fn source_leg(
     .await?;
     let socket = socket.to_path_buf();
     let opts = options(&ms);
-    let tls = ctx.config.migration_tls.clone();
+    let target_node = ms.target_node.clone().unwrap_or_default();
     let ctx = ctx.clone();
     let ns = vmi.namespace().unwrap_or_default();
     tokio::spawn(async move {
         let metrics = ctx.metrics.clone();
-        let outcome = migrate_out(
-            &ctx.config.pods_dir,
-            &socket,
-            &address,
-            opts,
-            tls,
-            &mut |p| metrics.record_migration(&ns, &name, Some(p)),
-        )
+        let outcome = migrate_out(&ctx, &socket, &address, &target_node, opts, &mut |p| {
+            metrics.record_migration(&ns, &name, Some(p))
+        })
         .await;
         match &outcome {
             // The VMI lives on the target node now: its figures are that handler's.
@@ -290,27 +315,66 @@ pub async fn source_leg(
     Ok(true)
 }
 
-/// Runs MigrateOut on the source launcher to its end.
+/// The socket a target launcher receives on, and the one a source launcher offers its
+/// stream on, in each Pod's sockets volume (`migration_proxy`).
+pub const MIGRATION_IN_SOCKET: &str = "migration-in.sock";
+/// How long a target handler waits for the source node's handler to connect.
+const TARGET_WAIT: Duration = Duration::from_secs(600);
+pub const MIGRATION_OUT_SOCKET: &str = "migration-out.sock";
+
+/// Runs MigrateOut on the source launcher to its end: the launcher offers its stream on its
+/// own Pod's socket, and this handler carries it to the target node's (`migration_proxy`).
 async fn migrate_out(
-    pods_dir: &std::path::Path,
+    ctx: &Arc<Context>,
     socket: &std::path::Path,
     address: &str,
+    target_node: &str,
     options: MigrationOptions,
-    tls: Option<api::protocol::MigrationTls>,
     progress: &mut (dyn FnMut(crate::metrics::MigrationSample) + Send),
 ) -> Result<(), String> {
+    let pods_dir = ctx.config.pods_dir.clone();
+    let tls = ctx.node_tls()?;
     // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
-    let mut l = LauncherClient::connect_beneath(pods_dir, socket, Duration::from_secs(3600))
+    let mut l = LauncherClient::connect_beneath(&pods_dir, socket, Duration::from_secs(3600))
         .await
         .map_err(|e| e.to_string())?;
-    let first = l
-        .call(&Request::MigrateOut {
-            target: address.to_string(),
-            options,
+    l.send(&Request::MigrateOut {
+        target: format!("listen:unix:{MIGRATION_OUT_SOCKET}"),
+        options,
+        tls: None,
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let out_socket = socket.with_file_name(MIGRATION_OUT_SOCKET);
+    let (address, target_node) = (address.to_string(), target_node.to_string());
+    let carrier = tokio::spawn(async move {
+        crate::migration_proxy::carry_source(
             tls,
-        })
+            &address,
+            &target_node,
+            &pods_dir,
+            &out_socket,
+            crate::migration_proxy::HANDSHAKE_DEADLINE * 6,
+        )
         .await
-        .map_err(|e| e.to_string())?;
+    });
+    let answered = follow_migrate_out(&mut l, progress).await;
+    let carried = carrier.await.map_err(|e| e.to_string())?;
+    match (answered, carried) {
+        (Ok(()), _) => Ok(()),
+        // The launcher's own reason first; the carrier's when the launcher only saw the
+        // stream end.
+        (Err(e), Err(c)) => Err(format!("{e} (carrying the stream: {c})")),
+        (Err(e), Ok(_)) => Err(e),
+    }
+}
+
+/// Reads MigrateOut's progress events and its final answer.
+async fn follow_migrate_out(
+    l: &mut LauncherClient,
+    progress: &mut (dyn FnMut(crate::metrics::MigrationSample) + Send),
+) -> Result<(), String> {
+    let first = l.next_answer().await.map_err(|e| e.to_string())?;
     let mut answer = first;
     loop {
         match answer {

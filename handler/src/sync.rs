@@ -28,8 +28,12 @@ pub struct HandlerConfig {
     pub launcher_timeout: Duration,
     pub retry_base: Duration,
     pub retry_max: Duration,
-    /// Mutual TLS for migration streams between nodes (the Secret in deploy/); None: plain.
+    /// Mutual TLS for migration streams between nodes: this node's own certificate (its name
+    /// as DNS name) and the cluster's CA; None: plain.
     pub migration_tls: Option<api::protocol::MigrationTls>,
+    /// The node address a migration target listens on and publishes (the handler's Pod IP,
+    /// which is the node's: it runs on the host network).
+    pub migration_ip: std::net::IpAddr,
 }
 
 impl HandlerConfig {
@@ -42,7 +46,19 @@ impl HandlerConfig {
             retry_base: Duration::from_millis(500),
             retry_max: Duration::from_secs(60),
             migration_tls: None,
+            migration_ip: std::net::Ipv4Addr::LOCALHOST.into(),
         }
+    }
+}
+
+impl Context {
+    /// This node's migration identity, when it has one.
+    pub fn node_tls(&self) -> Result<Option<crate::migration_proxy::NodeTls>, String> {
+        self.config
+            .migration_tls
+            .as_ref()
+            .map(crate::migration_proxy::NodeTls::new)
+            .transpose()
     }
 }
 

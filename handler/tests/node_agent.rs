@@ -132,6 +132,13 @@ fn start_handler_with(
         .args(["run", "--node-name", node, "--resync-seconds", "1"])
         .args(["--metrics-addr", "127.0.0.1:0", "--no-device-plugins"])
         .args(tls_dir.map(|d| format!("--migration-tls-dir={}", d.display())))
+        // Each node's handler its own address (node-N: 127.0.0.N) for migration streams.
+        .arg(format!(
+            "--migration-address=127.0.0.{}",
+            node.strip_prefix("node-")
+                .and_then(|n| n.parse::<u8>().ok())
+                .unwrap_or(1)
+        ))
         .arg("--pods-dir")
         .arg(pods_dir)
         .env("KUBECONFIG", &kubeconfig)
@@ -289,30 +296,6 @@ async fn handler_syncs_the_launcher_and_keeps_the_vmi_status_true() {
     let _ = std::fs::remove_dir_all(work);
 }
 
-/// ca.crt, tls.crt and tls.key for `MIGRATION_TLS_NAME`, as the deploy/ Secret holds them.
-fn write_migration_tls(dir: &Path) {
-    use rcgen::{
-        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    };
-    std::fs::create_dir_all(dir).unwrap();
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let mut p =
-        CertificateParams::new(vec![api::protocol::MIGRATION_TLS_NAME.to_string()]).unwrap();
-    p.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
-    let cert = p.signed_by(&key, &issuer).unwrap();
-    std::fs::write(dir.join("ca.crt"), ca.pem()).unwrap();
-    std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
-    std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
-}
-
 /// The kubelet reports the Pod's IP (the node namespace's address in these tests).
 async fn kubelet_pod_ip(cluster: &Cluster, pod: &str, ip: &str) {
     use kube::api::{Patch, PatchParams};
@@ -354,11 +337,11 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
     let source_uid = source.metadata.uid.clone().unwrap();
     let _l1 = start_launcher_in(Some(&n1.name), &pods_dir, &source_uid, &work);
-    // The handlers' migration Secret: a CA and a certificate for both ends.
-    let tls = work.join("tls");
-    write_migration_tls(&tls);
-    let _h1 = start_handler_with("node-1", &cluster, &pods_dir, &work, Some(&tls));
-    let _h2 = start_handler_with("node-2", &cluster, &pods_dir, &work, Some(&tls));
+    // Each node its own certificate (its name as DNS name) from the cluster's CA; node-3's is
+    // a real certificate of another node, which must not pass for node-1.
+    let tls = tests::tls::write_dirs(&work.join("tls"), &["node-1", "node-2", "node-3"]);
+    let _h1 = start_handler_with("node-1", &cluster, &pods_dir, &work, Some(&tls[0]));
+    let _h2 = start_handler_with("node-2", &cluster, &pods_dir, &work, Some(&tls[1]));
     eventually("VMI Running on node-1", Duration::from_secs(60), || async {
         let v = vmis.get("probe").await.unwrap();
         (v.status?.phase == Some(VmiPhase::Running)).then_some(())
@@ -376,6 +359,55 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     kubelet_pod_ip(&cluster, &target_name, "10.78.0.2").await;
     let target_uid = target.metadata.uid.clone().unwrap();
     let _l2 = start_launcher_in(Some(&n2.name), &pods_dir, &target_uid, &work);
+
+    // Attackers at the target handler's port as soon as it is published: one trickles bytes
+    // and never finishes a handshake, one shows node-3's certificate. Neither holds the
+    // migration up, and neither is taken for the source.
+    let address = eventually("the target's address", t, || async {
+        vmis.get("probe")
+            .await
+            .unwrap()
+            .status?
+            .migration_state?
+            .target_node_address
+    })
+    .await;
+    let trickler = {
+        let address = address.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            let Ok(mut s) = std::net::TcpStream::connect(&address) else {
+                return; // already closed: the source was first
+            };
+            for _ in 0..30 {
+                if s.write_all(&[0x16]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    let impostor = {
+        let address = address.clone();
+        let dir = tls[2].clone();
+        tokio::spawn(async move { impostor_handshake(&address, &dir).await })
+    };
+    // Nothing listens for migrations in the target Pod's network.
+    let pod_port = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &n1.name,
+            "bash",
+            "-c",
+            "exec 3<>/dev/tcp/10.78.0.2/49152",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !pod_port.status.success(),
+        "something listens on the target Pod's 49152"
+    );
 
     let migrations = cluster.api::<VirtualMachineInstanceMigration>();
     let done = eventually("the migration to end", Duration::from_secs(90), || async {
@@ -396,11 +428,13 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
         Some(MigrationPhase::Succeeded),
         "{ms:?}"
     );
+    // The address is node-2's handler's, never the target Pod's.
     assert_eq!(
         ms.target_node_address
             .as_deref()
-            .map(|a| a.starts_with("10.78.0.2:")),
-        Some(true)
+            .map(|a| a.starts_with("127.0.0.2:")),
+        Some(true),
+        "{ms:?}"
     );
     assert!(
         ms.start_timestamp.is_some() && ms.end_timestamp.is_some(),
@@ -428,8 +462,53 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
             .then_some(())
     })
     .await;
+    assert!(
+        impostor.await.unwrap().is_err(),
+        "node-3's certificate was taken for node-1's"
+    );
+    trickler.join().unwrap();
     drop((n1, n2));
     let _ = std::fs::remove_dir_all(work);
+}
+
+/// A TLS client with the certificate in `dir`, as another node would connect: Ok if the target
+/// handler kept the connection open for a migration stream after the handshake.
+async fn impostor_handshake(address: &str, dir: &Path) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tls = api::protocol::MigrationTls::from_dir(dir)?;
+    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut tls.ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let certs: Vec<_> = rustls_pemfile::certs(&mut tls.cert_pem.as_bytes())
+        .map(|c| c.unwrap())
+        .collect();
+    let key = rustls_pemfile::private_key(&mut tls.key_pem.as_bytes())
+        .unwrap()
+        .unwrap();
+    let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let cfg = tokio_rustls::rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs, key)
+        .unwrap();
+    let Ok(tcp) = tokio::net::TcpStream::connect(address).await else {
+        return Err("closed".into());
+    };
+    let name = tokio_rustls::rustls::pki_types::ServerName::try_from("node-2").unwrap();
+    let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    // TLS 1.3: a refused client certificate shows as the server closing on the first read.
+    let _ = s.write_all(b"x").await;
+    let mut b = [0u8; 1];
+    match tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await {
+        Ok(Ok(0)) | Ok(Err(_)) => Err("closed by the target handler".into()),
+        Ok(Ok(_)) => Ok(()),
+        Err(_) => Ok(()), // held open: taken for a source
+    }
 }
 
 /// The pod network end to end: the launcher runs in a Pod namespace (eth0 to a node

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
@@ -216,6 +216,9 @@ pub struct Daemon {
     inner: Mutex<Inner>,
     events: Mutex<Vec<Sender<Event>>>,
     console: Arc<Mutex<ConsoleHub>>,
+    /// The directory of the control socket (`listen`): in a Pod, its own sockets volume,
+    /// where the migration endpoints a node agent proxies are made.
+    socket_dir: std::sync::OnceLock<PathBuf>,
 }
 
 impl Daemon {
@@ -226,7 +229,25 @@ impl Daemon {
             inner: Mutex::default(),
             events: Mutex::default(),
             console: Arc::default(),
+            socket_dir: Default::default(),
         })
+    }
+
+    /// A migration endpoint in this launcher's own sockets directory: `unix:NAME`, NAME a
+    /// plain file name. Returns the socket's path, or None for any other address.
+    fn pod_endpoint(&self, address: &str) -> Option<Result<PathBuf, String>> {
+        let name = address.strip_prefix("unix:")?;
+        if name.contains('/') {
+            return None;
+        }
+        if name.is_empty() || name == "." || name == ".." {
+            return Some(Err(format!("{address:?}: not a socket name")));
+        }
+        Some(
+            self.socket_dir.get().map(|d| d.join(name)).ok_or_else(|| {
+                format!("{address:?}: this launcher has no control socket directory")
+            }),
+        )
     }
 
     /// Waits (at most `timeout`) until no request is being answered.
@@ -408,11 +429,15 @@ impl Daemon {
 
     /// The target side of a live migration: listens on `listen` for one source and, once the
     /// VM has arrived, runs it as if it had been Synced here.
+    ///
+    /// `listen` as `unix:NAME` is a socket in this launcher's sockets directory (a node agent
+    /// proxies the stream to it): only the requester's user may connect to it.
     fn migrate_in(
         self: &Arc<Self>,
         vmi: VirtualMachineInstance,
         listen: &str,
         tls: Option<MigrationTls>,
+        requester: Option<u32>,
     ) -> Result<String, String> {
         {
             let g = self.inner.lock().unwrap();
@@ -420,8 +445,13 @@ impl Daemon {
                 return Err("this launcher already has a VM (or awaits one)".into());
             }
         }
+        let (listen, only_uid) = match self.pod_endpoint(listen) {
+            Some(path) => (format!("unix:{}", path?.display()), requester),
+            None => (listen.to_string(), None),
+        };
         let p = self.prepare(vmi)?;
-        let listener = match crate::migration_link::MigrationListener::bind(listen) {
+        let listener = match crate::migration_link::MigrationListener::bind(&listen, tls.is_some())
+        {
             Ok(l) => l,
             Err(e) => {
                 p.discard();
@@ -433,7 +463,7 @@ impl Daemon {
         let me = self.clone();
         std::thread::spawn(move || {
             let arrived = listener
-                .accept(tls.as_ref())
+                .accept_from(tls.as_ref(), only_uid)
                 .and_then(|mut s| Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string()));
             drop(listener);
             me.inner.lock().unwrap().awaiting_migration = false;
@@ -454,11 +484,16 @@ impl Daemon {
 
     /// The source side: streams progress to `progress` and event listeners; the VM ends as
     /// migrated on success and keeps running on failure.
+    ///
+    /// `address` as `listen:unix:NAME`: the stream is offered on a socket in this launcher's
+    /// sockets directory, for the node agent (the requester's user only) to take within
+    /// `LINK_TIMEOUT` and carry to the target; the launcher itself reaches no network.
     fn migrate_out(
         &self,
         address: &str,
         options: &MigrationOptions,
         tls: Option<&MigrationTls>,
+        requester: Option<u32>,
         progress: &mut dyn FnMut(Event),
     ) -> Result<MigrationReport, String> {
         options.validate()?;
@@ -473,7 +508,22 @@ impl Daemon {
         }
         let mut paused_on_source = false;
         let result = (|| {
-            let mut stream = crate::migration_link::connect(address, tls)?;
+            let mut stream = match address.strip_prefix("listen:") {
+                Some(_) if tls.is_some() => {
+                    return Err("listen: hands the stream to the node agent, which holds the migration keys: tls is not taken with it".into())
+                }
+                Some(endpoint) => {
+                    let path = self
+                        .pod_endpoint(endpoint)
+                        .unwrap_or_else(|| Err(format!("{address:?}: listen: takes unix:NAME")))?;
+                    let l = crate::migration_link::MigrationListener::bind(
+                        &format!("unix:{}", path.display()),
+                        tls.is_some(),
+                    )?;
+                    l.accept_within(None, requester, crate::migration_link::LINK_TIMEOUT)?
+                }
+                None => crate::migration_link::connect(address, tls)?,
+            };
             vm.migrate_out(&mut stream, &config, &mut |p| {
                 let e = Event::MigrationProgress {
                     phase: p.phase.to_string(),
@@ -695,7 +745,8 @@ impl Daemon {
         Ok(())
     }
 
-    fn handle(self: &Arc<Self>, req: Request) -> Response {
+    /// Answers one request from a peer running as `requester` (SO_PEERCRED).
+    fn handle(self: &Arc<Self>, req: Request, requester: Option<u32>) -> Response {
         let ok = |r: Result<(), String>| {
             r.map_or_else(|message| Response::Error { message }, |_| Response::Ok)
         };
@@ -721,7 +772,7 @@ impl Daemon {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
             Request::PrepareMigrationTarget { vmi, listen, tls } => {
-                match self.migrate_in(*vmi, &listen, tls) {
+                match self.migrate_in(*vmi, &listen, tls, requester) {
                     Ok(address) => Response::MigrationListening { address },
                     Err(message) => Response::Error { message },
                 }
@@ -750,6 +801,7 @@ impl Daemon {
 
     /// Serves one client connection.
     pub fn serve_connection(self: &Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
+        let requester = peer_uid(&stream).ok();
         let mut out = stream.try_clone()?;
         let mut reader = BufReader::new(FdReader {
             stream,
@@ -882,9 +934,10 @@ impl Daemon {
                     tls,
                 } => {
                     let mut sink = out.try_clone()?;
-                    let r = self.migrate_out(&target, &options, tls.as_ref(), &mut |e| {
-                        let _ = send(&mut sink, &Response::Event(e));
-                    });
+                    let r =
+                        self.migrate_out(&target, &options, tls.as_ref(), requester, &mut |e| {
+                            let _ = send(&mut sink, &Response::Event(e));
+                        });
                     send(
                         &mut out,
                         &r.map_or_else(|message| Response::Error { message }, Response::Migration),
@@ -905,7 +958,7 @@ impl Daemon {
                     )?;
                 }
                 other => {
-                    let r = self.handle(other);
+                    let r = self.handle(other, requester);
                     send(&mut out, &r)?;
                 }
             }
@@ -941,7 +994,7 @@ impl Drop for InFlight<'_> {
 
 /// The user of the process at the other end of `stream` (`SO_PEERCRED`, as the kernel
 /// recorded it at connect time: the peer cannot lie about it).
-fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+pub(crate) fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: u32::MAX,
@@ -967,12 +1020,10 @@ fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
 /// Accepts connections on `socket` until the process exits.
 pub fn listen(daemon: Arc<Daemon>, socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
-    // A socket path is limited to 107 bytes; bound through the directory's descriptor
-    // (/proc/self/fd/N/NAME) any path works, as it does for virt-handler's connect.
-    let dir = std::fs::File::open(socket.parent().unwrap_or(Path::new(".")))?;
-    let name = socket.file_name().unwrap_or_default().to_string_lossy();
-    let listener = UnixListener::bind(format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))?;
-    drop(dir);
+    let listener = crate::migration_link::bind_unix(socket)?;
+    if let Some(parent) = socket.parent() {
+        let _ = daemon.socket_dir.set(parent.to_path_buf());
+    }
     std::thread::spawn(move || {
         for stream in listener.incoming().flatten() {
             // Only the launcher's own user and root (virt-handler) may drive it.

@@ -638,10 +638,11 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
         Start::Boot => Vm::build(&config),
         Start::Restore(paths) => Vm::restore(&config, paths),
         Start::Receive(listen, tls) => {
-            let listener = match launcher::migration_link::MigrationListener::bind(listen) {
-                Ok(l) => l,
-                Err(e) => return bad_config(format!("--incoming: {e}")),
-            };
+            let listener =
+                match launcher::migration_link::MigrationListener::bind(listen, tls.is_some()) {
+                    Ok(l) => l,
+                    Err(e) => return bad_config(format!("--incoming: {e}")),
+                };
             eprintln!(
                 "virt-launcher: waiting for a live migration on {}",
                 listener.address()
@@ -828,6 +829,7 @@ fn migrate(args: MigrateArgs) -> ExitCode {
     if let Err(e) = args
         .to
         .parse::<launcher::migration_link::MigrationAddress>()
+        .and_then(|a| a.check_plain(tls.is_some()))
     {
         return bad_config(format!("--to {e}"));
     }

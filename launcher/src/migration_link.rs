@@ -60,13 +60,40 @@ pub enum MigrationListener {
     Unix(UnixListener, PathBuf),
 }
 
+impl MigrationAddress {
+    /// Plain TCP carries guest memory readable to anyone on the path and accepts whoever
+    /// connects first: only on loopback. Any other TCP address needs mutual TLS.
+    pub fn check_plain(&self, tls: bool) -> Result<(), String> {
+        let MigrationAddress::Tcp(a) = self else {
+            return Ok(());
+        };
+        if tls {
+            return Ok(());
+        }
+        let host = a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h);
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let loopback = host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if loopback {
+            Ok(())
+        } else {
+            Err(format!("{a}: plain TCP is accepted on loopback only; off this machine a migration needs mutual TLS (--tls-dir), or a unix: socket"))
+        }
+    }
+}
+
 impl MigrationListener {
-    pub fn bind(address: &str) -> Result<MigrationListener, String> {
-        match address.parse::<MigrationAddress>()? {
+    /// Binds `address`; a TCP address off loopback only with `tls` (see `check_plain`).
+    pub fn bind(address: &str, tls: bool) -> Result<MigrationListener, String> {
+        let parsed = address.parse::<MigrationAddress>()?;
+        parsed.check_plain(tls)?;
+        match parsed {
             MigrationAddress::Tcp(a) => TcpListener::bind(&a)
                 .map(MigrationListener::Tcp)
                 .map_err(|e| format!("cannot listen on {a}: {e}")),
-            MigrationAddress::Unix(p) => UnixListener::bind(&p)
+            MigrationAddress::Unix(p) => bind_unix(&p)
                 .map(|l| MigrationListener::Unix(l, p.clone()))
                 .map_err(|e| format!("cannot listen on unix:{}: {e}", p.display())),
         }
@@ -85,6 +112,80 @@ impl MigrationListener {
 
     /// Waits for the source and returns its stream (TLS when `tls` is given).
     pub fn accept(&self, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+        self.accept_from(tls, None)
+    }
+
+    /// `accept`; on a unix socket with `only_uid`, a connection from another user is closed
+    /// unread and the wait goes on (a node agent proxies the stream as root; a tenant's
+    /// process in the same Pod must not feed or take a migration).
+    pub fn accept_from(
+        &self,
+        tls: Option<&MigrationTls>,
+        only_uid: Option<u32>,
+    ) -> Result<Box<dyn Duplex>, String> {
+        if let (MigrationListener::Unix(l, p), Some(uid)) = (self, only_uid) {
+            loop {
+                let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+                match crate::daemon::peer_uid(&s) {
+                    Ok(peer) if peer == uid => {
+                        tracing::info!(path = %p.display(), "incoming migration");
+                        set_timeouts_unix(&s)?;
+                        return migration_tls::server(s, tls);
+                    }
+                    Ok(peer) => {
+                        tracing::warn!(
+                            peer,
+                            expected = uid,
+                            "migration connection from another user closed"
+                        )
+                    }
+                    Err(e) => tracing::warn!("migration connection: SO_PEERCRED: {e}"),
+                }
+            }
+        }
+        self.accept_any(tls)
+    }
+
+    /// `accept_from` on a unix socket, giving up after `within` (a node agent that never
+    /// comes must not keep the VM waiting to migrate).
+    pub fn accept_within(
+        &self,
+        tls: Option<&MigrationTls>,
+        only_uid: Option<u32>,
+        within: Duration,
+    ) -> Result<Box<dyn Duplex>, String> {
+        let MigrationListener::Unix(l, p) = self else {
+            return self.accept_from(tls, only_uid);
+        };
+        l.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            match l.accept() {
+                Ok((s, _)) => {
+                    let peer = crate::daemon::peer_uid(&s).map_err(|e| e.to_string())?;
+                    if only_uid.is_some_and(|u| u != peer) {
+                        tracing::warn!(peer, "migration connection from another user closed");
+                        continue;
+                    }
+                    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                    set_timeouts_unix(&s)?;
+                    return migration_tls::server(s, tls);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if std::time::Instant::now() >= deadline {
+                        return Err(format!(
+                            "nobody took the migration stream at unix:{} within {within:?}",
+                            p.display()
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(format!("accept: {e}")),
+            }
+        }
+    }
+
+    fn accept_any(&self, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
         match self {
             MigrationListener::Tcp(l) => {
                 let (s, peer) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -111,6 +212,27 @@ impl Drop for MigrationListener {
     }
 }
 
+/// A unix socket path is limited to 107 bytes; through its directory's descriptor
+/// (/proc/self/fd/N/NAME) any path works (a Pod's sockets volume under the kubelet's pods
+/// directory is longer).
+fn via_dir<T>(
+    path: &std::path::Path,
+    f: impl FnOnce(&str) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    use std::os::fd::AsRawFd;
+    let dir = std::fs::File::open(path.parent().unwrap_or(std::path::Path::new(".")))?;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    f(&format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))
+}
+
+pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
+    via_dir(path, |p| UnixListener::bind(p))
+}
+
+pub fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
+    via_dir(path, |p| UnixStream::connect(p))
+}
+
 fn set_timeouts_tcp(s: &TcpStream) -> Result<(), String> {
     s.set_read_timeout(Some(LINK_TIMEOUT))
         .and_then(|()| s.set_write_timeout(Some(LINK_TIMEOUT)))
@@ -123,9 +245,11 @@ fn set_timeouts_unix(s: &UnixStream) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Connects to a target's listener.
+/// Connects to a target's listener (a TCP address off loopback only with `tls`).
 pub fn connect(address: &str, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
-    match address.parse::<MigrationAddress>()? {
+    let parsed = address.parse::<MigrationAddress>()?;
+    parsed.check_plain(tls.is_some())?;
+    match parsed {
         MigrationAddress::Tcp(a) => {
             let addr = a
                 .to_socket_addrs()
@@ -140,7 +264,7 @@ pub fn connect(address: &str, tls: Option<&MigrationTls>) -> Result<Box<dyn Dupl
             migration_tls::client(s, tls)
         }
         MigrationAddress::Unix(p) => {
-            let s = UnixStream::connect(&p).map_err(|e| {
+            let s = connect_unix(&p).map_err(|e| {
                 format!(
                     "cannot reach the migration target at unix:{}: {e} (is it waiting?)",
                     p.display()
@@ -171,6 +295,25 @@ mod tests {
             ),
         ] {
             assert_eq!(s.parse::<MigrationAddress>().unwrap(), want, "{s}");
+        }
+        for (a, tls, ok) in [
+            ("127.0.0.1:4000", false, true),
+            ("localhost:4000", false, true),
+            ("[::1]:4000", false, true),
+            ("0.0.0.0:49152", false, false),
+            ("10.0.0.2:4000", false, false),
+            ("node-2.example:4000", false, false),
+            ("10.0.0.2:4000", true, true),
+            ("unix:/run/m.sock", false, true),
+        ] {
+            let r = a.parse::<MigrationAddress>().unwrap().check_plain(tls);
+            assert_eq!(r.is_ok(), ok, "{a} tls={tls}: {r:?}");
+            if let Err(e) = r {
+                assert!(
+                    e.contains("loopback only") && e.contains("--tls-dir"),
+                    "{e}"
+                );
+            }
         }
         for bad in ["unix:", "localhost", "tcp:host:port", ":80", "tcp:h:70000"] {
             let e = bad.parse::<MigrationAddress>().unwrap_err();

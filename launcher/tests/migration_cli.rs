@@ -109,7 +109,20 @@ fn migrate_between_two_node_namespaces() {
     let (ca, cb) = (dir.join("a.log"), dir.join("b.log"));
     let (ca_s, cb_s) = (ca.display().to_string(), cb.display().to_string());
     let socket = dir.join("a.sock");
-    let mut target = in_ns(&n.b, &["run", "--incoming", "tcp:10.77.0.2:7301"])
+    // Between two machines plain TCP is refused: both ends take the certificates.
+    let tls = tests::tls::write_dirs(&dir, &[api::protocol::MIGRATION_TLS_NAME]).remove(0);
+    let tls_arg = format!("--tls-dir={}", tls.display());
+    let plain = in_ns(&n.b, &["run", "--incoming", "tcp:10.77.0.2:7301"])
+        .args(vm_args(&probe, &cb_s))
+        .output()
+        .unwrap();
+    assert_eq!(plain.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&plain.stderr);
+    assert!(
+        said.contains("plain TCP is accepted on loopback only"),
+        "{said}"
+    );
+    let mut target = in_ns(&n.b, &["run", "--incoming", "tcp:10.77.0.2:7301", &tls_arg])
         .args(vm_args(&probe, &cb_s))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -127,7 +140,7 @@ fn migrate_between_two_node_namespaces() {
         &n.a,
         &["migrate", "--socket", &socket.display().to_string()],
     )
-    .args(["--to", "10.77.0.2:7301"])
+    .args(["--to", "10.77.0.2:7301", &tls_arg])
     .output()
     .unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
@@ -168,7 +181,9 @@ fn a_refused_migration_keeps_the_vm_on_its_node() {
     // The target was prepared for a different machine (1 vCPU).
     let mut args_b = vm_args(&probe, &cb_s);
     args_b[5] = "1";
-    let mut target = in_ns(&n.b, &["run", "--incoming", "10.77.0.2:7302"])
+    let tls = tests::tls::write_dirs(&dir, &[api::protocol::MIGRATION_TLS_NAME]).remove(0);
+    let tls_arg = format!("--tls-dir={}", tls.display());
+    let mut target = in_ns(&n.b, &["run", "--incoming", "10.77.0.2:7302", &tls_arg])
         .args(args_b)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -186,7 +201,7 @@ fn a_refused_migration_keeps_the_vm_on_its_node() {
         &n.a,
         &["migrate", "--socket", &socket.display().to_string()],
     )
-    .args(["--to", "10.77.0.2:7302"])
+    .args(["--to", "10.77.0.2:7302", &tls_arg])
     .output()
     .unwrap();
     let said = String::from_utf8_lossy(&out.stderr);

@@ -6,6 +6,7 @@ pub mod apiserver;
 pub mod cluster;
 pub mod discovery;
 pub mod rbac;
+pub mod tls;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

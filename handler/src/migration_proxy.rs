@@ -1,0 +1,227 @@
+//! Migrations between nodes are carried by the node agents, as KubeVirt's migration proxy
+//! carries them: source Pod's unix socket ↔ source virt-handler ↔ mutual TLS ↔ target
+//! virt-handler ↔ target Pod's unix socket. Launchers never listen on the Pod network and never
+//! hold a key: a tenant can exec into its own launcher Pod, so anything there is the tenant's.
+//!
+//! Each node has its own certificate, signed by the cluster's CA, with the node's name as its
+//! DNS name; each end checks that the peer is the node the migration names (the target
+//! checks the client against `sourceNode`, the source the server against `targetNode`), so one
+//! node's key cannot pose as another. A target accepts connections until one authenticates,
+//! each TLS handshake within `HANDSHAKE_DEADLINE`, the whole wait within the caller's
+//! deadline: a stranger that connects and trickles bytes holds nothing up.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::protocol::MigrationTls;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+/// How long a peer has to finish the TLS handshake (and show its certificate).
+pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// This node's migration identity: its certificate and key, and the CA every node's is signed
+/// by (`--migration-tls-dir`). Held by virt-handler only.
+#[derive(Clone)]
+pub struct NodeTls {
+    server: Arc<rustls::ServerConfig>,
+    client: Arc<rustls::ClientConfig>,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn certs(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+    rustls_pemfile::certs(&mut pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("certificate: {e}"))
+}
+
+fn key(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
+    rustls_pemfile::private_key(&mut pem.as_bytes())
+        .map_err(|e| format!("key: {e}"))?
+        .ok_or_else(|| "key: no private key in the PEM".to_string())
+}
+
+impl NodeTls {
+    pub fn new(tls: &MigrationTls) -> Result<NodeTls, String> {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in certs(&tls.ca_pem)? {
+            roots.add(c).map_err(|e| format!("CA: {e}"))?;
+        }
+        let roots = Arc::new(roots);
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+                .build()
+                .map_err(|e| format!("client verifier: {e}"))?;
+        let server = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+            .map_err(|e| format!("certificate: {e}"))?;
+        let client = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+            .map_err(|e| format!("certificate: {e}"))?;
+        Ok(NodeTls {
+            server: Arc::new(server),
+            client: Arc::new(client),
+        })
+    }
+}
+
+fn node_name(node: &str) -> Result<ServerName<'static>, String> {
+    ServerName::try_from(node.to_string())
+        .map_err(|_| format!("node name {node:?} is not a DNS name a certificate can carry"))
+}
+
+/// True when the client certificate of `conn` is issued for `node` (its DNS name).
+fn peer_is_node(conn: &rustls::ServerConnection, node: &ServerName<'_>) -> bool {
+    let Some(cert) = conn.peer_certificates().and_then(|c| c.first()) else {
+        return false;
+    };
+    webpki::EndEntityCert::try_from(cert)
+        .is_ok_and(|c| c.verify_is_valid_for_subject_name(node).is_ok())
+}
+
+/// Connects to a launcher's migration socket below the pods directory, links refused
+/// (`launcher::open_socket_beneath`), retrying until it exists or `within` has passed.
+async fn connect_launcher(
+    pods_dir: &Path,
+    socket: &Path,
+    within: Duration,
+) -> Result<tokio::net::UnixStream, String> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match crate::launcher::connect_unix_beneath(pods_dir, socket).await {
+            Ok(s) => return Ok(s),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("{}: {e}", socket.display()))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+async fn pipe<A, B>(mut a: A, mut b: B) -> Result<(u64, u64), String>
+where
+    A: AsyncRead + AsyncWrite + Unpin,
+    B: AsyncRead + AsyncWrite + Unpin,
+{
+    tokio::io::copy_bidirectional(&mut a, &mut b)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The target side: listens on `ip` (port chosen by the kernel) and returns the address to
+/// publish; then, in the background, takes the first connection that authenticates as
+/// `source_node` (or, without TLS, the first connection) within `deadline` and pipes it to the
+/// target launcher's socket `socket` below `pods_dir`. `done` gets the outcome.
+pub async fn serve_target(
+    ip: IpAddr,
+    tls: Option<NodeTls>,
+    source_node: String,
+    pods_dir: PathBuf,
+    socket: PathBuf,
+    deadline: Duration,
+    done: impl FnOnce(Result<(u64, u64), String>) + Send + 'static,
+) -> Result<SocketAddr, String> {
+    let expected = node_name(&source_node)?;
+    let listener = TcpListener::bind((ip, 0))
+        .await
+        .map_err(|e| format!("cannot listen for the migration on {ip}: {e}"))?;
+    let address = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        // Handshakes run side by side: a peer that trickles its handshake delays nobody else.
+        let (won, mut winner) = tokio::sync::mpsc::channel::<Box<dyn Stream>>(1);
+        let accepted = tokio::time::timeout(deadline, async {
+            loop {
+                tokio::select! {
+                    Some(s) = winner.recv() => return Ok::<_, String>(s),
+                    a = listener.accept() => {
+                        let (tcp, peer) = a.map_err(|e| e.to_string())?;
+                        let _ = tcp.set_nodelay(true);
+                        let Some(tls) = &tls else {
+                            return Ok(Box::new(tcp) as Box<dyn Stream>);
+                        };
+                        let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
+                        let (won, expected, source_node) = (won.clone(), expected.clone(), source_node.clone());
+                        tokio::spawn(async move {
+                            match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(tcp)).await {
+                                Ok(Ok(s)) if peer_is_node(s.get_ref().1, &expected) => {
+                                    tracing::info!(%peer, node = %source_node, "migration source authenticated");
+                                    let _ = won.try_send(Box::new(s));
+                                }
+                                Ok(Ok(_)) => tracing::warn!(%peer, "migration connection refused: its certificate is not {source_node:?}'s"),
+                                Ok(Err(e)) => tracing::warn!(%peer, "migration connection refused: {e}"),
+                                Err(_) => tracing::warn!(%peer, "migration connection dropped: no TLS handshake within {HANDSHAKE_DEADLINE:?}"),
+                            }
+                        });
+                    }
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(format!(
+                "no source authenticated as {source_node:?} within {deadline:?}"
+            ))
+        });
+        drop(listener);
+        let outcome = match accepted {
+            Ok(remote) => match connect_launcher(&pods_dir, &socket, HANDSHAKE_DEADLINE).await {
+                Ok(local) => pipe(remote, local).await,
+                Err(e) => Err(format!("the target launcher's migration socket: {e}")),
+            },
+            Err(e) => Err(e),
+        };
+        done(outcome);
+    });
+    Ok(address)
+}
+
+/// The source side: takes the stream the source launcher offers on `socket` (below
+/// `pods_dir`) and carries it to the target node's handler at `target`, whose certificate
+/// must be `target_node`'s.
+pub async fn carry_source(
+    tls: Option<NodeTls>,
+    target: &str,
+    target_node: &str,
+    pods_dir: &Path,
+    socket: &Path,
+    within: Duration,
+) -> Result<(u64, u64), String> {
+    let name = node_name(target_node)?;
+    let local = connect_launcher(pods_dir, socket, within).await?;
+    let tcp = tokio::time::timeout(HANDSHAKE_DEADLINE, TcpStream::connect(target))
+        .await
+        .map_err(|_| format!("the target node's handler at {target} did not answer"))?
+        .map_err(|e| format!("cannot reach the target node's handler at {target}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    match tls {
+        None => pipe(local, tcp).await,
+        Some(tls) => {
+            let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+            let remote = tokio::time::timeout(HANDSHAKE_DEADLINE, connector.connect(name, tcp))
+                .await
+                .map_err(|_| {
+                    format!("no TLS handshake with {target} within {HANDSHAKE_DEADLINE:?}")
+                })?
+                .map_err(|e| {
+                    format!("TLS with the target node {target_node:?} at {target}: {e}")
+                })?;
+            pipe(local, remote).await
+        }
+    }
+}
+
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
