@@ -19,13 +19,109 @@ use vmm::{SerialInput, SerialOutput, Vm, VmEnd};
 use crate::translate::{translate, Environment};
 
 /// Console output fan-out to every attached client, with recent history for late attachers.
+///
+/// The guest's serial writes arrive on a vCPU thread, which must never wait for a client: each
+/// write only appends to every client's bounded backlog and wakes the drain thread, which sends
+/// what each socket takes without blocking (`MSG_DONTWAIT`). A client that reads too slowly
+/// loses its oldest bytes and is told how many; a client that is gone is dropped.
 #[derive(Default)]
 pub struct ConsoleHub {
-    clients: Vec<UnixStream>,
+    clients: Vec<ConsoleClient>,
     history: Vec<u8>,
+    wake: Arc<std::sync::Condvar>,
+    draining: bool,
 }
 
 const HISTORY: usize = 64 * 1024;
+/// Console bytes held for one client that has not read them yet.
+const CLIENT_BACKLOG: usize = 256 * 1024;
+
+struct ConsoleClient {
+    stream: UnixStream,
+    pending: VecDeque<u8>,
+    dropped: u64,
+}
+
+impl ConsoleClient {
+    fn queue(&mut self, bytes: &[u8]) {
+        self.pending.extend(bytes);
+        if self.pending.len() > CLIENT_BACKLOG {
+            let cut = self.pending.len() - CLIENT_BACKLOG;
+            self.pending.drain(..cut);
+            self.dropped += cut as u64;
+        }
+    }
+
+    /// Sends what the socket takes now; an error when the client is gone.
+    fn drain(&mut self) -> std::io::Result<()> {
+        if self.dropped > 0 {
+            let notice = format!(
+                "\r\n[microvirt: {} bytes of console output were dropped: this client read too slowly]\r\n",
+                self.dropped
+            );
+            for b in notice.bytes().rev() {
+                self.pending.push_front(b);
+            }
+            self.dropped = 0;
+        }
+        while !self.pending.is_empty() {
+            let (front, _) = self.pending.as_slices();
+            // SAFETY: send reads at most `front.len()` bytes from `front`.
+            let n = unsafe {
+                libc::send(
+                    self.stream.as_raw_fd(),
+                    front.as_ptr().cast(),
+                    front.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                return match e.kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Ok(()),
+                    _ => Err(e),
+                };
+            }
+            self.pending.drain(..n as usize);
+        }
+        Ok(())
+    }
+}
+
+impl ConsoleHub {
+    /// Adds a client (it first gets the history) and starts the drain thread once.
+    pub fn attach(hub: &Arc<Mutex<ConsoleHub>>, stream: UnixStream) {
+        let mut h = hub.lock().unwrap();
+        let mut c = ConsoleClient {
+            stream,
+            pending: VecDeque::new(),
+            dropped: 0,
+        };
+        c.queue(&h.history);
+        h.clients.push(c);
+        h.wake.notify_one();
+        if !h.draining {
+            h.draining = true;
+            let hub = hub.clone();
+            std::thread::spawn(move || drain_console(&hub));
+        }
+    }
+}
+
+fn drain_console(hub: &Mutex<ConsoleHub>) {
+    let mut h = hub.lock().unwrap();
+    loop {
+        h.clients.retain_mut(|c| c.drain().is_ok());
+        let wake = h.wake.clone();
+        // A client that could not take everything is retried shortly; otherwise sleep until
+        // the guest writes again.
+        h = if h.clients.iter().any(|c| !c.pending.is_empty()) {
+            wake.wait_timeout(h, Duration::from_millis(10)).unwrap().0
+        } else {
+            wake.wait(h).unwrap()
+        };
+    }
+}
 
 impl Write for ConsoleHub {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -34,8 +130,12 @@ impl Write for ConsoleHub {
             let cut = self.history.len() - HISTORY;
             self.history.drain(..cut);
         }
-        // A client that went away is dropped; it never stalls the guest.
-        self.clients.retain_mut(|c| c.write_all(buf).is_ok());
+        for c in &mut self.clients {
+            c.queue(buf);
+        }
+        if !self.clients.is_empty() {
+            self.wake.notify_one();
+        }
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -757,10 +857,11 @@ impl Daemon {
             Request::Ping => Response::Pong,
             Request::Status => Response::Status(Box::new(self.status())),
             Request::Sync { vmi } => ok(self.sync(*vmi)),
-            Request::Pause => ok(self.vm().map(|vm| {
-                vm.pause();
+            Request::Pause => ok(self.vm().and_then(|vm| {
+                vm.pause().map_err(|e| e.to_string())?;
                 self.inner.lock().unwrap().paused = true;
                 self.emit(Event::Paused);
+                Ok(())
             })),
             Request::Resume => ok(self.vm().map(|vm| {
                 vm.resume();
@@ -866,11 +967,7 @@ impl Daemon {
             match req {
                 Request::Console => {
                     send(&mut out, &Response::Ok)?;
-                    let mut hub = self.console.lock().unwrap();
-                    let history = hub.history.clone();
-                    out.write_all(&history)?;
-                    hub.clients.push(out.try_clone()?);
-                    drop(hub);
+                    ConsoleHub::attach(&self.console, out.try_clone()?);
                     // From now on the client's bytes are console input.
                     let mut buf = [0u8; 1024];
                     loop {

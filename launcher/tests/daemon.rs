@@ -103,12 +103,14 @@ impl Client {
     }
 }
 
+/// A VMI booting the probe with `test` (the test's name, then any `probe.*` parameters).
 fn probe_vmi(test: &str, grace: i64) -> api::VirtualMachineInstance {
+    let name = test.split(' ').next().unwrap_or(test);
     serde_yaml::from_str(&format!(
         r#"
 apiVersion: kubevirt.io/v1
 kind: VirtualMachineInstance
-metadata: {{name: probe-{test}}}
+metadata: {{name: probe-{name}}}
 spec:
   terminationGracePeriodSeconds: {grace}
   domain:
@@ -382,16 +384,7 @@ fn migrate_in_and_out_between_two_daemons() {
     let a = Launcher::start("mig-a");
     let b = Launcher::start("mig-b");
     let mut ca = a.client();
-    let mut vmi = probe_vmi("dirty", 30);
-    if let Some(k) = vmi
-        .spec
-        .domain
-        .firmware
-        .as_mut()
-        .and_then(|f| f.kernel_boot.as_mut())
-    {
-        k.kernel_args = Some("console=ttyS0 probe.test=dirty probe.passes=150".into());
-    }
+    let vmi = probe_vmi("dirty probe.passes=150", 30);
     assert_eq!(
         ca.call(Request::Sync {
             vmi: Box::new(vmi.clone())
@@ -496,16 +489,7 @@ fn migration_tls() -> MigrationTls {
 fn migration_over_mutual_tls_and_a_stranger_refused() {
     let a = Launcher::start("tls-a");
     let b = Launcher::start("tls-b");
-    let mut vmi = probe_vmi("dirty", 30);
-    if let Some(k) = vmi
-        .spec
-        .domain
-        .firmware
-        .as_mut()
-        .and_then(|f| f.kernel_boot.as_mut())
-    {
-        k.kernel_args = Some("console=ttyS0 probe.test=dirty probe.passes=100000".into());
-    }
+    let vmi = probe_vmi("dirty probe.passes=100000", 30);
     let mut ca = a.client();
     assert_eq!(
         ca.call(Request::Sync {
@@ -732,4 +716,45 @@ fn hostile_control_clients_are_dropped_and_the_guest_goes_on() {
         after < before + 16 * 1024,
         "peak RSS grew from {before} KiB to {after} KiB"
     );
+}
+
+/// A console client that attaches and never reads: the guest prints far more than the
+/// socket holds, finishes, and a snapshot taken meanwhile succeeds (no vCPU waits for a
+/// console client). A client that does read sees the whole run.
+#[test]
+fn a_console_client_that_never_reads_stops_nothing() {
+    let l = Launcher::start("stuckcon");
+    let mut c = l.client();
+    let vmi = probe_vmi("flood probe.bytes=786432", 30);
+    let mut stuck = l.client();
+    assert_eq!(c.call(Request::Sync { vmi: Box::new(vmi) }), Response::Ok);
+    assert_eq!(stuck.call(Request::Console), Response::Ok);
+    // The reader attaches later: it gets the history, then everything else.
+    let mut reader = l.client();
+    assert_eq!(reader.call(Request::Console), Response::Ok);
+    reader
+        .out
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut seen = String::new();
+    read_until(&mut reader.inp, &mut seen, "flood 0000002000");
+    let dir = l.dir.join("snap");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut answer = c.call(Request::Snapshot {
+        memory_path: dir.join("memory").display().to_string(),
+        state_path: dir.join("state").display().to_string(),
+        stop: false,
+    });
+    // Progress events come first; the report follows.
+    let snap = loop {
+        match answer {
+            Response::Event(_) => answer = c.recv(),
+            Response::Snapshot(r) => break r,
+            other => panic!("snapshot while flooding: {other:?}"),
+        }
+    };
+    assert!(snap.memory_bytes > 0, "{snap:?}");
+    read_until(&mut reader.inp, &mut seen, "PROBE RESULT flood OK");
+    assert!(seen.contains("lines=12288 bytes=786432"), "{seen}");
+    assert_eq!(l.exit_code(), Some(0));
 }

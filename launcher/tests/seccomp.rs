@@ -167,6 +167,54 @@ fn a_denied_syscall_ends_the_vmm_with_the_thread_and_the_number() {
         "vcpu0",
         libc::SYS_ioctl,
     );
+    // TIOCSTI has TUN's ioctl type ('T'); only TUN's own request numbers pass.
+    assert_trapped(
+        launcher(&dir, &m).env("MICROVIRT_SECCOMP_TEST_DENIED", "tiocsti"),
+        "vcpu0",
+        libc::SYS_ioctl,
+    );
+    let daemon = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_virt-launcher"));
+        c.args(["daemon", "--socket"])
+            .arg(dir.join("control.sock"))
+            .arg("--state-dir")
+            .arg(dir.join("state"));
+        c
+    };
+    // clone makes threads only: one that asks for a mount namespace is trapped by its flags.
+    assert_trapped(
+        daemon().env("MICROVIRT_SECCOMP_TEST_DENIED", "clone-namespace"),
+        "virt-launcher (control)",
+        libc::SYS_clone,
+    );
+    // clone3, whose flags seccomp cannot read, is answered ENOSYS; the daemon goes on (and
+    // its threads, made through clone, work: it serves its socket).
+    let mut child = daemon()
+        .env("MICROVIRT_SECCOMP_TEST_DENIED", "clone3")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(
+        &dir.join("control.sock"),
+        std::time::Duration::from_secs(10),
+    );
+    let s = std::os::unix::net::UnixStream::connect(dir.join("control.sock")).unwrap();
+    let mut w = s.try_clone().unwrap();
+    std::io::Write::write_all(&mut w, b"{\"request\":\"ping\"}\n").unwrap();
+    let mut answer = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(s), &mut answer).unwrap();
+    assert!(
+        !answer.is_empty(),
+        "the daemon answers after clone3 was refused"
+    );
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("clone3 returned -1 (Function not implemented"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_file(dir.join("control.sock"));
     // The daemon's own threads: their filter traps what no launcher thread may do.
     assert_trapped(
         Command::new(env!("CARGO_BIN_EXE_virt-launcher"))

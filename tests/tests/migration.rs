@@ -560,3 +560,21 @@ fn garbage_on_the_migration_port_is_refused() {
         assert!(receiver.join().unwrap().is_err());
     }
 }
+
+/// A guest writing keyboard commands without reading the answers (`out 0x60, 0xf2` in a loop):
+/// the keyboard's buffer overruns at its size, so the VMM's memory stays flat and the VM still
+/// migrates in the middle of the flood (a restore refuses more than the buffer holds).
+#[test]
+fn a_keyboard_flood_stays_bounded_and_the_vm_still_migrates() {
+    require_kvm();
+    let console = Console::default();
+    let config = probe_config("i8042flood probe.writes=400000", 1, 64, &console);
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "i8042flood", "writes=100000", T);
+    let (r, receiver) = migrate(&vm, &config, &MigrationConfig::default());
+    r.expect("a flooding guest migrates");
+    let (vm, console) = receiver.join().unwrap().expect("target");
+    let run = run_to_end(vm, &console, T);
+    let r = expect_probe_ok(&run, "i8042flood");
+    assert_eq!(r.field("writes"), Some("400000"));
+}

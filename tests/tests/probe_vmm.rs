@@ -140,7 +140,7 @@ fn pause_stops_the_guest_and_resume_continues_it() {
         rips[0].1 >= 0x20_0000,
         "the BSP runs the probe (loaded at 2 MiB): {rips:x?}"
     );
-    vm.pause();
+    vm.pause().unwrap();
     assert_eq!(vm.state(), vmm::vcpu::RunState::Paused);
     let len = console.len();
     std::thread::sleep(Duration::from_millis(1500));

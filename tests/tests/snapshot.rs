@@ -33,7 +33,7 @@ fn pause_stops_device_io_and_leaves_memory_bit_identical() {
     let console = Console::default();
     let vm = Vm::build(&dirty_config(2, 256, 1000, &console)).unwrap();
     wait_progress(&console, "dirty", "pass=1", T);
-    vm.pause();
+    vm.pause().unwrap();
     assert!(vm.is_paused());
     let snap = |vm: &Vm| {
         use vm_memory::{Bytes, GuestAddress};
@@ -369,12 +369,12 @@ fn dirty_log_covers_every_page_the_guest_changed() {
         buf
     };
     vm.start_dirty_log().unwrap();
-    vm.pause();
+    vm.pause().unwrap();
     let _ = vm.dirty_log().unwrap();
     let a = copy(&vm);
     vm.resume();
     wait_progress(&console, "dirty", "pass=4", T);
-    vm.pause();
+    vm.pause().unwrap();
     let b = copy(&vm);
     let log = vm.dirty_log().unwrap();
     let mut changed = 0;

@@ -104,11 +104,18 @@ impl VcpuControl {
     }
 
     /// Waits until `n` vCPUs are parked (paused) or the state leaves Paused.
-    pub fn wait_parked(&self, n: usize) {
+    /// Waits until `n` vCPUs are parked (or the state left Paused); false if `deadline`
+    /// passed first.
+    pub fn wait_parked(&self, n: usize, deadline: std::time::Instant) -> bool {
         let mut g = self.state.lock().unwrap();
         while g.run == RunState::Paused && g.parked < n {
-            g = self.changed.wait(g).unwrap();
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = self.changed.wait_timeout(g, left).unwrap().0;
         }
+        true
     }
 
     /// Hands `req` to parked vCPU `id`; it runs on that vCPU's thread.
@@ -375,4 +382,20 @@ fn internal_error(vcpu: &mut Vcpu, mem: &GuestMemory) -> VmEnd {
 /// Interrupts a vCPU thread inside KVM_RUN.
 pub fn kick(handle: &JoinHandle<()>) {
     let _ = handle.kill(vcpu_kick_signal());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vCPU that never parks (stuck in the host, say) cannot hold `pause` forever.
+    #[test]
+    fn waiting_for_parked_vcpus_ends_at_the_deadline() {
+        let c = VcpuControl::new(RunState::Paused);
+        let start = std::time::Instant::now();
+        let deadline = start + std::time::Duration::from_millis(200);
+        assert!(!c.wait_parked(1, deadline), "nobody parked");
+        assert!(start.elapsed() >= std::time::Duration::from_millis(200));
+        assert!(c.wait_parked(0, deadline), "nothing to wait for");
+    }
 }

@@ -49,6 +49,8 @@ pub enum VmError {
     Restore(String),
     #[error("snapshot: {0}")]
     Snapshot(String),
+    #[error("pause: {0}")]
+    PauseTimeout(String),
 }
 
 impl VmError {
@@ -63,6 +65,9 @@ impl VmError {
         )
     }
 }
+
+/// How long `pause` waits for every vCPU and the device thread to stop.
+pub const PAUSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) fn kvm_err(what: &str) -> impl Fn(kvm_ioctls::Error) -> VmError + '_ {
     move |e| VmError::KvmSetup(format!("{what}: {e}"))
@@ -156,30 +161,45 @@ impl Vm {
         self.end.clone()
     }
 
-    fn pause_vcpus(&self) {
+    fn pause_vcpus(&self, deadline: Instant) -> bool {
         self.control.set(RunState::Paused);
         let live = {
             let threads = self.vcpu_threads.lock().unwrap();
             threads.iter().for_each(vcpu::kick);
             threads.iter().filter(|t| !t.is_finished()).count()
         };
-        self.control.wait_parked(live);
+        self.control.wait_parked(live, deadline)
     }
 
     /// Quiesces the machine: every vCPU parks outside guest mode, then the device event loop
-    /// parks between events. When this returns no block request is in flight, no frame is
-    /// received, and nothing writes guest memory or raises an interrupt until `resume`.
-    pub fn pause(&self) {
+    /// parks between events. When this returns Ok no block request is in flight, no frame is
+    /// received, and nothing writes guest memory or raises an interrupt until `resume`. If
+    /// the machine does not quiesce within `PAUSE_DEADLINE` it is left running and the error
+    /// says which part did not stop: a snapshot or migration then fails instead of hanging.
+    pub fn pause(&self) -> Result<(), VmError> {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
-        self.pause_locked();
+        self.pause_locked()
     }
 
-    fn pause_locked(&self) {
+    fn pause_locked(&self) -> Result<(), VmError> {
         if self.control.state() == RunState::Stopping {
-            return;
+            return Ok(());
         }
-        self.pause_vcpus();
-        self.events.pause();
+        let deadline = Instant::now() + PAUSE_DEADLINE;
+        if !self.pause_vcpus(deadline) {
+            self.control.set(RunState::Running);
+            return Err(VmError::PauseTimeout(format!(
+                "the vCPUs did not stop within {PAUSE_DEADLINE:?}; the VM keeps running"
+            )));
+        }
+        if !self.events.pause(deadline) {
+            self.events.resume();
+            self.control.set(RunState::Running);
+            return Err(VmError::PauseTimeout(format!(
+                "the device thread did not finish its request within {PAUSE_DEADLINE:?} (a disk or network backend that does not answer?); the VM keeps running"
+            )));
+        }
+        Ok(())
     }
 
     /// Devices first, so work the guest queued meets a running device loop, then the vCPUs.
@@ -206,7 +226,7 @@ impl Vm {
     pub fn vcpu_rips(&self) -> Vec<(u8, u64)> {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
         let was = self.control.state();
-        self.pause_vcpus();
+        self.pause_vcpus(Instant::now() + PAUSE_DEADLINE);
         let rips = self.control.parked_at();
         if was == RunState::Running {
             self.control.set(RunState::Running);
@@ -274,7 +294,7 @@ impl Vm {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
         let was_paused = self.is_paused();
         let started = Instant::now();
-        self.pause_locked();
+        self.pause_locked()?;
         progress(SnapshotProgress::Paused);
         let r = self.write_snapshot(paths, progress);
         let paused_for = started.elapsed();
@@ -393,7 +413,8 @@ impl Vm {
         if self.control.state() != RunState::Running {
             return;
         }
-        self.pause_vcpus();
+        // A throttle that cannot hold the vCPUs within the deadline just lets them run.
+        self.pause_vcpus(Instant::now() + PAUSE_DEADLINE);
         std::thread::sleep(d);
         if self.control.state() == RunState::Paused {
             self.control.set(RunState::Running);

@@ -226,6 +226,8 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         }
         "reset" => hw::i8042_reset(),
         "console" => console_test(),
+        "flood" => flood_test(boot),
+        "i8042flood" => i8042_flood_test(boot),
         "keyboard" => keyboard_test(),
         "blk" => blk::run(boot.cmdline),
         "attack" => attack::run(boot.cmdline),
@@ -291,6 +293,44 @@ fn memory_test(boot: &BootInfo) -> ! {
         true,
         format_args!("writes={writes} above_4g={above_4g} top={top:#x}"),
     )
+}
+
+/// `probe.bytes=N` (default 1 MiB) of numbered console lines as fast as the UART takes them,
+/// then the result: a console client that never reads must not stop the guest.
+fn flood_test(boot: &BootInfo) -> ! {
+    let bytes: u64 = boot
+        .param("probe.bytes")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(1 << 20);
+    let mut sent = 0u64;
+    let mut line = 0u64;
+    while sent < bytes {
+        // 64 bytes a line: "flood NNNNNNNNNN " and padding.
+        let _ = writeln!(
+            Serial,
+            "flood {line:010} .............................................."
+        );
+        sent += 64;
+        line += 1;
+    }
+    result(true, format_args!("lines={line} bytes={sent}"))
+}
+
+/// `out 0x60, 0xf2` (keyboard identify) `probe.writes=N` times (default 200000) without reading
+/// the answers: the keyboard's buffer must stay bounded and the VM still migrate.
+fn i8042_flood_test(boot: &BootInfo) -> ! {
+    let writes: u64 = boot
+        .param("probe.writes")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(200_000);
+    for i in 0..writes {
+        // SAFETY: port I/O to the keyboard controller; the probe owns the machine.
+        unsafe { hw::outb(0x60, 0xf2) };
+        if i % 50_000 == 0 {
+            let _ = writeln!(Serial, "PROBE PROGRESS i8042flood writes={i}");
+        }
+    }
+    result(true, format_args!("writes={writes}"))
 }
 
 /// Initialises the i8042 and keyboard the way Linux does, then waits for Ctrl-Alt-Del (the

@@ -194,7 +194,9 @@ impl EventLoop {
 
     /// Returns once the thread is parked: every event handler has returned, so no device
     /// request is in flight and none starts until `resume`.
-    pub fn pause(&self) {
+    /// Parks the event loop between events; false if it did not park before `deadline` (a
+    /// device busy in a request that does not return, e.g. a disk on a hung file server).
+    pub fn pause(&self, deadline: std::time::Instant) -> bool {
         let (lock, cv) = &*self.shared;
         let mut g = lock.lock().unwrap_or_else(|p| p.into_inner());
         if *g == LoopState::Running {
@@ -209,11 +211,15 @@ impl EventLoop {
                 .is_some_and(|t| !t.is_finished())
         };
         while *g == LoopState::PauseRequested && alive() {
-            let (ng, _) = cv
-                .wait_timeout(g, std::time::Duration::from_millis(100))
-                .unwrap_or_else(|p| p.into_inner());
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            let wait = (deadline - now).min(std::time::Duration::from_millis(100));
+            let (ng, _) = cv.wait_timeout(g, wait).unwrap_or_else(|p| p.into_inner());
             g = ng;
         }
+        true
     }
 
     pub fn resume(&self) {

@@ -516,7 +516,7 @@ impl Vm {
         at.phase = Phase::StopAndCopy;
         at.pass = None;
         let paused_at = Instant::now();
-        self.pause();
+        self.pause()?;
         let last_dirty = self.dirty_log()?;
         progress(MigrationProgress {
             phase: Phase::StopAndCopy,
