@@ -183,6 +183,29 @@ impl MigrationTls {
     }
 }
 
+impl MigrationTls {
+    /// This end's certificate chain, as DER.
+    pub fn cert_chain(&self) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+        pem_certs(&self.cert_pem).map_err(|e| format!("certificate: {e}"))
+    }
+
+    /// This end's private key, as DER.
+    pub fn private_key(&self) -> Result<rustls_pki_types::PrivateKeyDer<'static>, String> {
+        rustls_pemfile::private_key(&mut self.key_pem.as_bytes())
+            .map_err(|e| format!("key: {e}"))?
+            .ok_or_else(|| "key: no private key in the PEM".to_string())
+    }
+
+    /// The CA certificates a peer's certificate must chain to, as DER.
+    pub fn ca_certs(&self) -> Result<Vec<rustls_pki_types::CertificateDer<'static>>, String> {
+        pem_certs(&self.ca_pem).map_err(|e| format!("CA: {e}"))
+    }
+}
+
+fn pem_certs(pem: &str) -> std::io::Result<Vec<rustls_pki_types::CertificateDer<'static>>> {
+    rustls_pemfile::certs(&mut pem.as_bytes()).collect()
+}
+
 /// The DNS name a migration target's certificate is issued for (all nodes share it).
 pub const MIGRATION_TLS_NAME: &str = "migration.microvirt.internal";
 

@@ -19,7 +19,7 @@ use api::protocol::MigrationTls;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio_rustls::rustls::pki_types::ServerName;
 
 /// How long a peer has to finish the TLS handshake (and show its certificate).
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
@@ -36,22 +36,10 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn certs(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    rustls_pemfile::certs(&mut pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("certificate: {e}"))
-}
-
-fn key(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
-    rustls_pemfile::private_key(&mut pem.as_bytes())
-        .map_err(|e| format!("key: {e}"))?
-        .ok_or_else(|| "key: no private key in the PEM".to_string())
-}
-
 impl NodeTls {
     pub fn new(tls: &MigrationTls) -> Result<NodeTls, String> {
         let mut roots = rustls::RootCertStore::empty();
-        for c in certs(&tls.ca_pem)? {
+        for c in tls.ca_certs()? {
             roots.add(c).map_err(|e| format!("CA: {e}"))?;
         }
         let roots = Arc::new(roots);
@@ -63,13 +51,13 @@ impl NodeTls {
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| e.to_string())?
             .with_client_cert_verifier(verifier)
-            .with_single_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+            .with_single_cert(tls.cert_chain()?, tls.private_key()?)
             .map_err(|e| format!("certificate: {e}"))?;
         let client = rustls::ClientConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| e.to_string())?
             .with_root_certificates(roots)
-            .with_client_auth_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+            .with_client_auth_cert(tls.cert_chain()?, tls.private_key()?)
             .map_err(|e| format!("certificate: {e}"))?;
         Ok(NodeTls {
             server: Arc::new(server),

@@ -477,15 +477,10 @@ async fn impostor_handshake(address: &str, dir: &Path) -> Result<(), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let tls = api::protocol::MigrationTls::from_dir(dir)?;
     let mut roots = tokio_rustls::rustls::RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut tls.ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
+    for c in tls.ca_certs()? {
+        roots.add(c).unwrap();
     }
-    let certs: Vec<_> = rustls_pemfile::certs(&mut tls.cert_pem.as_bytes())
-        .map(|c| c.unwrap())
-        .collect();
-    let key = rustls_pemfile::private_key(&mut tls.key_pem.as_bytes())
-        .unwrap()
-        .unwrap();
+    let (certs, key) = (tls.cert_chain()?, tls.private_key()?);
     let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let cfg = tokio_rustls::rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()

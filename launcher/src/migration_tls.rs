@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use api::protocol::{MigrationTls, MIGRATION_TLS_NAME};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::ServerName;
 
 /// A migration byte stream: plain TCP or TLS over it.
 pub trait Duplex: Read + Write + Send {}
@@ -17,21 +17,9 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn certs(pem: &str) -> Result<Vec<CertificateDer<'static>>, String> {
-    rustls_pemfile::certs(&mut pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("certificate: {e}"))
-}
-
-fn key(pem: &str) -> Result<PrivateKeyDer<'static>, String> {
-    rustls_pemfile::private_key(&mut pem.as_bytes())
-        .map_err(|e| format!("key: {e}"))?
-        .ok_or_else(|| "key: no private key in the PEM".to_string())
-}
-
 fn roots(tls: &MigrationTls) -> Result<rustls::RootCertStore, String> {
     let mut r = rustls::RootCertStore::empty();
-    for c in certs(&tls.ca_pem)? {
+    for c in tls.ca_certs()? {
         r.add(c).map_err(|e| format!("CA: {e}"))?;
     }
     Ok(r)
@@ -55,7 +43,7 @@ pub fn server<S: Read + Write + Send + 'static>(
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
         .with_client_cert_verifier(verifier)
-        .with_single_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+        .with_single_cert(tls.cert_chain()?, tls.private_key()?)
         .map_err(|e| format!("server certificate: {e}"))?;
     let conn = rustls::ServerConnection::new(Arc::new(config)).map_err(|e| e.to_string())?;
     Ok(Box::new(rustls::StreamOwned::new(conn, tcp)))
@@ -73,7 +61,7 @@ pub fn client<S: Read + Write + Send + 'static>(
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| e.to_string())?
         .with_root_certificates(roots(tls)?)
-        .with_client_auth_cert(certs(&tls.cert_pem)?, key(&tls.key_pem)?)
+        .with_client_auth_cert(tls.cert_chain()?, tls.private_key()?)
         .map_err(|e| format!("client certificate: {e}"))?;
     let name = ServerName::try_from(MIGRATION_TLS_NAME).expect("a valid DNS name");
     let conn = rustls::ClientConnection::new(Arc::new(config), name).map_err(|e| e.to_string())?;

@@ -461,28 +461,11 @@ fn wait_running(l: &Launcher) {
     }
 }
 
-/// Certificates for `MIGRATION_TLS_NAME` signed by a fresh CA (as the handlers' Secret holds).
-fn migration_tls() -> MigrationTls {
-    use rcgen::{
-        BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    };
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate().unwrap();
-    let mut p = CertificateParams::new(vec![MIGRATION_TLS_NAME.to_string()]).unwrap();
-    p.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
-    let cert = p.signed_by(&key, &issuer).unwrap();
-    MigrationTls {
-        ca_pem: ca.pem(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-    }
+/// Certificates for `MIGRATION_TLS_NAME` signed by a fresh CA (`tests::tls`), as the
+/// standalone `--tls-dir` holds them.
+fn migration_tls(dir: &Path) -> MigrationTls {
+    let d = tests::tls::write_dirs(dir, &[MIGRATION_TLS_NAME]).remove(0);
+    MigrationTls::from_dir(&d).unwrap()
 }
 
 #[test]
@@ -497,7 +480,7 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
         }),
         Response::Ok
     );
-    let ours = migration_tls();
+    let ours = migration_tls(&a.dir.join("ours"));
     let prepare = |tls: MigrationTls| match b.client().call(Request::PrepareMigrationTarget {
         vmi: Box::new(vmi.clone()),
         listen: "127.0.0.1:0".into(),
@@ -521,7 +504,7 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
     };
     // A source whose certificate another CA signed is turned away; the VM stays home.
     let address = prepare(ours.clone());
-    let stranger = migration_tls();
+    let stranger = migration_tls(&a.dir.join("stranger"));
     match migrate(&mut ca, address, stranger) {
         Response::Error { message } => assert!(!message.is_empty()),
         other => panic!("a stranger migrated: {other:?}"),
