@@ -24,7 +24,11 @@ use crate::translate::{translate, Environment};
 /// write only appends to every client's bounded backlog and wakes the drain thread, which sends
 /// what each socket takes without blocking (`MSG_DONTWAIT`). A client that reads too slowly
 /// loses its oldest bytes and is told how many; a client that is gone is dropped.
-#[derive(Default)]
+///
+/// Nothing on the vCPU's path allocates or frees: the history and every backlog are allocated
+/// at their full size up front (on the control thread). A vCPU thread that grew and freed
+/// buffers would have glibc's allocator trim its arena, which reads
+/// /proc/sys/vm/overcommit_memory: an open(2) its seccomp filter rightly traps.
 pub struct ConsoleHub {
     clients: Vec<ConsoleClient>,
     history: Vec<u8>,
@@ -35,6 +39,19 @@ pub struct ConsoleHub {
 const HISTORY: usize = 64 * 1024;
 /// Console bytes held for one client that has not read them yet.
 const CLIENT_BACKLOG: usize = 256 * 1024;
+/// Room beyond the limits for one write (a UART writes a byte at a time).
+const SLACK: usize = 4096;
+
+impl Default for ConsoleHub {
+    fn default() -> Self {
+        ConsoleHub {
+            clients: Vec::with_capacity(8),
+            history: Vec::with_capacity(HISTORY + SLACK),
+            wake: Arc::default(),
+            draining: false,
+        }
+    }
+}
 
 struct ConsoleClient {
     stream: UnixStream,
@@ -43,13 +60,16 @@ struct ConsoleClient {
 }
 
 impl ConsoleClient {
+    /// Appends within the backlog's allocation: the oldest bytes make room first.
     fn queue(&mut self, bytes: &[u8]) {
-        self.pending.extend(bytes);
-        if self.pending.len() > CLIENT_BACKLOG {
-            let cut = self.pending.len() - CLIENT_BACKLOG;
+        let bytes = &bytes[bytes.len().saturating_sub(CLIENT_BACKLOG)..];
+        let over = (self.pending.len() + bytes.len()).saturating_sub(CLIENT_BACKLOG);
+        if over > 0 {
+            let cut = over.min(self.pending.len());
             self.pending.drain(..cut);
-            self.dropped += cut as u64;
+            self.dropped += over as u64;
         }
+        self.pending.extend(bytes);
     }
 
     /// Sends what the socket takes now; an error when the client is gone.
@@ -94,7 +114,7 @@ impl ConsoleHub {
         let mut h = hub.lock().unwrap();
         let mut c = ConsoleClient {
             stream,
-            pending: VecDeque::new(),
+            pending: VecDeque::with_capacity(CLIENT_BACKLOG + SLACK),
             dropped: 0,
         };
         c.queue(&h.history);
@@ -125,11 +145,11 @@ fn drain_console(hub: &Mutex<ConsoleHub>) {
 
 impl Write for ConsoleHub {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.history.extend_from_slice(buf);
-        if self.history.len() > HISTORY {
-            let cut = self.history.len() - HISTORY;
-            self.history.drain(..cut);
-        }
+        // Room first, so the history never outgrows its allocation.
+        let buf_tail = &buf[buf.len().saturating_sub(HISTORY)..];
+        let over = (self.history.len() + buf_tail.len()).saturating_sub(HISTORY);
+        self.history.drain(..over.min(self.history.len()));
+        self.history.extend_from_slice(buf_tail);
         for c in &mut self.clients {
             c.queue(buf);
         }
