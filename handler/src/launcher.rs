@@ -98,12 +98,84 @@ fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd:
 /// on the way (`open_socket_beneath`). Connecting through /proc/self/fd/N also keeps the path
 /// short: a socket path is limited to 107 bytes, and the kubelet's pods directory plus a Pod
 /// UID and the volume layout can be longer.
-pub async fn connect_unix_beneath(root: &Path, path: &Path) -> std::io::Result<UnixStream> {
+async fn connect_unix_beneath(root: &Path, path: &Path) -> std::io::Result<UnixStream> {
     let sock = open_socket_beneath(root, path)?;
     let short = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&sock));
     let stream = UnixStream::connect(&short).await;
     drop(sock);
     stream
+}
+
+/// Connects to a socket in a Pod's directory below the kubelet's `pods_dir`
+/// (`pods_dir/<Pod UID>/...`), links refused (`open_socket_beneath`), and makes sure the
+/// process listening on it belongs to that Pod (`check_peer_in_pod`) before the caller sends
+/// a byte: a tenant can bind any socket in its own directories, but it cannot move a process
+/// of another Pod's — or the node's — into its Pod's cgroup, so a socket passed in from
+/// elsewhere (SCM_RIGHTS, a bind mount) is refused.
+pub async fn connect_pod_socket(pods_dir: &Path, path: &Path) -> std::io::Result<UnixStream> {
+    let invalid = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+    let pod_uid = path
+        .strip_prefix(pods_dir)
+        .ok()
+        .and_then(|rel| rel.components().next())
+        .and_then(|c| c.as_os_str().to_str())
+        .ok_or_else(|| {
+            invalid(format!(
+                "{} is not in a Pod's directory below {}",
+                path.display(),
+                pods_dir.display()
+            ))
+        })?;
+    check_pod_uid(pod_uid).map_err(invalid)?;
+    let stream = connect_unix_beneath(pods_dir, path).await?;
+    let pid = stream.peer_cred()?.pid().unwrap_or(0);
+    check_peer_in_pod(pid, pod_uid).map_err(|why| {
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("{why}; refused"),
+        )
+    })?;
+    Ok(stream)
+}
+
+/// Whether the process `pid` (this process's PID namespace: the handler runs with the host's)
+/// is in the cgroup of the Pod with `pod_uid`, read from /proc/PID/cgroup.
+pub fn check_peer_in_pod(pid: i32, pod_uid: &str) -> Result<(), String> {
+    if pid <= 0 {
+        return Err(format!(
+            "the socket's peer has no process in this PID namespace, so it cannot be shown to be Pod {pod_uid}'s"
+        ));
+    }
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .map_err(|e| format!("reading /proc/{pid}/cgroup of the socket's peer: {e}"))?;
+    if cgroup_names_pod(&cgroups, pod_uid) {
+        Ok(())
+    } else {
+        let first = cgroups.lines().next().unwrap_or("").trim();
+        Err(format!(
+            "the socket's peer (pid {pid}, cgroup {first:?}) is not in Pod {pod_uid}'s cgroup"
+        ))
+    }
+}
+
+/// Whether a /proc/PID/cgroup text names the Pod `pod_uid` the way the kubelet lays out Pod
+/// cgroups: `pod<UID>` as a path component with the cgroupfs driver
+/// (`/kubepods/burstable/pod<UID>/<container>`), `kubepods-…-pod<UID with '_'>.slice` with the
+/// systemd driver. Only whole components count, so a container named after a Pod, or a Pod
+/// UID that is a prefix of another, is no match. One hierarchy naming the Pod is enough: a
+/// Pod's processes cannot move themselves between cgroups (a container's cgroup file system
+/// is read-only), and cgroup v1 nodes leave some controllers outside the kubelet's layout.
+pub fn cgroup_names_pod(cgroups: &str, pod_uid: &str) -> bool {
+    let cgroupfs = format!("pod{pod_uid}");
+    let systemd = format!("-pod{}.slice", pod_uid.replace('-', "_"));
+    cgroups.lines().any(|line| {
+        // hierarchy-ID:controllers:path (the path may hold ':')
+        let Some(path) = line.splitn(3, ':').nth(2) else {
+            return false;
+        };
+        path.split('/')
+            .any(|c| c == cgroupfs || (c.starts_with("kubepods") && c.ends_with(systemd.as_str())))
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,20 +214,31 @@ impl LauncherClient {
         timeout: Duration,
     ) -> Result<LauncherClient, LauncherError> {
         let path = socket_path(pods_dir, pod_uid);
-        check_pod_uid(pod_uid).map_err(|why| LauncherError::Connect {
-            path: path.display().to_string(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why),
-        })?;
         Self::connect_beneath(pods_dir, &path, timeout).await
     }
 
-    /// Connects to the socket at `path`, which must lie below `root` with no symbolic link on
-    /// the way (see `open_socket_beneath`).
+    /// Connects to the launcher socket `path` in a Pod's directory below `pods_dir`, links
+    /// refused and the listener checked to be that Pod's (see `connect_pod_socket`).
     pub async fn connect_beneath(
-        root: &Path,
+        pods_dir: &Path,
         path: &Path,
         timeout: Duration,
     ) -> Result<LauncherClient, LauncherError> {
+        let err = |source| LauncherError::Connect {
+            path: path.display().to_string(),
+            source,
+        };
+        let stream = tokio::time::timeout(timeout, connect_pod_socket(pods_dir, path))
+            .await
+            .map_err(|_| LauncherError::Timeout(timeout))?
+            .map_err(err)?;
+        Self::greet(stream, timeout).await
+    }
+
+    /// Connects to the socket at `path` as it is (a launcher the caller started itself; no
+    /// link is followed).
+    pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
+        let root = path.parent().unwrap_or(Path::new("/"));
         let err = |source| LauncherError::Connect {
             path: path.display().to_string(),
             source,
@@ -165,12 +248,6 @@ impl LauncherClient {
             .map_err(|_| LauncherError::Timeout(timeout))?
             .map_err(err)?;
         Self::greet(stream, timeout).await
-    }
-
-    /// Connects to the socket at `path` as it is (a launcher the caller started itself).
-    pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
-        let root = path.parent().unwrap_or(Path::new("/"));
-        Self::connect_beneath(root, path, timeout).await
     }
 
     async fn greet(stream: UnixStream, timeout: Duration) -> Result<LauncherClient, LauncherError> {
@@ -363,6 +440,47 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// The kubelet's two cgroup layouts name the Pod; other Pods, prefixes, look-alike
+    /// containers and unrelated hierarchies do not.
+    #[test]
+    fn pod_cgroups_as_the_kubelet_lays_them_out() {
+        let uid = "0b1c2d3e-0000-4000-8000-000000000001";
+        let cgroupfs = "12:pids:/kubepods/burstable/pod0b1c2d3e-0000-4000-8000-000000000001/4f2a\n\
+                        1:name=systemd:/\n0::/\n";
+        assert!(cgroup_names_pod(cgroupfs, uid));
+        let guaranteed = "0::/kubepods/pod0b1c2d3e-0000-4000-8000-000000000001/4f2a\n";
+        assert!(cgroup_names_pod(guaranteed, uid));
+        let systemd = "0::/kubepods.slice/kubepods-burstable.slice/\
+                       kubepods-burstable-pod0b1c2d3e_0000_4000_8000_000000000001.slice/\
+                       cri-containerd-4f2a.scope\n";
+        assert!(cgroup_names_pod(systemd, uid));
+        // Seen from virt-handler's own cgroup namespace (cgroup v2, private namespaces).
+        let namespaced =
+            "0::/../../kubepods-besteffort-pod0b1c2d3e_0000_4000_8000_000000000001.slice/x.scope\n";
+        assert!(cgroup_names_pod(namespaced, uid));
+        for other in [
+            "0::/kubepods/burstable/pod0b1c2d3e-0000-4000-8000-000000000002/4f2a\n",
+            "0::/kubepods/burstable/pod0b1c2d3e-0000-4000-8000-0000000000011/4f2a\n",
+            "0::/kubepods/burstable/podX/pod0b1c2d3e-0000-4000-8000-000000000001x\n",
+            "0::/system.slice/containerd.service\n",
+            "0::/\n",
+            "garbage\n",
+            "",
+        ] {
+            assert!(!cgroup_names_pod(other, uid), "{other:?}");
+        }
+    }
+
+    /// A socket's peer without a process here, or one outside the Pod, is refused by name.
+    #[test]
+    fn a_peer_outside_the_pod_is_named() {
+        let uid = "0b1c2d3e-0000-4000-8000-000000000001";
+        let e = check_peer_in_pod(0, uid).unwrap_err();
+        assert!(e.contains("no process in this PID namespace"), "{e}");
+        let e = check_peer_in_pod(std::process::id() as i32, uid).unwrap_err();
+        assert!(e.contains("is not in Pod"), "{e}");
+    }
+
     /// What a tenant can put in its Pod's sockets directory: a link to another socket (the
     /// container runtime's, another Pod's), a link on the way, a file. The handler refuses
     /// each before it sends a byte; the real socket right beside them works.
@@ -424,9 +542,22 @@ mod tests {
             "the victim was reached"
         );
 
-        // The launcher's real socket, and a launcher that answers with 64 MiB and no newline:
-        // the handler stops after the cap and reports it.
+        // A socket in the Pod's own directory, but bound by a process outside the Pod (this
+        // test's; a socket handed in from another Pod or the node is the same): refused
+        // before a byte is sent.
         let l = tokio::net::UnixListener::bind(&sock).unwrap();
+        let e = LauncherClient::connect_pod(&pods, uid, t)
+            .await
+            .err()
+            .expect("a listener outside the Pod is refused");
+        assert!(e.to_string().contains("is not in Pod"), "{e}");
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        assert!(got.is_empty(), "the handler sent {got:?}");
+
+        // A launcher that answers with 64 MiB and no newline: the handler stops after the cap
+        // and reports it.
         let server = tokio::spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
             let mut b = [0u8; 256];
@@ -441,7 +572,7 @@ mod tests {
             }
             sent
         });
-        let e = LauncherClient::connect_pod(&pods, uid, Duration::from_secs(10))
+        let e = LauncherClient::connect(&sock, Duration::from_secs(10))
             .await
             .err()
             .expect("refused");

@@ -80,8 +80,8 @@ fn peer_is_node(conn: &rustls::ServerConnection, node: &ServerName<'_>) -> bool 
         .is_ok_and(|c| c.verify_is_valid_for_subject_name(node).is_ok())
 }
 
-/// Connects to a launcher's migration socket below the pods directory, links refused
-/// (`launcher::open_socket_beneath`), retrying until it exists or `within` has passed.
+/// Connects to a launcher's migration socket in its Pod's directory, links refused and the
+/// listener checked to be that Pod's (`launcher::connect_pod_socket`), retrying until it exists or `within` has passed.
 async fn connect_launcher(
     pods_dir: &Path,
     socket: &Path,
@@ -89,7 +89,7 @@ async fn connect_launcher(
 ) -> Result<tokio::net::UnixStream, String> {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        match crate::launcher::connect_unix_beneath(pods_dir, socket).await {
+        match crate::launcher::connect_pod_socket(pods_dir, socket).await {
             Ok(s) => return Ok(s),
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(format!("{}: {e}", socket.display()))

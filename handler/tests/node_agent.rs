@@ -89,6 +89,8 @@ fn start_launcher_logged(
         }
         None => unprivileged,
     };
+    // The kubelet starts the Pod's containers in the Pod's cgroup; virt-handler checks it.
+    tests::in_pod_cgroup(&mut cmd, uid);
     let child = cmd
         .stdout(Stdio::null())
         .stderr(match log {

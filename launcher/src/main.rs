@@ -634,6 +634,15 @@ fn boot_with_console(mut config: VmConfig, console: Console, start: &Start) -> E
             forward = Some(fds[1]);
         }
     }
+    if config.seccomp {
+        // From here on, as in the daemon, every thread (the control socket's, the migration
+        // receiver's, the vCPUs and devices under their own filters) runs under the control
+        // filter. Installed after the manifest's files and network are set up (they run
+        // programs), before anything reads a snapshot, a migration stream or a client.
+        if let Err(e) = vmm::seccomp::install(vmm::seccomp::ThreadKind::Control) {
+            return host_error(e);
+        }
+    }
     let built = match start {
         Start::Boot => Vm::build(&config),
         Start::Restore(paths) => Vm::restore(&config, paths),

@@ -67,6 +67,47 @@ pub fn as_pod_user(cmd: &Command, dir: &Path) -> Command {
     c
 }
 
+/// Makes `cmd`'s process start in a cgroup laid out as the kubelet lays out the Pod with
+/// `pod_uid`'s (`.../kubepods/pod<UID>`, the cgroupfs driver's layout), so virt-handler's check
+/// that a socket's listener belongs to its Pod sees what it sees on a node. The process joins
+/// it before it runs (a `pre_exec` write to `cgroup.procs`), so everything it starts is in it.
+/// On a cgroup v1 node the `pids` hierarchy is used (one is enough), else the v2 tree.
+pub fn in_pod_cgroup(cmd: &mut Command, pod_uid: &str) {
+    use std::os::unix::process::CommandExt;
+    let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.join("cgroup.procs").exists())
+        .unwrap_or(Path::new("/sys/fs/cgroup"));
+    let dir = root.join(format!("microvirt-tests/kubepods/pod{pod_uid}"));
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|e| panic!("creating the Pod cgroup {}: {e}", dir.display()));
+    let procs = std::ffi::CString::new(
+        dir.join("cgroup.procs")
+            .into_os_string()
+            .into_encoded_bytes(),
+    )
+    .unwrap();
+    // SAFETY: the closure runs in the forked child before exec and makes only async-signal-safe
+    // calls (open, write, close) on memory prepared before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // "0" means the writing process itself.
+            let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            if r < 0 {
+                return Err(e);
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Gives `path` (created if missing, as a directory) to the launcher Pod's user.
 pub fn chown_to_pod_user(path: &Path) {
     if !path.exists() {

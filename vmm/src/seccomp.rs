@@ -5,7 +5,8 @@
 //!
 //! Each filter allows what that thread was seen to call (strace of the probe, block, net,
 //! snapshot and migration tests; allocator and thread start/exit calls included), `ioctl` only
-//! for KVM's (0xAE) and TUN's (0x54, 'T') request types. Anything else is **trapped**: the
+//! with listed request numbers (a vCPU thread: its own KVM requests and TUN's; the device
+//! thread: TUN's) or, on control threads, of listed request types. Anything else is **trapped**: the
 //! SIGSYS handler writes one line naming the thread and the syscall number, and the process
 //! exits with `EXIT_SECCOMP`. A trap rather than SECCOMP_RET_KILL_PROCESS because the kill
 //! action leaves only an audit record, which a Pod's log never shows; the handler makes the
@@ -243,56 +244,87 @@ const ESCAPES: &[i64] = &[
     libc::SYS_reboot,
 ];
 
-/// ioctl request types (bits 8..16 of the request) the vCPU and device threads may use: KVM's
-/// (0xAE) and TUN's (0x54, 'T').
-const IOCTL_TYPES: &[u64] = &[0xAE, 0x54];
-/// The control threads', besides: block devices (0x12, BLKGETSIZE64 for a raw PVC), vhost
+/// ioctl request types (bits 8..16 of the request) the control threads may use: KVM's (0xAE),
+/// TUN's (0x54, 'T', of which only `tun_requests` and `terminal_requests`), block devices (0x12, BLKGETSIZE64 for a raw PVC), vhost
 /// (0xAF) and socket interface queries (0x89).
 const CONTROL_IOCTL_TYPES: &[u64] = &[0xAE, 0x54, 0x12, 0xAF, 0x89];
 
-// The VM-level KVM requests a guest-driven thread must never make (numbers computed from the
-// kvm-bindings structures, as the kernel's _IO/_IOW macros do).
-mod vm_level {
+// The KVM requests (type 0xAE) a vCPU thread makes, by number (computed from the kvm-bindings
+// structures, as the kernel's _IO/_IOR/_IOW macros do): KVM_RUN, the registers and state it
+// reads and writes for a snapshot, a migration or a restore (CPUID included), and the identity
+// (CPUID, TSC rate) a restore sets. Nothing else of KVM's: not the VM-level requests that change the guest's
+// memory map, its interrupt wiring or its devices, nor any request on /dev/kvm.
+mod vcpu_requests {
     use kvm_bindings::{
-        kvm_create_device, kvm_enable_cap, kvm_ioeventfd, kvm_irq_routing, kvm_irqfd,
-        kvm_userspace_memory_region, kvm_userspace_memory_region2, KVMIO,
+        kvm_cpuid2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msrs, kvm_regs, kvm_sregs,
+        kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
     };
-    vmm_sys_util::ioctl_io_nr!(KVM_CREATE_VM, KVMIO, 0x01);
-    vmm_sys_util::ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
+    vmm_sys_util::ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_regs);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_sregs);
+    vmm_sys_util::ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_msrs);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_msrs);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_lapic_state);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_lapic_state);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_CPUID2, KVMIO, 0x90, kvm_cpuid2);
+    vmm_sys_util::ioctl_iowr_nr!(KVM_GET_CPUID2, KVMIO, 0x91, kvm_cpuid2);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_mp_state);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
+    vmm_sys_util::ioctl_io_nr!(KVM_SET_TSC_KHZ, KVMIO, 0xa2);
+    vmm_sys_util::ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_XSAVE, KVMIO, 0xa4, kvm_xsave);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
+    vmm_sys_util::ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+    vmm_sys_util::ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
+    // Not allowed; the debug hook makes it to see the filter trap it.
+    #[cfg(debug_assertions)]
     vmm_sys_util::ioctl_iow_nr!(
         KVM_SET_USER_MEMORY_REGION,
         KVMIO,
         0x46,
-        kvm_userspace_memory_region
+        kvm_bindings::kvm_userspace_memory_region
     );
-    vmm_sys_util::ioctl_iow_nr!(
-        KVM_SET_USER_MEMORY_REGION2,
-        KVMIO,
-        0x49,
-        kvm_userspace_memory_region2
-    );
-    vmm_sys_util::ioctl_iow_nr!(KVM_SET_GSI_ROUTING, KVMIO, 0x6a, kvm_irq_routing);
-    vmm_sys_util::ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
-    vmm_sys_util::ioctl_iow_nr!(KVM_IOEVENTFD, KVMIO, 0x79, kvm_ioeventfd);
-    vmm_sys_util::ioctl_iow_nr!(KVM_ENABLE_CAP, KVMIO, 0xa3, kvm_enable_cap);
-    vmm_sys_util::ioctl_iowr_nr!(KVM_CREATE_DEVICE, KVMIO, 0xe0, kvm_create_device);
 
-    /// New VMs and vCPUs, the guest's memory map (a thread that could change it could map
-    /// host memory into the guest), interrupt and ioeventfd wiring, capabilities, in-kernel
-    /// devices: the control thread sets these up before the guest's first instruction.
-    pub fn requests() -> [u64; 9] {
+    pub fn allowed() -> [u64; 24] {
         [
-            KVM_CREATE_VM(),
-            KVM_CREATE_VCPU(),
-            KVM_SET_USER_MEMORY_REGION(),
-            KVM_SET_USER_MEMORY_REGION2(),
-            KVM_SET_GSI_ROUTING(),
-            KVM_IRQFD(),
-            KVM_IOEVENTFD(),
-            KVM_ENABLE_CAP(),
-            KVM_CREATE_DEVICE(),
+            KVM_RUN(),
+            KVM_GET_REGS(),
+            KVM_SET_REGS(),
+            KVM_GET_SREGS(),
+            KVM_SET_SREGS(),
+            KVM_GET_MSRS(),
+            KVM_SET_MSRS(),
+            KVM_GET_LAPIC(),
+            KVM_SET_LAPIC(),
+            KVM_SET_CPUID2(),
+            KVM_GET_CPUID2(),
+            KVM_GET_MP_STATE(),
+            KVM_SET_MP_STATE(),
+            KVM_GET_VCPU_EVENTS(),
+            KVM_SET_VCPU_EVENTS(),
+            KVM_GET_DEBUGREGS(),
+            KVM_SET_DEBUGREGS(),
+            KVM_SET_TSC_KHZ(),
+            KVM_GET_TSC_KHZ(),
+            KVM_GET_XSAVE(),
+            KVM_SET_XSAVE(),
+            KVM_GET_XCRS(),
+            KVM_SET_XCRS(),
+            KVM_GET_XSAVE2(),
         ]
         .map(u64::from)
+    }
+
+    #[cfg(debug_assertions)]
+    pub fn set_user_memory_region() -> u64 {
+        KVM_SET_USER_MEMORY_REGION()
     }
 }
 
@@ -311,6 +343,19 @@ fn tun_requests() -> [u64; 8] {
         libc::FIONREAD,
         libc::FIOCLEX,
         libc::FIONCLEX,
+    ]
+}
+
+/// The terminal requests a standalone `virt-launcher run` makes on its own terminal (is it one,
+/// raw mode on and off, its size). Not TIOCSTI or any other request that puts input into a
+/// terminal or takes one over.
+fn terminal_requests() -> [u64; 5] {
+    [
+        libc::TCGETS,
+        libc::TCSETS,
+        libc::TCSETSW,
+        libc::TCSETSF,
+        libc::TIOCGWINSZ,
     ]
 }
 
@@ -363,61 +408,68 @@ fn clone3_filter() -> Result<BpfProgram, String> {
         .map_err(|e: seccompiler::BackendError| e.to_string())
 }
 
-/// Rules allowing ioctl requests of `types` only (of TUN's type only TUN's requests); with
-/// `guest_driven`, KVM's VM-level requests (`vm_level::requests`) are refused too.
-fn ioctl_rules(types: &[u64], guest_driven: bool) -> Result<Vec<SeccompRule>, String> {
-    let mut rules = Vec::new();
-    for nr in tun_requests() {
-        rules.push(
-            SeccompRule::new(vec![SeccompCondition::new(
-                1,
-                SeccompCmpArgLen::Dword,
-                SeccompCmpOp::Eq,
-                nr,
-            )
-            .map_err(|e| e.to_string())?])
-            .map_err(|e| e.to_string())?,
-        );
-    }
-    let typed: Result<Vec<SeccompRule>, String> = types
-        .iter()
-        .filter(|&&t| t != 0x54)
-        .map(|&t| {
-            let mut conditions = vec![SeccompCondition::new(
-                1,
-                SeccompCmpArgLen::Dword,
-                SeccompCmpOp::MaskedEq(0xff00),
-                t << 8,
-            )
-            .map_err(|e| e.to_string())?];
-            if guest_driven && t == 0xAE {
-                for nr in vm_level::requests() {
-                    conditions.push(
-                        SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, nr)
-                            .map_err(|e| e.to_string())?,
-                    );
-                }
+/// A rule: the ioctl request (argument 1) is `nr`.
+fn request_is(nr: u64) -> Result<SeccompRule, String> {
+    SeccompRule::new(vec![SeccompCondition::new(
+        1,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        nr,
+    )
+    .map_err(|e| e.to_string())?])
+    .map_err(|e| e.to_string())
+}
+
+/// The ioctl requests `kind` may make. Every thread: TUN's (`tun_requests`). A vCPU thread:
+/// its own KVM requests, each by number (`vcpu_requests`). The device thread: no KVM request
+/// (it signals interrupts and is kicked through eventfds). The control threads: the terminal
+/// requests and every request of `CONTROL_IOCTL_TYPES` (they build the VM).
+fn ioctl_rules(kind: ThreadKind) -> Result<Vec<SeccompRule>, String> {
+    let mut rules: Vec<SeccompRule> = tun_requests()
+        .into_iter()
+        .map(request_is)
+        .collect::<Result<_, _>>()?;
+    match kind {
+        ThreadKind::Vcpu(_) => {
+            for nr in vcpu_requests::allowed() {
+                rules.push(request_is(nr)?);
             }
-            SeccompRule::new(conditions).map_err(|e| e.to_string())
-        })
-        .collect();
-    rules.extend(typed?);
+        }
+        ThreadKind::Devices => {}
+        ThreadKind::Control => {
+            for nr in terminal_requests() {
+                rules.push(request_is(nr)?);
+            }
+            for &t in CONTROL_IOCTL_TYPES.iter().filter(|&&t| t != 0x54) {
+                rules.push(
+                    SeccompRule::new(vec![SeccompCondition::new(
+                        1,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::MaskedEq(0xff00),
+                        t << 8,
+                    )
+                    .map_err(|e| e.to_string())?])
+                    .map_err(|e| e.to_string())?,
+                );
+            }
+        }
+    }
     Ok(rules)
 }
 
 /// The BPF program of `kind`.
 pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
     let build = |e: String| SeccompError::Build(kind, e);
-    let (own, ioctl_types): (&[&[i64]], _) = match kind {
-        ThreadKind::Vcpu(_) => (&[VCPU], IOCTL_TYPES),
-        ThreadKind::Devices => (&[DEVICES], IOCTL_TYPES),
+    let own: &[&[i64]] = match kind {
+        ThreadKind::Vcpu(_) => &[VCPU],
+        ThreadKind::Devices => &[DEVICES],
         // Every thread of the daemon inherits it, so it covers the others' calls too.
-        ThreadKind::Control => (&[CONTROL, VCPU, DEVICES], CONTROL_IOCTL_TYPES),
+        ThreadKind::Control => &[CONTROL, VCPU, DEVICES],
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     for &nr in COMMON.iter().chain(own.iter().flat_map(|l| l.iter())) {
         let r = if nr == libc::SYS_ioctl {
-            ioctl_rules(ioctl_types, kind != ThreadKind::Control).map_err(build)?
+            ioctl_rules(kind).map_err(build)?
         } else if nr == libc::SYS_clone {
             clone_rules().map_err(build)?
         } else {
@@ -462,7 +514,7 @@ fn bite_for_test(kind: ThreadKind) {
     if wanted == "vcpu-memory" && kind == ThreadKind::Vcpu(0) {
         // KVM_SET_USER_MEMORY_REGION, on no descriptor at all: the filter must trap it by its
         // number although KVM_RUN, of the same type, is allowed.
-        let nr = vm_level::requests()[2];
+        let nr = vcpu_requests::set_user_memory_region();
         // SAFETY: a plain syscall on an invalid descriptor; the filter traps it.
         unsafe { libc::ioctl(-1, nr as libc::c_ulong, 0) };
     }
@@ -609,22 +661,39 @@ mod tests {
     }
 
     #[test]
-    fn vm_level_requests_have_the_kernels_numbers() {
+    fn vcpu_requests_have_the_kernels_numbers() {
         // From <linux/kvm.h> on x86_64.
         assert_eq!(
-            vm_level::requests(),
+            vcpu_requests::allowed(),
             [
-                0xae01,
-                0xae41,
-                0x4020_ae46,
-                0x40a0_ae49,
-                0x4008_ae6a,
-                0x4020_ae76,
-                0x4040_ae79,
-                0x4068_aea3,
-                0xc00c_aee0
+                0xae80,
+                0x8090_ae81,
+                0x4090_ae82,
+                0x8138_ae83,
+                0x4138_ae84,
+                0xc008_ae88,
+                0x4008_ae89,
+                0x8400_ae8e,
+                0x4400_ae8f,
+                0x4008_ae90,
+                0xc008_ae91,
+                0x8004_ae98,
+                0x4004_ae99,
+                0x8040_ae9f,
+                0x4040_aea0,
+                0x8080_aea1,
+                0x4080_aea2,
+                0xaea2,
+                0xaea3,
+                0x9000_aea4,
+                0x5000_aea5,
+                0x8188_aea6,
+                0x4188_aea7,
+                0x9000_aecf,
             ]
         );
+        #[cfg(debug_assertions)]
+        assert_eq!(vcpu_requests::set_user_memory_region(), 0x4020_ae46);
     }
 
     #[test]
