@@ -10,6 +10,7 @@
 
 pub mod fields;
 pub mod instancetype;
+pub mod mac;
 pub mod migratability;
 pub mod ownership;
 pub mod protocol;

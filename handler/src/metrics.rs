@@ -4,8 +4,10 @@
 //! `kubevirt_vmi_storage_iops_{read,write}_total`, `kubevirt_vmi_storage_flush_requests_total`,
 //! `kubevirt_vmi_memory_domain_bytes`, `kubevirt_vmi_node_vcpus` and
 //! `kubevirt_vmi_migration_{data_processed_bytes,data_remaining_bytes,dirty_memory_rate_bytes,
-//! memory_transfer_rate_bytes}`. The launchers own the counters; the handler keeps the last
-//! report of each VMI and encodes it when scraped.
+//! memory_transfer_rate_bytes}`; and microvirt's own
+//! `microvirt_vmi_network_spoofed_packets_dropped_total` (frames the source guard dropped at the
+//! guest's TAP, read from the Pod's nftables counters). The launchers own the other counters;
+//! the handler keeps the last report of each VMI and encodes it when scraped.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -33,6 +35,8 @@ pub struct MigrationSample {
 struct Sample {
     report: Option<StatusReport>,
     migration: Option<MigrationSample>,
+    /// Frames the source guard dropped, by VMI interface (`podnet::antispoof`).
+    spoofed: BTreeMap<String, u64>,
 }
 
 #[derive(Debug)]
@@ -56,6 +60,16 @@ impl NodeMetrics {
             .entry((namespace.into(), name.into()))
             .or_default()
             .report = Some(report);
+    }
+
+    /// The source guard's drop counts of the VMI's interfaces.
+    pub fn record_spoofed(&self, namespace: &str, name: &str, by_interface: Vec<(String, u64)>) {
+        self.vmis
+            .lock()
+            .unwrap()
+            .entry((namespace.into(), name.into()))
+            .or_default()
+            .spoofed = by_interface.into_iter().collect();
     }
 
     pub fn record_migration(&self, namespace: &str, name: &str, m: Option<MigrationSample>) {
@@ -115,6 +129,17 @@ impl Collector for NodeMetrics {
                 ("namespace".to_string(), ns.clone()),
                 ("name".to_string(), name.clone()),
             ];
+            for (interface, dropped) in &s.spoofed {
+                let mut l = base.clone();
+                l.push(("interface".into(), interface.clone()));
+                add(
+                    "microvirt_vmi_network_spoofed_packets_dropped",
+                    "Frames from the guest with another source MAC or address than its own, dropped at its TAP",
+                    true,
+                    l,
+                    *dropped,
+                );
+            }
             if let Some(r) = &s.report {
                 add(
                     "kubevirt_vmi_memory_domain_bytes",
@@ -325,6 +350,7 @@ mod tests {
                 ..Default::default()
             }),
         );
+        m.record_spoofed("default", "vm1", vec![("default".into(), 6)]);
         let text = m.render();
         for line in [
             "kubevirt_vmi_network_receive_bytes_total{node=\"n1\",namespace=\"default\",name=\"vm1\",interface=\"eth0\"} 400",
@@ -332,6 +358,7 @@ mod tests {
             "kubevirt_vmi_storage_write_traffic_bytes_total{node=\"n1\",namespace=\"default\",name=\"vm1\",drive=\"vda\"} 1024",
             "kubevirt_vmi_memory_domain_bytes{node=\"n1\",namespace=\"default\",name=\"vm1\"} 67108864",
             "kubevirt_vmi_migration_data_processed_bytes{node=\"n1\",namespace=\"default\",name=\"vm1\"} 4096",
+            "microvirt_vmi_network_spoofed_packets_dropped_total{node=\"n1\",namespace=\"default\",name=\"vm1\",interface=\"default\"} 6",
         ] {
             assert!(text.contains(line), "{line} missing in:\n{text}");
         }

@@ -73,6 +73,21 @@ async fn edit_state(
     Ok(())
 }
 
+/// Marks the target leg of migration `muid` failed with `reason` (the source keeps the VM).
+async fn fail_target_leg(
+    ctx: &Context,
+    vmi: &VirtualMachineInstance,
+    muid: &str,
+    reason: String,
+) -> Result<(), kube::Error> {
+    let api = Api::namespaced(ctx.client.clone(), &vmi.namespace().unwrap_or_default());
+    edit_state(&api, &vmi.name_any(), muid, |m| {
+        m.failed = Some(true);
+        m.failure_reason = Some(reason.clone());
+    })
+    .await
+}
+
 /// The target leg, for VMIs labelled `kubevirt.io/migrationTargetNodeName=<this node>`.
 pub async fn reconcile_target(
     vmi: Arc<VirtualMachineInstance>,
@@ -110,16 +125,7 @@ pub async fn reconcile_target(
         let why =
             api::ownership::stranger_note(&pod_name, &vmi.name_any(), "the migration's targetPod");
         tracing::warn!(vmi = %vmi.name_any(), "{why}");
-        edit_state(
-            &Api::namespaced(ctx.client.clone(), &ns),
-            &vmi.name_any(),
-            &muid,
-            |m| {
-                m.failed = Some(true);
-                m.failure_reason = Some(why.clone());
-            },
-        )
-        .await?;
+        fail_target_leg(&ctx, &vmi, &muid, why).await?;
         return Ok(Action::await_change());
     }
     let socket = socket_path(&ctx.config.pods_dir, &uid);
@@ -144,18 +150,8 @@ pub async fn reconcile_target(
                     if let crate::network::NetworkError::Launcher(e) = e {
                         return Err(e.into());
                     }
-                    edit_state(
-                        &Api::namespaced(ctx.client.clone(), &ns),
-                        &vmi.name_any(),
-                        &muid,
-                        |m| {
-                            m.failed = Some(true);
-                            m.failure_reason = Some(format!(
-                                "the target Pod's network cannot be wired: {message}"
-                            ));
-                        },
-                    )
-                    .await?;
+                    let why = format!("the target Pod's network cannot be wired: {message}");
+                    fail_target_leg(&ctx, &vmi, &muid, why).await?;
                     return Ok(Action::await_change());
                 }
             }
@@ -171,17 +167,8 @@ pub async fn reconcile_target(
             match listening {
                 Response::MigrationListening { .. } => {}
                 Response::Error { message } => {
-                    edit_state(
-                        &Api::namespaced(ctx.client.clone(), &ns),
-                        &vmi.name_any(),
-                        &muid,
-                        |m| {
-                            m.failed = Some(true);
-                            m.failure_reason =
-                                Some(format!("the target launcher cannot receive: {message}"));
-                        },
-                    )
-                    .await?;
+                    let why = format!("the target launcher cannot receive: {message}");
+                    fail_target_leg(&ctx, &vmi, &muid, why).await?;
                     return Ok(Action::await_change());
                 }
                 other => {

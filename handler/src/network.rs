@@ -90,14 +90,29 @@ pub fn nic_requests(vmi: &VirtualMachineInstance) -> Result<Vec<NicRequest>, Str
                 .collect::<Result<Vec<_>, _>>()?,
             _ => Vec::new(),
         };
+        let vmi_name = vmi.metadata.name.as_deref().unwrap_or("vm");
+        let guest_mac = api::mac::of_interface(vmi_name, iface)
+            .map_err(|why| format!("{at}.macAddress: {why}"))?;
         out.push(NicRequest {
             interface: iface.name.clone(),
             binding,
             pod_interface: pod_iface_of.get(&iface.name).cloned(),
             ports,
+            guest_mac,
         });
     }
     Ok(out)
+}
+
+/// The frames each NIC's source guard dropped in the Pod of launcher `pid`, by VMI interface
+/// (`podnet::antispoof`).
+pub async fn spoofed(pid: u32) -> Result<Vec<(String, u64)>, String> {
+    tokio::task::spawn_blocking(move || {
+        let ns = podnet::netns_of(pid).map_err(|e| e.to_string())?;
+        podnet::in_netns(Some(&ns), podnet::antispoof::dropped).map_err(|e| e.to_string())?
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Wires the VMI's NICs in the launcher's Pod and hands them over. Everything the wiring made
@@ -151,12 +166,7 @@ pub async fn attach(
         nics.push(HandedNic {
             interface: w.interface.clone(),
             tap_fd,
-            mac: w.mac.map(|m| {
-                m.iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<Vec<_>>()
-                    .join(":")
-            }),
+            mac: Some(api::mac::display(&w.mac)),
             dhcp: w.lease.clone(),
             dhcp_fd,
             ip_addresses: w.ip_addresses.clone(),

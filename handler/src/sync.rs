@@ -294,6 +294,14 @@ pub async fn reconcile(
     }
     let ns = vmi.namespace().unwrap_or_default();
     ctx.metrics.record(&ns, &vmi.name_any(), report.clone());
+    if let Some(pid) = launcher.pid.filter(|_| report.network_attached) {
+        match crate::network::spoofed(pid).await {
+            Ok(counts) => ctx.metrics.record_spoofed(&ns, &vmi.name_any(), counts),
+            Err(e) => {
+                tracing::debug!(vmi = %vmi.name_any(), "reading the source guard counters: {e}")
+            }
+        }
+    }
     let mut new = observed_status(&status, &report, node, &launcher.launcher_version);
     if let Some(m) = new.memory.as_mut() {
         m.guest_requested = vmi

@@ -661,7 +661,7 @@ async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
     cluster
         .apply_yaml::<VirtualMachineInstance>(&tests::probe_vmi_yaml(
             "talker",
-            "probe.test=dhcp probe.peer=10.78.0.1:7777 probe.echoes=100000000",
+            "probe.test=dhcp probe.peer=10.78.0.1:7777 probe.echoes=100000000 probe.spoof=1",
             r#"[{name: default, masquerade: {}}]"#,
             r#"[{name: default, pod: {}}]"#,
         ))
@@ -672,7 +672,7 @@ async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
     kubelet_pod_ip(&cluster, &source_name, "10.244.1.5").await;
     let source_uid = source.metadata.uid.clone().unwrap();
     let _l1 = start_launcher_in(Some(&pod1.name), &pods_dir, &source_uid, &work);
-    let _h1 = start_handler_on("node-1", &cluster, &pods_dir, &work);
+    let h1 = start_handler_on("node-1", &cluster, &pods_dir, &work);
     let _h2 = start_handler_on("node-2", &cluster, &pods_dir, &work);
     let before = eventually(
         "the interface on node-1",
@@ -692,6 +692,27 @@ async fn a_migrated_guest_keeps_its_mac_address_and_peer() {
             .unwrap(),
         "the guest is not talking through node-1's Pod"
     );
+    // Before its first honest datagram the guest forged six (probe.spoof=1: three from another
+    // address, three from another MAC): node-1's source guard dropped them, the VMI's metric
+    // counts them, and the peer saw none.
+    let h1_metrics = h1.1.unwrap();
+    eventually(
+        "the forged frames counted in node-1's metrics",
+        Duration::from_secs(30),
+        || async {
+            let text = tests::cluster::http_get(h1_metrics, "/metrics").await;
+            text.contains("microvirt_vmi_network_spoofed_packets_dropped_total{node=\"node-1\",namespace=\"default\",name=\"talker\",interface=\"default\"} 6")
+                .then_some(())
+        },
+    )
+    .await;
+    let forged = |e: &tests::UdpEcho| {
+        e.payloads()
+            .iter()
+            .filter(|p| p.starts_with(b"MVPROBE spoof"))
+            .count()
+    };
+    assert_eq!(forged(&echo), 0, "a forged datagram reached the peer");
 
     cluster
         .apply_yaml::<VirtualMachineInstanceMigration>(

@@ -34,6 +34,11 @@ pub struct ConsoleHub {
     history: Vec<u8>,
     wake: Arc<std::sync::Condvar>,
     draining: bool,
+    /// The drain thread sleeps until woken (every backlog was empty): the next write wakes it.
+    /// Otherwise it looks again within 10 ms by itself, and writes do not wake it — the UART
+    /// writes one byte at a time, and a wake-up per byte would cost the guest a context switch
+    /// and lock hand-over each.
+    drain_idle: bool,
 }
 
 const HISTORY: usize = 64 * 1024;
@@ -49,6 +54,7 @@ impl Default for ConsoleHub {
             history: Vec::with_capacity(HISTORY + SLACK),
             wake: Arc::default(),
             draining: false,
+            drain_idle: false,
         }
     }
 }
@@ -138,7 +144,10 @@ fn drain_console(hub: &Mutex<ConsoleHub>) {
         h = if h.clients.iter().any(|c| !c.pending.is_empty()) {
             wake.wait_timeout(h, Duration::from_millis(10)).unwrap().0
         } else {
-            wake.wait(h).unwrap()
+            h.drain_idle = true;
+            let mut h = wake.wait(h).unwrap();
+            h.drain_idle = false;
+            h
         };
     }
 }
@@ -153,7 +162,8 @@ impl Write for ConsoleHub {
         for c in &mut self.clients {
             c.queue(buf);
         }
-        if !self.clients.is_empty() {
+        if self.drain_idle && !self.clients.is_empty() {
+            self.drain_idle = false;
             self.wake.notify_one();
         }
         Ok(buf.len())

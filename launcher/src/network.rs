@@ -45,17 +45,23 @@ impl PodNetwork {
             // Every masquerade NIC's subnet is 10.0.2.0/24: two in one namespace would clash.
             return Err("one pod network interface is supported in standalone mode".into());
         }
-        let requests: Vec<podnet::NicRequest> = nics
+        let requests = nics
             .iter()
-            .map(|n| podnet::NicRequest {
-                interface: n.interface.clone(),
-                // On a host's own network there is no Pod interface to give away: both
-                // bindings get the guest a NAT'd address here.
-                binding: podnet::Binding::Masquerade,
-                pod_interface: None,
-                ports: vec![],
+            .map(|n| {
+                Ok(podnet::NicRequest {
+                    interface: n.interface.clone(),
+                    // On a host's own network there is no Pod interface to give away: both
+                    // bindings get the guest a NAT'd address here.
+                    binding: podnet::Binding::Masquerade,
+                    pod_interface: None,
+                    ports: vec![],
+                    guest_mac: n
+                        .mac
+                        .ok_or_else(|| format!("interface {}: no MAC planned", n.interface))?
+                        .0,
+                })
             })
-            .collect();
+            .collect::<Result<Vec<podnet::NicRequest>, String>>()?;
         let options = podnet::WireOptions {
             naming: podnet::Naming::Unique(tag(vm)),
             hostname: Some(vm.to_string()),

@@ -386,18 +386,12 @@ pub fn translate(
     let mut nics = Vec::new();
     for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
         let net = spec.networks.iter().find(|n| n.name == iface.name);
-        let mac =
-            match &iface.mac_address {
-                Some(m) => Some(m.parse::<MacAddr>().map_err(|r| {
-                    err(format!("spec.domain.devices.interfaces[{i}].macAddress"), r)
-                })?),
-                // KubeVirt users expect a NIC's MAC to survive restarts and migrations: one
-                // derived from the VMI and interface names is the same in every launcher.
-                None => Some(vmm::devices::manager::derived_mac(&format!(
-                    "{name}/{}",
-                    iface.name
-                ))),
-            };
+        // KubeVirt users expect a NIC's MAC to survive restarts and migrations: without
+        // macAddress, one derived from the VMI and interface names (the same in every launcher,
+        // and the one virt-handler lets out of the TAP).
+        let mac = Some(MacAddr(api::mac::of_interface(name, iface).map_err(
+            |r| err(format!("spec.domain.devices.interfaces[{i}].macAddress"), r),
+        )?));
         nics.push(NicPlan {
             interface: iface.name.clone(),
             binding: if iface.bridge.is_some() {

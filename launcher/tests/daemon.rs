@@ -737,7 +737,25 @@ fn a_console_client_that_never_reads_stops_nothing() {
         }
     };
     assert!(snap.memory_bytes > 0, "{snap:?}");
-    read_until(&mut reader.inp, &mut seen, "PROBE RESULT flood OK");
-    assert!(seen.contains("lines=12288 bytes=786432"), "{seen}");
+    // The whole result line: output arrives in batches, which may end mid-line.
+    read_until(&mut reader.inp, &mut seen, "PROBE RESULT flood");
+    let at = seen.find("PROBE RESULT flood").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !seen[at..].contains('\n') {
+        assert!(
+            Instant::now() < deadline,
+            "the result line never ended: {}",
+            &seen[at..]
+        );
+        let mut buf = [0u8; 512];
+        if let Ok(n) = reader.inp.read(&mut buf) {
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+    let line = seen[at..].lines().next().unwrap_or_default();
+    assert_eq!(
+        line.trim_end(),
+        "PROBE RESULT flood OK lines=12288 bytes=786432"
+    );
     assert_eq!(l.exit_code(), Some(0));
 }

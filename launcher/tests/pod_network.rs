@@ -207,7 +207,9 @@ spec:
 
 /// The probe's `dhcp` test through `run -f --network nat`, in a "Pod" namespace whose eth0 leads
 /// to a peer namespace: the guest gets 10.0.2.2 by DHCP (with the Pod's DNS, MTU and its
-/// hostname), and its UDP datagram reaches the peer from the Pod's address and comes back.
+/// hostname), and its UDP datagram reaches the peer from the Pod's address and comes back. Then
+/// the guest forges datagrams from another address and from another MAC before its honest one:
+/// the peer never sees them, and the honest datagram sent after them still comes back.
 #[test]
 fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
     tests::require_kvm();
@@ -217,7 +219,7 @@ fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
         &manifest,
         tests::probe_vmi_yaml(
             "dhcpvm",
-            "probe.test=dhcp probe.peer=10.244.0.1:7777",
+            "probe.test=dhcp probe.peer=10.244.0.1:7777 probe.spoof=1",
             r#"[{name: default, masquerade: {}}]"#,
             r#"[{name: default, pod: {}}]"#,
         ),
@@ -252,8 +254,21 @@ fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
     assert!(line.contains("ip=10.0.2.2/24 router=10.0.2.1"), "{line}");
     assert!(line.contains("hostname=dhcpvm"), "{line}");
     assert!(
-        line.contains("mtu=1500") && line.contains("echoes=1"),
+        line.contains("mtu=1500") && line.contains("echoes=1") && line.contains("forged=2"),
         "{line}"
+    );
+    let payloads: Vec<String> = echo
+        .payloads()
+        .iter()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    assert!(
+        payloads.iter().any(|p| p == "MVPROBE udp hello 0"),
+        "{payloads:?}"
+    );
+    assert!(
+        !payloads.iter().any(|p| p.contains("spoof")),
+        "a forged datagram reached the peer: {payloads:?}"
     );
     let from = echo.seen();
     assert_eq!(

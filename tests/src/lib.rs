@@ -477,15 +477,18 @@ pub fn pod_namespace_on(node: &NetNs, tag: &str, pod_ip: &str, gateway: &str) ->
 
 /// A UDP echo server in a namespace: echoes every datagram (until 4 minutes of silence) and
 /// records who sent it.
+/// Each datagram an echo server got: its sender and its bytes.
+type Datagrams = Arc<Mutex<Vec<(std::net::SocketAddr, Vec<u8>)>>>;
+
 pub struct UdpEcho {
-    seen: Arc<Mutex<Vec<std::net::SocketAddr>>>,
+    seen: Datagrams,
 }
 
 impl UdpEcho {
     /// Serves on `port` in `ns`; bound before this returns.
     pub fn start(ns: &NetNs, port: u16) -> UdpEcho {
         let name = ns.name.clone();
-        let seen: Arc<Mutex<Vec<std::net::SocketAddr>>> = Arc::default();
+        let seen: Datagrams = Arc::default();
         let (ready_tx, ready) = std::sync::mpsc::channel();
         let log = seen.clone();
         std::thread::spawn(move || {
@@ -498,7 +501,7 @@ impl UdpEcho {
             let mut buf = [0u8; 1500];
             while let Ok((n, src)) = s.recv_from(&mut buf) {
                 let _ = s.send_to(&buf[..n], src);
-                log.lock().unwrap().push(src);
+                log.lock().unwrap().push((src, buf[..n].to_vec()));
             }
         });
         ready.recv().unwrap();
@@ -507,7 +510,17 @@ impl UdpEcho {
 
     /// The senders so far, one per datagram.
     pub fn seen(&self) -> Vec<std::net::SocketAddr> {
-        self.seen.lock().unwrap().clone()
+        self.seen.lock().unwrap().iter().map(|(a, _)| *a).collect()
+    }
+
+    /// The datagrams so far, in order.
+    pub fn payloads(&self) -> Vec<Vec<u8>> {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, p)| p.clone())
+            .collect()
     }
 
     /// Waits until a datagram from `ip` has been echoed.

@@ -4,6 +4,11 @@
 //! UDP echo on the far side of the Pod's NAT). The guest answers ARP for its address meanwhile,
 //! as the gateway asks before it delivers an echo. Many echoes keep the guest talking while it
 //! is live-migrated: the same MAC, address and ARP entry must keep working on the new node.
+//!
+//! With `probe.spoof=1` the guest first forges, before its first honest datagram: one from
+//! another source address (`MVPROBE spoof ip`) and one from another source MAC
+//! (`MVPROBE spoof mac`), each sent three times — the node's source guard drops all six, and
+//! the honest datagrams after them still come back.
 
 use core::fmt::Write;
 
@@ -237,12 +242,15 @@ pub fn run(cmdline: &str) -> ! {
     let Some(peer) = peer else {
         result(false, format_args!("probe.peer=A.B.C.D:PORT is missing"))
     };
+    let spoof = cmdline.split_whitespace().any(|w| w == "probe.spoof=1");
     let echoes = cmdline
         .split(' ')
         .find_map(|w| w.strip_prefix("probe.echoes="))
         .and_then(|n| n.parse::<u32>().ok())
         .unwrap_or(1);
-    match crate::net::open(cmdline).and_then(|(nic, mac, _)| exchange(nic, mac, peer, echoes)) {
+    match crate::net::open(cmdline)
+        .and_then(|(nic, mac, _)| exchange(nic, mac, peer, echoes, spoof))
+    {
         Ok(line) => result(true, format_args!("{}", line.as_str())),
         Err(e) => result(false, format_args!("{e}")),
     }
@@ -253,6 +261,7 @@ fn exchange(
     mac: [u8; 6],
     peer: ([u8; 4], u16),
     echoes: u32,
+    spoof: bool,
 ) -> Result<Line, &'static str> {
     let mut frame = [0u8; 1514];
     let mut rx = [0u8; 1514];
@@ -335,33 +344,37 @@ fn exchange(
         }
     }
     let hop_mac = hop_mac.ok_or("no ARP reply from the next hop")?;
+    if spoof {
+        // Another host's address, then another card's MAC: neither may leave the Pod.
+        let mut forged_ip = me;
+        forged_ip[3] = forged_ip[3].wrapping_add(97);
+        let mut forged_mac = mac;
+        forged_mac[5] ^= 0x55;
+        for (src_mac, src_ip, msg) in [
+            (mac, forged_ip, &b"MVPROBE spoof ip"[..]),
+            (forged_mac, me, &b"MVPROBE spoof mac"[..]),
+        ] {
+            for _ in 0..3 {
+                let len = udp_frame(
+                    &mut frame, hop_mac, src_mac, src_ip, peer.0, PROBE_PORT, peer.1, msg,
+                );
+                nic.send(&frame[..len])?;
+            }
+        }
+    }
     // UDP to the peer, and its echo back, `echoes` times.
     for k in 0..echoes {
         let mut msg = Line::new();
         let _ = write!(msg, "MVPROBE udp hello {k}");
-        let msg = msg.as_str().as_bytes();
-        let mut echoed = false;
-        'udp: for _ in 0..TRIES {
-            let len = udp_frame(
-                &mut frame, hop_mac, mac, me, peer.0, PROBE_PORT, peer.1, msg,
-            );
-            nic.send(&frame[..len])?;
-            for _ in 0..16 {
-                let Some(n) = nic.recv(&mut rx, SPINS) else {
-                    continue 'udp;
-                };
-                handle_arp(&mut nic, &rx[..n], mac, me);
-                if let Some((b, src, sport)) = udp_payload(&rx[..n], PROBE_PORT) {
-                    if src == peer.0 && sport == peer.1 && b == msg {
-                        echoed = true;
-                        break 'udp;
-                    }
-                }
-            }
-        }
-        if !echoed {
-            return Err("no UDP echo from the peer");
-        }
+        echo(
+            &mut nic,
+            &mut frame,
+            &mut rx,
+            (mac, me),
+            hop_mac,
+            peer,
+            msg.as_str().as_bytes(),
+        )?;
     }
     let mut out = Line::new();
     let ip = |a: [u8; 4]| (a[0], a[1], a[2], a[3]);
@@ -370,10 +383,41 @@ fn exchange(
     let (n1, n2, n3, n4) = ip(lease.dns);
     let _ = write!(
         out,
-        "ip={a}.{b}.{c}.{d}/{} router={r1}.{r2}.{r3}.{r4} dns={n1}.{n2}.{n3}.{n4} mtu={} hostname={} echoes={echoes}",
+        "ip={a}.{b}.{c}.{d}/{} router={r1}.{r2}.{r3}.{r4} dns={n1}.{n2}.{n3}.{n4} mtu={} hostname={} echoes={echoes}{}",
         prefix_len(lease.mask),
         lease.mtu,
         core::str::from_utf8(&lease.hostname[..lease.hostname_len]).unwrap_or("?"),
+        if spoof { " forged=2" } else { "" },
     );
     Ok(out)
+}
+
+/// Sends `msg` from `me` (MAC, address) to `peer` through `hop_mac` until it comes back,
+/// answering ARP meanwhile.
+fn echo(
+    nic: &mut Nic,
+    frame: &mut [u8; 1514],
+    rx: &mut [u8; 1514],
+    me: ([u8; 6], [u8; 4]),
+    hop_mac: [u8; 6],
+    peer: ([u8; 4], u16),
+    msg: &[u8],
+) -> Result<(), &'static str> {
+    let (mac, ip) = me;
+    for _ in 0..TRIES {
+        let len = udp_frame(frame, hop_mac, mac, ip, peer.0, PROBE_PORT, peer.1, msg);
+        nic.send(&frame[..len])?;
+        for _ in 0..16 {
+            let Some(n) = nic.recv(rx, SPINS) else {
+                break;
+            };
+            handle_arp(nic, &rx[..n], mac, ip);
+            if let Some((b, src, sport)) = udp_payload(&rx[..n], PROBE_PORT) {
+                if src == peer.0 && sport == peer.1 && b == msg {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    Err("no UDP echo from the peer")
 }

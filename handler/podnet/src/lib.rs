@@ -14,6 +14,7 @@
 //! Whatever was created is recorded, and undone by `PodNetwork::teardown` (or on drop) unless
 //! the network was handed over with `PodNetwork::keep`.
 
+pub mod antispoof;
 pub mod dhcp;
 pub mod nat;
 
@@ -62,6 +63,10 @@ pub struct NicRequest {
     pub pod_interface: Option<String>,
     /// Masquerade: the ports forwarded to the guest (empty: all).
     pub ports: Vec<Port>,
+    /// The MAC the guest's NIC has (`api::mac::of_interface`); a bridge binding gives the
+    /// guest the Pod interface's instead. Frames from the TAP with another source are dropped
+    /// (`antispoof`).
+    pub guest_mac: [u8; 6],
 }
 
 /// How the links are named: inside a Pod's own namespace, KubeVirt's names; on a shared host
@@ -101,8 +106,9 @@ pub struct WiredNic {
     pub tap_name: String,
     pub bridge: String,
     pub tap: OwnedFd,
-    /// Bridge binding: the MAC the guest must take over from the Pod interface.
-    pub mac: Option<[u8; 6]>,
+    /// The MAC the guest must use (the request's, or with a bridge binding the Pod
+    /// interface's): the only source the TAP lets out.
+    pub mac: [u8; 6],
     /// None: nothing to offer (a secondary network without an address).
     pub lease: Option<DhcpLease>,
     pub dhcp_socket: Option<UdpSocket>,
@@ -126,6 +132,8 @@ pub enum WireError {
 enum Made {
     Link(String),
     NatTable(String),
+    /// The source guard on a TAP (`antispoof`).
+    GuardTable(String),
     /// The bridge binding took the Pod interface's address, default route and MAC.
     PodInterface {
         name: String,
@@ -278,6 +286,7 @@ async fn undo(handle: &Handle, m: &Made) -> Result<(), String> {
             }
         }
         Made::NatTable(t) => nat::remove(t),
+        Made::GuardTable(t) => antispoof::remove(t),
         Made::PodInterface {
             name,
             mac,
@@ -494,7 +503,7 @@ async fn wire_nic(
     dns: &ResolvConf,
     made: &mut Vec<Made>,
 ) -> Result<WiredNic, String> {
-    let (bridge, tap_name, table) = match &options.naming {
+    let (bridge, tap_name, table, guard) = match &options.naming {
         Naming::Pod => {
             let base = req
                 .pod_interface
@@ -504,12 +513,14 @@ async fn wire_nic(
                 format!("k6t-{base}"),
                 format!("tap{i}"),
                 format!("microvirt-{base}"),
+                format!("{}{}", antispoof::TABLE_PREFIX, req.interface),
             )
         }
         Naming::Unique(tag) => (
             format!("mvbr{tag}{i}"),
             format!("mvtap{tag}{i}"),
             format!("microvirt-{tag}{i}"),
+            format!("{}{tag}{i}", antispoof::TABLE_PREFIX),
         ),
     };
     if bridge.len() >= libc::IFNAMSIZ {
@@ -554,7 +565,8 @@ async fn wire_nic(
         .index;
 
     let mut lease = None;
-    let mut mac = None;
+    let mut mac = req.guest_mac;
+    let mut guest_v6 = None;
     let mut ip_addresses: Vec<String> = pod_addrs.iter().map(|(_, a)| a.to_string()).collect();
     match req.binding {
         Binding::Masquerade => {
@@ -590,6 +602,7 @@ async fn wire_nic(
             sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
             if has_v6 {
                 sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
+                guest_v6 = Some(GUEST_V6);
             }
             let n = nat::MasqueradeNat {
                 table: table.clone(),
@@ -674,7 +687,12 @@ async fn wire_nic(
                     hostname: options.hostname.clone(),
                 });
             }
-            mac = <[u8; 6]>::try_from(pod_mac.as_slice()).ok();
+            mac = <[u8; 6]>::try_from(pod_mac.as_slice())
+                .map_err(|_| format!("{name}'s MAC {pod_mac:02x?} is not six bytes"))?;
+            guest_v6 = pod_addrs.iter().find_map(|(_, a)| match a {
+                IpAddr::V6(a) => Some(*a),
+                _ => None,
+            });
         }
     }
 
@@ -685,6 +703,17 @@ async fn wire_nic(
         .ok_or(format!("{tap_name} vanished"))?
         .header
         .index;
+    // The guard is in place before the TAP joins the bridge and comes up: no frame of the
+    // guest's reaches the Pod's network unchecked.
+    made.push(Made::GuardTable(guard.clone()));
+    antispoof::GuestSource {
+        table: guard,
+        tap: tap_name.clone(),
+        mac,
+        v4: lease.as_ref().map(|l: &DhcpLease| l.address),
+        v6: guest_v6,
+    }
+    .apply()?;
     set_link(
         handle,
         LinkUnspec::new_with_index(t)

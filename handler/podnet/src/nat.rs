@@ -212,11 +212,16 @@ impl MasqueradeNat {
 /// program. (Programming the table stays with `nft -j`, above.)
 pub fn remove(table: &str) {
     for family in [libc::NFPROTO_IPV4, libc::NFPROTO_IPV6] {
-        match delete_table(family as u8, table) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
-            Err(e) => tracing::warn!(table, family, "removing NAT table: {e}"),
-        }
+        remove_family(family as u8, table);
+    }
+}
+
+/// Removes table `table` of nf_tables family `family` (an `NFPROTO_*`), if it is there.
+pub(crate) fn remove_family(family: u8, table: &str) {
+    match delete_table(family, table) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        Err(e) => tracing::warn!(table, family, "removing nftables table: {e}"),
     }
 }
 

@@ -28,12 +28,16 @@ fn nsfile(ns: &NetNs) -> std::fs::File {
     podnet::netns_path(std::path::Path::new(&format!("/var/run/netns/{}", ns.name))).unwrap()
 }
 
+/// The MAC the guest's NIC is planned with (masquerade: the request's).
+const GUEST_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x0a, 0x0b, 0x0c];
+
 fn nic(binding: Binding, pod_interface: &str) -> NicRequest {
     NicRequest {
         interface: "default".into(),
         binding,
         pod_interface: Some(pod_interface.into()),
         ports: vec![],
+        guest_mac: GUEST_MAC,
     }
 }
 
@@ -70,7 +74,7 @@ fn masquerade_puts_the_guest_behind_the_pod_address() {
         ("k6t-eth0", "tap0")
     );
     assert_eq!(n.ip_addresses, vec!["10.244.0.5".to_string()]);
-    assert_eq!(n.mac, None, "the launcher's own MAC");
+    assert_eq!(n.mac, GUEST_MAC, "the planned MAC");
     let lease = n.lease.clone().unwrap();
     assert_eq!(lease.address, Ipv4Addr::new(10, 0, 2, 2));
     assert_eq!(lease.router, Some(Ipv4Addr::new(10, 0, 2, 1)));
@@ -95,6 +99,17 @@ fn masquerade_puts_the_guest_behind_the_pod_address() {
     assert!(rules.contains("masquerade"), "{rules}");
     assert!(rules.contains("dnat to 10.0.2.2"), "{rules}");
     assert!(rules.contains("49152"), "{rules}");
+    // Only the guest's MAC and lease leave its TAP.
+    let guard = out(
+        &pod,
+        &["nft", "list", "table", "netdev", "microvirt-src-default"],
+    );
+    assert!(
+        guard.contains("device \"tap0\"")
+            && guard.contains("ether saddr != 52:54:00:0a:0b:0c counter name \"spoofed\" drop")
+            && guard.contains("ip saddr 10.0.2.2 accept"),
+        "{guard}"
+    );
     assert_eq!(
         out(&pod, &["cat", "/proc/sys/net/ipv4/ip_forward"]).trim(),
         "1"
@@ -123,7 +138,7 @@ fn bridge_binding_hands_the_pod_address_and_mac_to_the_guest_and_gives_them_back
     )
     .unwrap();
     let n = &net.nics[0];
-    let mac: Vec<String> = n.mac.unwrap().iter().map(|b| format!("{b:02x}")).collect();
+    let mac: Vec<String> = n.mac.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(mac.join(":"), mac_before, "the guest takes the Pod's MAC");
     let lease = n.lease.clone().unwrap();
     assert_eq!(
