@@ -1,6 +1,7 @@
 //! virt-launcher's library: reading KubeVirt manifests, translating a VMI into the VMM's
 //! config, and building what the guest needs on one machine (disk files, cloud-init seeds).
 
+pub mod beneath;
 pub mod client;
 pub mod cloudinit;
 pub mod daemon;

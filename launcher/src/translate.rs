@@ -176,11 +176,16 @@ fn disk_plan(
     let state = env.state_dir.join(name);
     let source = if let Some(c) = &vol.container_disk {
         let dir = image_path(env, &c.image);
+        let field = if c.path.is_some() { "path" } else { "image" };
         let base = match &c.path {
             Some(p) => dir.join(p.trim_start_matches('/')),
             None => dir.clone(),
         };
-        let image = image_disk(&base).map_err(|r| err(format!("{vp}.containerDisk.image"), r))?;
+        let in_images = |p: &Path| crate::beneath::resolve(&env.image_dir, p, "image directory");
+        let image = in_images(&base)
+            .and_then(|b| image_disk(&b))
+            .and_then(|i| in_images(&i))
+            .map_err(|r| err(format!("{vp}.containerDisk.{field}"), r))?;
         DiskSource::CopyOf {
             image,
             to: state.join(format!("{}.containerdisk.img", vol.name)),
@@ -206,12 +211,14 @@ fn disk_plan(
         };
         let p = env.volume_dir.join(&claim);
         use std::os::unix::fs::FileTypeExt;
+        let in_volumes = |p: &Path| crate::beneath::resolve(&env.volume_dir, p, "volume directory");
         let meta = std::fs::metadata(&p).map_err(|_| {
             err(
                 format!("{vp}.{which}"),
                 format!("volume {claim:?} not found at {}", p.display()),
             )
         })?;
+        let p = in_volumes(&p).map_err(|r| err(format!("{vp}.{which}"), r))?;
         if meta.file_type().is_block_device() {
             DiskSource::Existing(p)
         } else {
@@ -222,7 +229,7 @@ fn disk_plan(
                     format!("{} has no disk.img", p.display()),
                 ));
             }
-            DiskSource::Existing(img)
+            DiskSource::Existing(in_volumes(&img).map_err(|r| err(format!("{vp}.{which}"), r))?)
         }
     } else if let Some(e) = &vol.empty_disk {
         let size =
@@ -335,25 +342,23 @@ pub fn translate(
                 format!("image not found at {}", dir.display()),
             ));
         }
-        let inside = |p: &str| dir.join(p.trim_start_matches('/'));
-        match &c.kernel_path {
-            Some(k) if inside(k).is_file() => config.kernel = inside(k),
-            Some(k) => {
+        // A file in the image, resolved without leaving the image directory.
+        let inside = |p: &str, field: &str| {
+            let path = dir.join(p.trim_start_matches('/'));
+            if !path.is_file() {
                 return Err(err(
-                    format!("{kp}.kernelPath"),
-                    format!("{k} not found in image {}", c.image),
-                ))
+                    format!("{kp}.{field}"),
+                    format!("{p} not found in image {}", c.image),
+                ));
             }
-            None => {}
+            crate::beneath::resolve(&env.image_dir, &path, "image directory")
+                .map_err(|r| err(format!("{kp}.{field}"), r))
+        };
+        if let Some(k) = &c.kernel_path {
+            config.kernel = inside(k, "kernelPath")?;
         }
         config.initrd = match &c.initrd_path {
-            Some(i) if inside(i).is_file() => Some(inside(i)),
-            Some(i) => {
-                return Err(err(
-                    format!("{kp}.initrdPath"),
-                    format!("{i} not found in image {}", c.image),
-                ))
-            }
+            Some(i) => Some(inside(i, "initrdPath")?),
             None => None,
         };
     }

@@ -313,3 +313,84 @@ fn corpus_of_kubevirt_manifests() {
         assert_eq!(actual, expected, "{name} (UPDATE_GOLDEN=1 rewrites it)");
     }
 }
+
+/// What an image or a claim holds is not the launcher's: a containerDisk whose disk.img is a
+/// link to a host file, a claim directory that is a link to another VM's volume, a kernelBoot
+/// kernel that links out of its image — each refused by field, without reading the target. A
+/// link that stays inside its image is followed.
+#[test]
+fn links_out_of_images_and_volumes_are_refused() {
+    let f = Fixture::new("links");
+    let images = f.root.join("images");
+    let volumes = f.root.join("volumes");
+    let outside = f.root.join("other-vm");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("disk.img"), vec![7u8; 4096]).unwrap();
+    let evil = images.join("evil_disk_1");
+    std::fs::create_dir_all(&evil).unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", evil.join("disk.img")).unwrap();
+    let kern = images.join("evil_kernel_1");
+    std::fs::create_dir_all(&kern).unwrap();
+    std::os::unix::fs::symlink(outside.join("disk.img"), kern.join("vmlinux")).unwrap();
+    std::os::unix::fs::symlink(&outside, volumes.join("stolen")).unwrap();
+    let fine = images.join("fine_disk_1");
+    std::fs::create_dir_all(fine.join("real")).unwrap();
+    std::fs::write(fine.join("real/disk.img"), vec![0u8; 4096]).unwrap();
+    std::os::unix::fs::symlink("real/disk.img", fine.join("disk.img")).unwrap();
+
+    let vmi = |devices: &str, volumes: &str, firmware: &str| {
+        format!("apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: l}}\nspec:\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{autoattachPodInterface: false, disks: [{devices}]}}\n{firmware}  volumes: [{volumes}]\n")
+    };
+    let translate_yaml = |yaml: String| {
+        let path = f.root.join("l.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        let m = launcher::manifest::read(&path.display().to_string()).unwrap();
+        translate(&m.name(), m.vmi_spec(), &f.env()).map(|p| p.disks.len())
+    };
+    let e = translate_yaml(vmi(
+        "{name: d, disk: {}}",
+        "{name: d, containerDisk: {image: evil/disk:1}}",
+        "",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("spec.volumes[0].containerDisk.image")
+            && e.contains("leads outside the image directory"),
+        "{e}"
+    );
+    let e = translate_yaml(vmi(
+        "{name: d, disk: {}}",
+        "{name: d, persistentVolumeClaim: {claimName: stolen}}",
+        "",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("spec.volumes[0].persistentVolumeClaim.claimName")
+            && e.contains("leads outside the volume directory"),
+        "{e}"
+    );
+    let e = translate_yaml(vmi(
+        "",
+        "",
+        "    firmware: {kernelBoot: {container: {image: evil/kernel:1, kernelPath: /vmlinux}}}\n",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("spec.domain.firmware.kernelBoot.container.kernelPath")
+            && e.contains("leads outside the image directory"),
+        "{e}"
+    );
+    assert_eq!(
+        translate_yaml(vmi(
+            "{name: d, disk: {}}",
+            "{name: d, containerDisk: {image: fine/disk:1}}",
+            "",
+        ))
+        .unwrap(),
+        1,
+        "a link inside the image is followed"
+    );
+}
