@@ -128,3 +128,57 @@ fn a_disk_in_use_by_another_vm_is_refused() {
     let _ = first.wait();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A guest that asks for more discard / write-zeroes segments than the device advertises (1):
+/// a discard of two and a write-zeroes of 126 are refused whole (status non-zero; their sectors
+/// keep their data, in the guest's view and in the file), single-segment ones zero their sector,
+/// and the disk keeps working.
+#[test]
+fn zeroing_requests_beyond_the_advertised_segments_are_refused_whole() {
+    require_kvm();
+    let dir = tmpdir("discard");
+    let a = dir.join("a.img");
+    std::fs::File::create(&a).unwrap().set_len(1 << 20).unwrap();
+    let console = Console::default();
+    let mut cfg = probe_config("discard", 1, 64, &console);
+    cfg.disks = vec![DiskConfig::new(&a)];
+    let vm = Vm::build(&cfg).expect("building the VM");
+    let run = run_to_end(vm, &console, T);
+    let r = run
+        .result
+        .clone()
+        .unwrap_or_else(|| panic!("no result: {:?}\n{}", run.end, run.console));
+    assert!(r.ok, "{}", run.console);
+    for (field, want) in [
+        ("max_seg", "1"),
+        ("one", "0"),
+        ("zero", "0"),
+        ("zeroed", "1"),
+        ("kept", "1"),
+        ("after", "1"),
+    ] {
+        assert_eq!(r.field(field), Some(want), "{field}: {}", run.console);
+    }
+    for field in ["two", "many"] {
+        assert_ne!(
+            r.field(field),
+            Some("0"),
+            "{field} was served: {}",
+            run.console
+        );
+    }
+    let data = std::fs::read(&a).unwrap();
+    for s in 20..38usize {
+        let tag = format!("MVPROBE sector {s}");
+        assert_eq!(
+            &data[s * 512..s * 512 + tag.len()],
+            tag.as_bytes(),
+            "sector {s}"
+        );
+    }
+    assert!(
+        data[8 * 512..10 * 512].iter().all(|&b| b == 0),
+        "sectors 8, 9 not zeroed"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}

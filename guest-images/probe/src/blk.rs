@@ -267,3 +267,112 @@ fn stream_on(i: usize, base: u64, writes: u64) -> Result<(), &'static str> {
     }
     Ok(())
 }
+
+const T_DISCARD: u32 = 11;
+const T_WRITE_ZEROES: u32 = 13;
+const F_DISCARD: u64 = 1 << 13;
+const F_WRITE_ZEROES: u64 = 1 << 14;
+
+/// Writes the pattern of `sector` there.
+fn write_pattern(d: &mut Disk, sector: u64) -> Result<(), &'static str> {
+    let buf = unsafe { core::slice::from_raw_parts_mut(data_ptr(), 512) };
+    pattern(sector, buf);
+    match d.request(T_OUT, sector, &[(data_ptr() as u64, 512, false)])? {
+        0 => Ok(()),
+        _ => Err("write failed"),
+    }
+}
+
+/// Reads `sector`: Some(true) if it holds its pattern, Some(false) if all zeroes, None else.
+fn read_state(d: &mut Disk, sector: u64) -> Result<Option<bool>, &'static str> {
+    unsafe { core::ptr::write_bytes(data_ptr(), 0xee, 512) };
+    if d.request(T_IN, sector, &[(data_ptr() as u64, 512, true)])? != 0 {
+        return Err("read failed");
+    }
+    let got = unsafe { core::slice::from_raw_parts(data_ptr(), 512) };
+    let mut expect = [0u8; 512];
+    pattern(sector, &mut expect);
+    Ok(if got == expect {
+        Some(true)
+    } else if got.iter().all(|&b| b == 0) {
+        Some(false)
+    } else {
+        None
+    })
+}
+
+/// A discard / write-zeroes request whose segments (sector, 1 sector each) are `sectors`,
+/// packed in DATA2; returns its status byte.
+fn zeroing(
+    d: &mut Disk,
+    kind: u32,
+    sectors: &mut dyn Iterator<Item = u64>,
+) -> Result<u8, &'static str> {
+    let seg = data2_ptr();
+    let mut n = 0usize;
+    for s in sectors {
+        if (n + 1) * 16 > 4096 {
+            return Err("too many segments for one page");
+        }
+        unsafe {
+            core::ptr::write_volatile(seg.add(n * 16) as *mut u64, s);
+            core::ptr::write_volatile(seg.add(n * 16 + 8) as *mut u32, 1);
+            core::ptr::write_volatile(seg.add(n * 16 + 12) as *mut u32, 0);
+        }
+        n += 1;
+    }
+    d.request(kind, 0, &[(seg as u64, (n * 16) as u32, false)])
+}
+
+/// `probe.test=discard`: on the first virtio-blk disk, a discard and a write-zeroes of one
+/// segment each (what the device advertises) succeed and zero their sector; a discard of two
+/// segments and a write-zeroes of 126 are refused whole (their sectors keep their data); and
+/// the disk still reads and writes afterwards.
+pub fn discard(cmdline: &str) -> ! {
+    let mut bases = [0u64; 8];
+    let n = crate::virtio::devices(cmdline, &mut bases);
+    let Some(i) = (0..n).find(|&i| (Device { base: bases[i] }).device_id() == 2) else {
+        result(false, format_args!("no virtio-blk disk"))
+    };
+    match discard_on(i, bases[i]) {
+        Ok(line) => result(true, format_args!("{}", line.as_str())),
+        Err(e) => result(false, format_args!("{e}")),
+    }
+}
+
+fn discard_on(i: usize, base: u64) -> Result<Line, &'static str> {
+    let dev = Device { base };
+    let features = dev.init(F_DISCARD | F_WRITE_ZEROES)?;
+    if features & (F_DISCARD | F_WRITE_ZEROES) != F_DISCARD | F_WRITE_ZEROES {
+        return Err("the disk offers no discard / write-zeroes");
+    }
+    let rings = unsafe { &mut (*core::ptr::addr_of_mut!(RINGS))[i] };
+    let q = dev.setup_queue(0, rings)?;
+    dev.driver_ok();
+    let max_discard_seg = dev.read(0x100 + 40);
+    let mut d = Disk { dev, q };
+    for s in 8..40 {
+        write_pattern(&mut d, s)?;
+    }
+    let one = zeroing(&mut d, T_DISCARD, &mut core::iter::once(8))?;
+    let zero = zeroing(&mut d, T_WRITE_ZEROES, &mut core::iter::once(9))?;
+    let two = zeroing(&mut d, T_DISCARD, &mut [20u64, 21].into_iter())?;
+    let many = zeroing(
+        &mut d,
+        T_WRITE_ZEROES,
+        &mut (0..126u64).map(|k| 22 + k % 16),
+    )?;
+    let zeroed = [read_state(&mut d, 8)?, read_state(&mut d, 9)?] == [Some(false); 2];
+    let kept = (20..38).try_fold(true, |ok, s| {
+        Ok::<_, &'static str>(ok && read_state(&mut d, s)? == Some(true))
+    })?;
+    write_pattern(&mut d, 40)?;
+    let after = read_state(&mut d, 40)? == Some(true);
+    let mut out = Line::new();
+    let _ = write!(
+        out,
+        "max_seg={max_discard_seg} one={one} zero={zero} two={two} many={many} zeroed={} kept={} after={}",
+        zeroed as u8, kept as u8, after as u8
+    );
+    Ok(out)
+}

@@ -230,6 +230,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "i8042flood" => i8042_flood_test(boot),
         "keyboard" => keyboard_test(),
         "blk" => blk::run(boot.cmdline),
+        "discard" => blk::discard(boot.cmdline),
         "attack" => attack::run(boot.cmdline),
         "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
