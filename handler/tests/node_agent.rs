@@ -62,14 +62,56 @@ fn start_launcher_logged(
     // under the kubelet's pods directory: here the launcher binds that path itself. The
     // directory belongs to the Pod's user, as the kubelet's emptyDir does.
     let socket = handler::launcher::socket_path(pods_dir, uid);
+    spawn_launcher(netns, &socket, uid, work, log)
+}
+
+/// A launcher as `start_launcher_in` starts it, its control socket behind a proxy in the Pod
+/// that records every byte virt-handler sends it (`tests/scripts/record-proxy.py`, itself in
+/// the Pod's cgroup and network namespace as a process of the Pod would be). Returns the
+/// launcher, the proxy and the recording's path.
+fn start_recorded_launcher(
+    netns: &str,
+    pods_dir: &Path,
+    uid: &str,
+    work: &Path,
+) -> (Proc, Proc, PathBuf) {
+    let socket = handler::launcher::socket_path(pods_dir, uid);
+    let behind = socket.with_file_name("launcher-behind-proxy.sock");
+    let launcher_log = work.join(format!("launcher-{uid}.log"));
+    let launcher = spawn_launcher(Some(netns), &behind, uid, work, Some(&launcher_log));
+    let log = work.join(format!("sent-to-pod-{uid}.bin"));
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", netns, "python3"])
+        .arg(tests::repo_root().join("tests/scripts/record-proxy.py"))
+        .arg(&socket)
+        .arg(&behind)
+        .arg(&log);
+    tests::in_pod_cgroup(&mut cmd, uid);
+    let proxy = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(&socket, Duration::from_secs(10));
+    (launcher, Proc(proxy, None), log)
+}
+
+/// Starts `virt-launcher daemon` with its control socket at `socket`.
+fn spawn_launcher(
+    netns: Option<&str>,
+    socket: &Path,
+    uid: &str,
+    work: &Path,
+    log: Option<&Path>,
+) -> Proc {
     std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
     tests::chown_to_pod_user(socket.parent().unwrap());
-    let _ = std::fs::remove_file(&socket);
+    let _ = std::fs::remove_file(socket);
     let mut launcher = Command::new(launcher_bin());
     launcher
         .arg("daemon")
         .arg("--socket")
-        .arg(&socket)
+        .arg(socket)
         .arg("--image-dir")
         .arg(work.join("images"))
         .arg("--state-dir")
@@ -99,7 +141,7 @@ fn start_launcher_logged(
         })
         .spawn()
         .unwrap();
-    tests::wait_for_path(&socket, Duration::from_secs(10));
+    tests::wait_for_path(socket, Duration::from_secs(10));
     let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
     let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
     assert_eq!(
@@ -338,7 +380,8 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     cluster.kubelet_run(&source_name, "node-1").await;
     kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
     let source_uid = source.metadata.uid.clone().unwrap();
-    let _l1 = start_launcher_in(Some(&n1.name), &pods_dir, &source_uid, &work);
+    let (_l1, _p1, sent_to_source) =
+        start_recorded_launcher(&n1.name, &pods_dir, &source_uid, &work);
     // Each node its own certificate (its name as DNS name) from the cluster's CA; node-3's is
     // a real certificate of another node, which must not pass for node-1.
     let tls = tests::tls::write_dirs(&work.join("tls"), &["node-1", "node-2", "node-3"]);
@@ -360,7 +403,8 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
     cluster.kubelet_run(&target_name, "node-2").await;
     kubelet_pod_ip(&cluster, &target_name, "10.78.0.2").await;
     let target_uid = target.metadata.uid.clone().unwrap();
-    let _l2 = start_launcher_in(Some(&n2.name), &pods_dir, &target_uid, &work);
+    let (_l2, _p2, sent_to_target) =
+        start_recorded_launcher(&n2.name, &pods_dir, &target_uid, &work);
 
     // Attackers at the target handler's port as soon as it is published: one trickles bytes
     // and never finishes a handshake, one shows node-3's certificate. Neither holds the
@@ -469,6 +513,20 @@ async fn a_migration_moves_the_guest_between_two_node_namespaces() {
         "node-3's certificate was taken for node-1's"
     );
     trickler.join().unwrap();
+    // Everything virt-handler sent either Pod was recorded — the migration's requests among
+    // it — and no piece of any node's private key is in it.
+    for (log, request) in [
+        (&sent_to_source, "\"request\":\"migrateOut\""),
+        (&sent_to_target, "\"request\":\"prepareMigrationTarget\""),
+    ] {
+        let sent = std::fs::read(log).unwrap();
+        assert!(
+            String::from_utf8_lossy(&sent).contains(request),
+            "{} lacks {request}: the recording missed the handler's requests",
+            log.display()
+        );
+        tests::tls::assert_no_key_in(&tls, &sent, &log.display().to_string());
+    }
     drop((n1, n2));
     let _ = std::fs::remove_dir_all(work);
 }

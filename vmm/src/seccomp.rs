@@ -121,6 +121,8 @@ const CONTROL: &[i64] = &[
     // Besides the vCPU and device lists (chained in): files and images.
     libc::SYS_open,
     libc::SYS_openat,
+    // Manifest paths resolved without leaving the image and volume directories.
+    libc::SYS_openat2,
     libc::SYS_close_range,
     libc::SYS_stat,
     libc::SYS_fstat,
