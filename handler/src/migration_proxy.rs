@@ -213,3 +213,61 @@ pub async fn carry_source(
 
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A target whose only callers are a trickler (a byte a second, never a handshake) and a
+    /// real certificate of another node gives up at its deadline with the reason — it does not
+    /// wait on them — and afterwards nothing listens on its address.
+    #[tokio::test]
+    async fn strangers_alone_end_the_target_wait_at_its_deadline() {
+        let base = std::env::temp_dir().join(format!("mv-proxy-{}", std::process::id()));
+        let dirs = ::tests::tls::write_dirs(&base, &["node-1", "node-2", "node-3"]);
+        let tls = |i: usize| NodeTls::new(&MigrationTls::from_dir(&dirs[i]).unwrap()).unwrap();
+        let (done_tx, done) = tokio::sync::oneshot::channel();
+        let deadline = Duration::from_secs(2);
+        let started = tokio::time::Instant::now();
+        let address = serve_target(
+            "127.0.0.1".parse().unwrap(),
+            Some(tls(1)),
+            "node-1".into(),
+            base.clone(),
+            base.join("migration-in.sock"),
+            deadline,
+            move |outcome| {
+                let _ = done_tx.send(outcome);
+            },
+        )
+        .await
+        .unwrap();
+        let trickler = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let mut s = TcpStream::connect(address).await.unwrap();
+            for _ in 0..30 {
+                if s.write_all(&[0x16]).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        // node-3's own certificate, presented for node-1's migration.
+        let impostor = tokio_rustls::TlsConnector::from(tls(2).client.clone());
+        let tcp = TcpStream::connect(address).await.unwrap();
+        let _ = impostor
+            .connect(ServerName::try_from("node-2").unwrap(), tcp)
+            .await;
+        let outcome = done.await.unwrap();
+        let waited = started.elapsed();
+        let e = outcome.unwrap_err();
+        assert!(e.contains("no source authenticated as \"node-1\""), "{e}");
+        assert!(waited >= deadline && waited < deadline * 3, "{waited:?}");
+        assert!(
+            TcpStream::connect(address).await.is_err(),
+            "still listening after the deadline"
+        );
+        trickler.abort();
+        let _ = std::fs::remove_dir_all(base);
+    }
+}
