@@ -224,29 +224,29 @@ impl LauncherClient {
         path: &Path,
         timeout: Duration,
     ) -> Result<LauncherClient, LauncherError> {
-        let err = |source| LauncherError::Connect {
-            path: path.display().to_string(),
-            source,
-        };
-        let stream = tokio::time::timeout(timeout, connect_pod_socket(pods_dir, path))
-            .await
-            .map_err(|_| LauncherError::Timeout(timeout))?
-            .map_err(err)?;
-        Self::greet(stream, timeout).await
+        Self::open(path, timeout, connect_pod_socket(pods_dir, path)).await
     }
 
     /// Connects to the socket at `path` as it is (a launcher the caller started itself; no
     /// link is followed).
     pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
         let root = path.parent().unwrap_or(Path::new("/"));
-        let err = |source| LauncherError::Connect {
-            path: path.display().to_string(),
-            source,
-        };
-        let stream = tokio::time::timeout(timeout, connect_unix_beneath(root, path))
+        Self::open(path, timeout, connect_unix_beneath(root, path)).await
+    }
+
+    /// Greets the launcher `connecting` reaches, all within `timeout`.
+    async fn open(
+        path: &Path,
+        timeout: Duration,
+        connecting: impl std::future::Future<Output = std::io::Result<UnixStream>>,
+    ) -> Result<LauncherClient, LauncherError> {
+        let stream = tokio::time::timeout(timeout, connecting)
             .await
             .map_err(|_| LauncherError::Timeout(timeout))?
-            .map_err(err)?;
+            .map_err(|source| LauncherError::Connect {
+                path: path.display().to_string(),
+                source,
+            })?;
         Self::greet(stream, timeout).await
     }
 
