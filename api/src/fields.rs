@@ -171,6 +171,72 @@ pub const VM_SPEC: &[(&str, Treatment)] = &[
     ),
 ];
 
+/// Annotations of a VMI (or a VM's template) that change a VM's behaviour in KubeVirt, with what
+/// microvirt does with each. Other annotations under a KubeVirt domain (`kubevirt.io/`,
+/// `*.kubevirt.io/`) that are not here get a warning; everyone else's are metadata and pass.
+pub const ANNOTATIONS: &[(&str, Treatment)] = &[
+    (crate::migratability::ALLOW_POD_BRIDGE_MIGRATION, Honoured),
+    // Set by KubeVirt's (and microvirt's) controllers themselves.
+    ("kubevirt.io/latest-observed-api-version", Honoured),
+    ("kubevirt.io/storage-observed-api-version", Honoured),
+    ("kubevirt.io/vm-generation", Honoured),
+    ("kubevirt.io/domain", Honoured),
+    ("kubevirt.io/instancetype-name", Honoured),
+    ("kubevirt.io/cluster-instancetype-name", Honoured),
+    ("kubevirt.io/preference-name", Honoured),
+    ("kubevirt.io/cluster-preference-name", Honoured),
+    ("instancetype.kubevirt.io/object-kind", Honoured),
+    (
+        "hooks.kubevirt.io/hookSidecars",
+        Refused(
+            "hook sidecars rewrite the libvirt domain before it starts, and microvirt has no libvirt domain: the sidecar would change nothing",
+            "remove it and express the change in the VMI spec",
+        ),
+    ),
+    (
+        "kubevirt.io/ignitiondata",
+        Refused(
+            "Ignition data is not passed to the guest",
+            "use a cloudInitNoCloud or cloudInitConfigDrive volume",
+        ),
+    ),
+    (
+        "kubevirt.io/libvirt-log-filters",
+        NoEffect("there is no libvirt; the VMM logs as the launcher's RUST_LOG says"),
+    ),
+    (
+        "kubevirt.io/keep-launcher-alive-after-failure",
+        NoEffect("the launcher ends with its VM; its log stays with the Pod"),
+    ),
+];
+
+/// Checks `annotations` (of the object at `base`, e.g. `metadata` or
+/// `spec.template.metadata`) against `ANNOTATIONS`.
+pub fn check_annotations(
+    annotations: Option<&std::collections::BTreeMap<String, String>>,
+    base: &str,
+    out: &mut Findings,
+) {
+    for key in annotations.into_iter().flat_map(|a| a.keys()) {
+        let shown = format!("{base}.annotations[{key}]");
+        match ANNOTATIONS.iter().find(|(k, _)| k == key).map(|(_, t)| *t) {
+            Some(Honoured) => {}
+            Some(NoEffect(why)) => out
+                .warnings
+                .push(format!("{shown}: accepted, but has no effect: {why}")),
+            Some(Refused(why, instead)) => out.errors.push((shown, format!("{why}; {instead}"))),
+            None => {
+                let domain = key.split_once('/').map_or("", |(d, _)| d);
+                if domain == "kubevirt.io" || domain.ends_with(".kubevirt.io") {
+                    out.warnings.push(format!(
+                        "{shown}: not a KubeVirt annotation microvirt knows; it has no effect here"
+                    ));
+                }
+            }
+        }
+    }
+}
+
 /// The treatment of `path` (items as `[]`) in `table`.
 pub fn treatment(table: &[(&str, Treatment)], path: &str) -> Option<Treatment> {
     table.iter().find_map(|(p, t)| {
@@ -302,6 +368,37 @@ fn apply(
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn behaviour_changing_annotations_are_refused_or_warned() {
+        let a: std::collections::BTreeMap<String, String> = [
+            ("hooks.kubevirt.io/hookSidecars", "[{\"image\": \"x\"}]"),
+            ("kubevirt.io/libvirt-log-filters", "3:remote"),
+            ("kubevirt.io/mystery", "1"),
+            ("kubevirt.io/allow-pod-bridge-network-live-migration", ""),
+            ("example.com/owner", "team-a"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let mut f = Findings::default();
+        check_annotations(Some(&a), "metadata", &mut f);
+        assert_eq!(f.errors.len(), 1, "{f:?}");
+        assert_eq!(
+            f.errors[0].0,
+            "metadata.annotations[hooks.kubevirt.io/hookSidecars]"
+        );
+        assert!(f.errors[0].1.contains("no libvirt domain"), "{f:?}");
+        assert_eq!(f.warnings.len(), 2, "{f:?}");
+        assert!(f
+            .warnings
+            .iter()
+            .any(|w| w.contains("libvirt-log-filters]: accepted, but has no effect")));
+        assert!(f
+            .warnings
+            .iter()
+            .any(|w| w.contains("kubevirt.io/mystery]: not a KubeVirt annotation")));
+    }
 
     #[test]
     fn every_field_is_classified() {

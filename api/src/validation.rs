@@ -71,19 +71,37 @@ impl Errors {
 /// The warnings for fields a manifest sets that change nothing here (admission warnings; the
 /// launcher prints them).
 pub fn warnings_vm(vm: &VirtualMachine) -> Vec<String> {
-    let mut f = crate::fields::Findings::default();
-    crate::fields::check_vm_spec(&serde_json::to_value(&vm.spec).unwrap_or_default(), &mut f);
-    f.warnings
+    vm_findings(vm).warnings
 }
 
 pub fn warnings_vmi(vmi: &VirtualMachineInstance) -> Vec<String> {
+    vmi_findings(vmi).warnings
+}
+
+/// A VM's fields and its template's annotations against `crate::fields`.
+fn vm_findings(vm: &VirtualMachine) -> crate::fields::Findings {
+    let mut f = crate::fields::Findings::default();
+    crate::fields::check_vm_spec(&serde_json::to_value(&vm.spec).unwrap_or_default(), &mut f);
+    let template_annotations = vm
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref());
+    crate::fields::check_annotations(template_annotations, "spec.template.metadata", &mut f);
+    f
+}
+
+/// A VMI's fields and annotations against `crate::fields`.
+fn vmi_findings(vmi: &VirtualMachineInstance) -> crate::fields::Findings {
     let mut f = crate::fields::Findings::default();
     crate::fields::check_vmi_spec(
         &serde_json::to_value(&vmi.spec).unwrap_or_default(),
         "spec",
         &mut f,
     );
-    f.warnings
+    crate::fields::check_annotations(vmi.metadata.annotations.as_ref(), "metadata", &mut f);
+    f
 }
 
 fn finish(kind: &str, name: &str, errors: Errors) -> Result<(), ValidationError> {
@@ -149,22 +167,14 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
         Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
         None => e.add("spec.template.spec", "is required"),
     }
-    let mut f = crate::fields::Findings::default();
-    crate::fields::check_vm_spec(&serde_json::to_value(&vm.spec).unwrap_or_default(), &mut f);
-    e.fields(f);
+    e.fields(vm_findings(vm));
     finish("VirtualMachine", &object_name(&vm.metadata), e)
 }
 
 pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError> {
     let mut e = Errors(Vec::new());
     validate_spec(&vmi.spec, "spec", &mut e);
-    let mut f = crate::fields::Findings::default();
-    crate::fields::check_vmi_spec(
-        &serde_json::to_value(&vmi.spec).unwrap_or_default(),
-        "spec",
-        &mut f,
-    );
-    e.fields(f);
+    e.fields(vmi_findings(vmi));
     finish("VirtualMachineInstance", &object_name(&vmi.metadata), e)
 }
 
