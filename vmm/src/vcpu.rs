@@ -65,7 +65,9 @@ pub enum VcpuRequest {
 struct ControlState {
     run: RunState,
     parked: usize,
-    requests: BTreeMap<u8, VcpuRequest>,
+    /// Each vCPU's requests in the order they were made: a second request waits for the
+    /// first, it never replaces it.
+    requests: BTreeMap<u8, std::collections::VecDeque<VcpuRequest>>,
 }
 
 /// Shared run state of all vCPUs, and the command channel to parked vCPUs.
@@ -118,10 +120,15 @@ impl VcpuControl {
         true
     }
 
-    /// Hands `req` to parked vCPU `id`; it runs on that vCPU's thread.
+    /// Queues `req` for parked vCPU `id`; it runs on that vCPU's thread after the requests
+    /// before it. While the vCPUs are stopping nobody will serve it: it is dropped at once, and
+    /// the asker's reply channel reports that.
     pub fn request(&self, id: u8, req: VcpuRequest) {
         let mut g = self.state.lock().unwrap();
-        g.requests.insert(id, req);
+        if g.run == RunState::Stopping {
+            return;
+        }
+        g.requests.entry(id).or_default().push_back(req);
         self.changed.notify_all();
     }
 
@@ -154,7 +161,7 @@ impl VcpuControl {
             g.parked += 1;
             self.changed.notify_all();
             while g.run == RunState::Paused {
-                if let Some(req) = g.requests.remove(&id) {
+                if let Some(req) = g.requests.get_mut(&id).and_then(|q| q.pop_front()) {
                     drop(g);
                     serve(req);
                     g = self.state.lock().unwrap();
@@ -387,6 +394,45 @@ pub fn kick(handle: &JoinHandle<()>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two requests for one vCPU are both served, in order; one made while stopping is
+    /// dropped (its asker learns it), never left waiting.
+    #[test]
+    fn requests_queue_in_order_and_none_is_overwritten() {
+        let c = VcpuControl::new(RunState::Paused);
+        let (tx1, rx1) = std::sync::mpsc::channel();
+        let (tx2, rx2) = std::sync::mpsc::channel();
+        c.request(0, VcpuRequest::SaveState(tx1));
+        c.request(0, VcpuRequest::SaveState(tx2));
+        let vcpu = c.clone();
+        let served = std::thread::spawn(move || {
+            let mut order = Vec::new();
+            let mut n = 0;
+            vcpu.park_if_paused(
+                0,
+                || Some(0),
+                |req| {
+                    n += 1;
+                    if let VcpuRequest::SaveState(reply) = req {
+                        order.push(n);
+                        let _ = reply.send(Err(format!("request {n}")));
+                    }
+                },
+            );
+            order
+        });
+        assert_eq!(rx1.recv().unwrap().unwrap_err(), "request 1");
+        assert_eq!(rx2.recv().unwrap().unwrap_err(), "request 2");
+        c.set(RunState::Running);
+        assert_eq!(served.join().unwrap(), vec![1, 2]);
+        c.set(RunState::Stopping);
+        let (tx3, rx3) = std::sync::mpsc::channel();
+        c.request(0, VcpuRequest::SaveState(tx3));
+        assert!(
+            rx3.recv().is_err(),
+            "a request while stopping must not wait"
+        );
+    }
 
     /// A vCPU that never parks (stuck in the host, say) cannot hold `pause` forever.
     #[test]
