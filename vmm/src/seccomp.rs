@@ -494,6 +494,7 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, SeccompError> {
 /// needs), after the SIGSYS handler.
 pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     install_sigsys_handler().map_err(|e| SeccompError::Install(kind, e.to_string()))?;
+    keep_freed_heap();
     let bpf = filter(kind)?;
     let clone3 = clone3_filter().map_err(|e| SeccompError::Build(kind, e))?;
     KIND.with(|k| k.set(Some(kind)));
@@ -502,6 +503,15 @@ pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     #[cfg(debug_assertions)]
     bite_for_test(kind);
     Ok(())
+}
+
+/// glibc gives a thread arena's freed top back to the kernel through `shrink_heap`, which the
+/// first time in a process opens /proc/sys/vm/overcommit_memory: an open a filtered thread must
+/// not make (and does not need — guest memory is mapped, not heap). A trim threshold of 2 GiB
+/// keeps freed heap mapped, so that path is never taken. Process-wide and idempotent.
+fn keep_freed_heap() {
+    // SAFETY: mallopt only sets an allocator parameter.
+    unsafe { libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) };
 }
 
 /// Debug builds only: `MICROVIRT_SECCOMP_TEST_DENIED=vcpu|devices` makes that thread call a
@@ -519,6 +529,17 @@ fn bite_for_test(kind: ThreadKind) {
         let nr = vcpu_requests::set_user_memory_region();
         // SAFETY: a plain syscall on an invalid descriptor; the filter traps it.
         unsafe { libc::ioctl(-1, nr as libc::c_ulong, 0) };
+    }
+    if wanted == "vcpu-heap" && kind == ThreadKind::Vcpu(0) {
+        // Grows this thread's heap by 32 MiB in blocks below the mmap threshold and frees it
+        // all, as a burst of device work on an exit could: the allocator must not trim it in a
+        // way the filter traps (see `install`).
+        let blocks: Vec<Vec<u8>> = (0..512).map(|i| vec![i as u8; 64 * 1024]).collect();
+        let sum: u64 = blocks.iter().map(|b| b[0] as u64).sum();
+        drop(blocks);
+        eprintln!(
+            "microvirt: seccomp test: the vcpu0 thread grew and freed 32 MiB of heap ({sum})"
+        );
     }
     if wanted == "tiocsti" && kind == ThreadKind::Vcpu(0) {
         // TIOCSTI is of TUN's ioctl type ('T') but not one of TUN's requests: trapped.
