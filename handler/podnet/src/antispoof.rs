@@ -25,6 +25,7 @@ pub struct GuestSource {
     pub tap: String,
     pub mac: [u8; 6],
     /// The leased IPv4 address; None: no IPv4 source is the guest's (only DHCP may be sent).
+    /// With neither address known, only the MAC is checked.
     pub v4: Option<Ipv4Addr>,
     /// The guest's global IPv6 address, if it has one.
     pub v6: Option<Ipv6Addr>,
@@ -56,7 +57,6 @@ fn protocol() -> Value {
 impl GuestSource {
     /// The table as one nft JSON transaction (replacing an older table of the same name).
     pub fn ruleset(&self) -> Value {
-        let t = json!({"family": "netdev", "name": self.table});
         let mac = mac_text(&self.mac);
         let drop = |mut exprs: Vec<Value>| {
             exprs.push(json!({"counter": COUNTER}));
@@ -75,6 +75,11 @@ impl GuestSource {
             field("ether", "type"),
             json!({"set": ["8021q", "8021ad"]}),
         )]));
+        // A network the node gave the guest no address on (a Multus network without IPAM):
+        // the guest picks its own, so only its MAC is held to it.
+        if self.v4.is_none() && self.v6.is_none() {
+            return self.transaction(rules);
+        }
         // IPv4: the lease, or DHCP before there is one.
         if let Some(v4) = self.v4 {
             rules.push(accept(vec![
@@ -123,7 +128,12 @@ impl GuestSource {
             is(field("ip6", "saddr"), json!("::")),
         ]));
         rules.push(drop(vec![is(protocol(), json!("ip6"))]));
+        self.transaction(rules)
+    }
 
+    /// The nft JSON transaction that (re)creates the table with `rules` on the TAP's ingress.
+    fn transaction(&self, rules: Vec<Vec<Value>>) -> Value {
+        let t = json!({"family": "netdev", "name": self.table});
         let mut cmds = vec![
             json!({"add": {"table": t}}),
             json!({"delete": {"table": t}}),
@@ -208,6 +218,23 @@ mod tests {
         let text = g.ruleset().to_string();
         let _: nftables::schema::Nftables = serde_json::from_str(&text).unwrap();
         assert!(text.contains("52:54:00:01:02:03") && text.contains("\"dev\":\"tap0\""));
+    }
+
+    /// Without any address known (a Multus network without IPAM) the guest's own addresses
+    /// pass: only the MAC and VLAN tags are checked.
+    #[test]
+    fn without_addresses_only_the_mac_is_held() {
+        let g = GuestSource {
+            table: format!("{TABLE_PREFIX}blue"),
+            tap: "tap1".into(),
+            mac: [0x52, 0x54, 0, 1, 2, 3],
+            v4: None,
+            v6: None,
+        };
+        let text = g.ruleset().to_string();
+        let _: nftables::schema::Nftables = serde_json::from_str(&text).unwrap();
+        assert!(text.contains("52:54:00:01:02:03"), "{text}");
+        assert!(!text.contains("\"ip\"") && !text.contains("arp"), "{text}");
     }
 
     #[test]
