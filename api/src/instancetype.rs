@@ -9,7 +9,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::types::{Cpu, Extra, Memory, VirtualMachineInstanceSpec};
+use crate::types::{Cpu, Extra, Matcher, Memory, VirtualMachineInstanceSpec};
 
 pub const GROUP: &str = "instancetype.kubevirt.io";
 pub const VERSION: &str = "v1beta1";
@@ -113,23 +113,6 @@ kinds! {
     VirtualMachineClusterInstancetypeSpec => "VirtualMachineClusterInstancetype", "virtualmachineclusterinstancetypes", "vmclusterinstancetype", [], InstancetypeSpec;
     VirtualMachinePreferenceSpec => "VirtualMachinePreference", "virtualmachinepreferences", "vmpref", [namespaced], PreferenceSpec;
     VirtualMachineClusterPreferenceSpec => "VirtualMachineClusterPreference", "virtualmachineclusterpreferences", "vmcpref", [], PreferenceSpec;
-}
-
-/// `spec.instancetype` / `spec.preference` of a VirtualMachine.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct Matcher {
-    pub name: String,
-    /// The kind looked in: the cluster-wide one unless the namespaced one is named (KubeVirt's
-    /// default).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
-    /// The ControllerRevision holding the spec the VM was started with (set by the controller).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub revision_name: Option<String>,
-    #[serde(flatten, default)]
-    #[schemars(skip)]
-    pub extra: Extra,
 }
 
 /// Which kind a matcher names (`cluster` unless it names `namespaced`), and whether it is the

@@ -8,8 +8,11 @@
 //! Fields microvirt does not model are kept: the structs that users write carry a flattened
 //! `extra` map, so a read-modify-write never drops what another tool put there.
 
+pub mod conditions;
 pub mod fields;
 pub mod instancetype;
+pub mod labels;
+pub mod launcher_pod;
 pub mod mac;
 pub mod migratability;
 pub mod ownership;

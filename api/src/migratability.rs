@@ -82,6 +82,17 @@ impl EvictionStrategy {
     }
 }
 
+/// What evicting this VMI's Pod does now, judged by its strategy (else `cluster_default`) and
+/// its published `LiveMigratable` condition (not yet published counts as not migratable).
+pub fn eviction_outcome(
+    spec: &VirtualMachineInstanceSpec,
+    status: &crate::types::VirtualMachineInstanceStatus,
+    cluster_default: EvictionStrategy,
+) -> EvictionOutcome {
+    let migratable = crate::conditions::published_migratability(status).is_some_and(|r| r.is_ok());
+    EvictionStrategy::of(spec, cluster_default).on_eviction(migratable)
+}
+
 /// What an eviction of a launcher Pod turns into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EvictionOutcome {

@@ -66,10 +66,10 @@ pub struct VirtualMachineSpec {
     pub data_volume_templates: Option<Vec<Value>>,
     /// The instance type that sizes the VM (instancetype.kubevirt.io).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub instancetype: Option<crate::instancetype::Matcher>,
+    pub instancetype: Option<Matcher>,
     /// The preference that fills in what the VM leaves unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preference: Option<crate::instancetype::Matcher>,
+    pub preference: Option<Matcher>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,
@@ -150,6 +150,23 @@ pub struct Condition {
     pub last_transition_time: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_probe_time: Option<String>,
+}
+
+/// `spec.instancetype` / `spec.preference` of a VirtualMachine.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Matcher {
+    pub name: String,
+    /// The kind looked in: the cluster-wide one unless the namespaced one is named (KubeVirt's
+    /// default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The ControllerRevision holding the spec the VM was started with (set by the controller).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision_name: Option<String>,
+    #[serde(flatten, default)]
+    #[schemars(skip)]
+    pub extra: Extra,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -880,6 +897,31 @@ pub enum MigrationPhase {
     Running,
     Succeeded,
     Failed,
+}
+
+impl MigrationPhase {
+    /// Succeeded or Failed: nothing more happens to the migration.
+    pub fn is_final(self) -> bool {
+        matches!(self, MigrationPhase::Succeeded | MigrationPhase::Failed)
+    }
+}
+
+impl VirtualMachineInstanceMigration {
+    /// Whether the migration has not reached a final phase (one without a phase has not).
+    pub fn is_unfinished(&self) -> bool {
+        !self
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(MigrationPhase::is_final)
+    }
+
+    /// The unfinished migration of VMI `vmi` among `all` (one namespace's migrations), if any:
+    /// KubeVirt allows one at a time per VMI.
+    pub fn unfinished_of<'a>(all: &'a [Self], vmi: &str) -> Option<&'a Self> {
+        all.iter()
+            .find(|m| m.spec.vmi_name == vmi && m.is_unfinished())
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -1,15 +1,13 @@
-//! What every reconciler shares: the client, the configuration, metrics, the event recorder,
-//! the error type, per-object retry backoff and small helpers for conditions and owners.
+//! What virt-controller's reconcilers share: the client, the configuration, metrics, the
+//! Event sink, the error type and per-object retry backoff. The generic helpers (writes,
+//! conditions, owners, backoff) are `controller_runtime`'s, shared with virt-handler.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use api::migratability::EvictionStrategy;
-use api::Condition;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use controller_runtime::{is_conflict, EventSink, RetryBackoff};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
 
 use crate::metrics::Metrics;
@@ -50,7 +48,7 @@ impl Default for ControllerConfig {
             retry_base: Duration::from_millis(200),
             retry_max: Duration::from_secs(300),
             default_eviction_strategy: EvictionStrategy::None,
-            drain_taint_key: Some(crate::evacuation::DEFAULT_DRAIN_TAINT.into()),
+            drain_taint_key: Some(api::labels::DEFAULT_DRAIN_TAINT.into()),
             evacuation_retry_base: Duration::from_secs(20),
         }
     }
@@ -79,40 +77,11 @@ impl Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404)
-}
-
-pub fn is_conflict(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 409)
-}
-
-/// Per-object consecutive failures, for exponential retry backoff (client-go's per-item rate
-/// limiter does the same): a conflict retries after the base delay, anything else doubles.
-#[derive(Default)]
-pub struct RetryBackoff {
-    failures: Mutex<HashMap<String, (u32, Instant)>>,
-}
-
-impl RetryBackoff {
-    pub fn delay(&self, key: &str, base: Duration, max: Duration) -> Duration {
-        let mut f = self.failures.lock().unwrap();
-        let entry = f.entry(key.to_string()).or_insert((0, Instant::now()));
-        entry.0 += 1;
-        entry.1 = Instant::now();
-        let d = base.saturating_mul(1 << (entry.0 - 1).min(20));
-        d.min(max)
-    }
-    pub fn reset(&self, key: &str) {
-        self.failures.lock().unwrap().remove(key);
-    }
-}
-
 pub struct Context {
     pub client: Client,
     pub config: ControllerConfig,
     pub metrics: Arc<Metrics>,
-    pub recorder: Recorder,
+    pub events: EventSink,
     pub backoff: RetryBackoff,
     /// Held while a migration is admitted against the limits (see `migration.rs`).
     pub migration_admission: tokio::sync::Mutex<()>,
@@ -120,12 +89,12 @@ pub struct Context {
 
 impl Context {
     pub fn new(client: Client, config: ControllerConfig, metrics: Arc<Metrics>) -> Arc<Context> {
-        let reporter = Reporter {
-            controller: "virt-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        };
         Arc::new(Context {
-            recorder: Recorder::new(client.clone(), reporter),
+            events: EventSink::new(
+                client.clone(),
+                "virt-controller",
+                std::env::var("POD_NAME").ok(),
+            ),
             client,
             config,
             metrics,
@@ -143,35 +112,9 @@ impl Context {
         action: &str,
         note: String,
     ) {
-        self.event_related(obj, warning, reason, action, note, None)
+        self.events
+            .publish(obj, warning, reason, action, note, None)
             .await
-    }
-
-    /// `event`, naming a second object it concerns (the recorder aggregates Events per
-    /// object pair, so Events about different related objects stay apart).
-    pub async fn event_related<K: Resource<DynamicType = ()>>(
-        &self,
-        obj: &K,
-        warning: bool,
-        reason: &str,
-        action: &str,
-        note: String,
-        related: Option<k8s_openapi::api::core::v1::ObjectReference>,
-    ) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note),
-            action: action.into(),
-            secondary: related,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &obj.object_ref(&())).await {
-            tracing::warn!(object = %obj.name_any(), error = %e, "recording an event failed");
-        }
     }
 
     /// The Action after a failed reconcile, with this object's backoff.
@@ -182,13 +125,14 @@ impl Context {
             obj.namespace().unwrap_or_default(),
             obj.name_any()
         );
-        let base = if matches!(err, Error::Kube(e) if is_conflict(e)) {
-            self.config.retry_base / 4
-        } else {
-            self.config.retry_base
-        };
-        let delay = self.backoff.delay(&key, base, self.config.retry_max);
-        if matches!(err, Error::Kube(e) if is_conflict(e)) {
+        let conflict = matches!(err, Error::Kube(e) if is_conflict(e));
+        let delay = self.backoff.after_failure(
+            &key,
+            conflict,
+            self.config.retry_base,
+            self.config.retry_max,
+        );
+        if conflict {
             // Expected when the cache lags our own last write; not worth a warning.
             tracing::debug!(controller, object = %key, retry_in = ?delay, "conflict, retrying");
         } else {
@@ -204,163 +148,5 @@ impl Context {
             obj.name_any()
         );
         self.backoff.reset(&key);
-    }
-}
-
-pub fn now_rfc3339() -> String {
-    jiff::Timestamp::now()
-        .round(jiff::Unit::Second)
-        .unwrap_or_else(|_| jiff::Timestamp::now())
-        .to_string()
-}
-
-pub fn now_unix() -> i64 {
-    jiff::Timestamp::now().as_second()
-}
-
-pub fn parse_unix(ts: &str) -> Option<i64> {
-    ts.parse::<jiff::Timestamp>().ok().map(|t| t.as_second())
-}
-
-pub fn unix_rfc3339(secs: i64) -> String {
-    jiff::Timestamp::from_second(secs)
-        .map(|t| t.to_string())
-        .unwrap_or_default()
-}
-
-/// Sets a condition, keeping its lastTransitionTime when the status does not change.
-pub fn set_condition(
-    conditions: &mut Vec<Condition>,
-    type_: &str,
-    status: bool,
-    reason: Option<&str>,
-    message: Option<String>,
-) {
-    let status = if status { "True" } else { "False" }.to_string();
-    match conditions.iter_mut().find(|c| c.type_ == type_) {
-        Some(c) => {
-            if c.status != status {
-                c.last_transition_time = Some(now_rfc3339());
-            }
-            c.status = status;
-            c.reason = reason.map(str::to_string);
-            c.message = message;
-        }
-        None => conditions.push(Condition {
-            type_: type_.into(),
-            status,
-            reason: reason.map(str::to_string),
-            message,
-            last_transition_time: Some(now_rfc3339()),
-            last_probe_time: None,
-        }),
-    }
-}
-
-pub fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) {
-    conditions.retain(|c| c.type_ != type_);
-}
-
-/// A controller owner reference to `owner` (blocks the owner's foreground deletion).
-pub fn controller_ref<K: Resource<DynamicType = ()>>(owner: &K) -> Option<OwnerReference> {
-    let mut r = owner.controller_owner_ref(&())?;
-    r.block_owner_deletion = Some(true);
-    Some(r)
-}
-
-/// Whether `obj` is controlled by the object with this uid.
-pub fn controlled_by<K: Resource>(obj: &K, uid: &str) -> bool {
-    obj.owner_references()
-        .iter()
-        .any(|r| r.controller == Some(true) && r.uid == uid)
-}
-
-/// A merge patch that adds or removes a finalizer, guarded by the resourceVersion it was
-/// computed from so that a concurrent change is a conflict rather than a lost finalizer.
-pub fn finalizer_patch<K: Resource>(obj: &K, finalizer: &str, present: bool) -> serde_json::Value {
-    let mut f: Vec<String> = obj
-        .finalizers()
-        .iter()
-        .filter(|x| *x != finalizer)
-        .cloned()
-        .collect();
-    if present {
-        f.push(finalizer.to_string());
-    }
-    serde_json::json!({
-        "metadata": {"finalizers": f, "resourceVersion": obj.resource_version()}
-    })
-}
-
-pub fn has_finalizer<K: Resource>(obj: &K, finalizer: &str) -> bool {
-    obj.finalizers().iter().any(|f| f == finalizer)
-}
-
-/// Replaces `status` (PUT …/status, guarded by the object's resourceVersion) when it differs
-/// from what the object has; a stale read is a conflict, retried by the error policy.
-pub async fn write_status<K>(api: &kube::Api<K>, obj: &K, status: K::Status) -> Result<K>
-where
-    K: kube::core::object::HasStatus
-        + Resource
-        + Clone
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-    K::Status: PartialEq,
-{
-    if obj.status() == Some(&status) {
-        return Ok(obj.clone());
-    }
-    let mut new = obj.clone();
-    *new.status_mut() = Some(status);
-    Ok(api
-        .replace_status(&obj.name_any(), &kube::api::PostParams::default(), &new)
-        .await?)
-}
-
-/// Sets the object's labels to `labels` with a merge patch guarded by its resourceVersion
-/// (labels it had and `labels` lacks are removed); returns the object as written.
-pub async fn write_labels<K>(
-    api: &kube::Api<K>,
-    obj: &K,
-    labels: &std::collections::BTreeMap<String, String>,
-) -> Result<K>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    if labels == obj.labels() {
-        return Ok(obj.clone());
-    }
-    let mut l: serde_json::Map<String, serde_json::Value> = labels
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone().into()))
-        .collect();
-    for k in obj.labels().keys().filter(|k| !labels.contains_key(*k)) {
-        l.insert(k.clone(), serde_json::Value::Null);
-    }
-    let p =
-        serde_json::json!({"metadata": {"labels": l, "resourceVersion": obj.resource_version()}});
-    Ok(api
-        .patch(
-            &obj.name_any(),
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(&p),
-        )
-        .await?)
-}
-
-/// Deletes an object; one that is already gone is fine.
-pub async fn delete_if_present<K>(
-    api: &kube::Api<K>,
-    name: &str,
-    dp: &kube::api::DeleteParams,
-) -> Result<()>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    match api.delete(name, dp).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_not_found(&e) => Ok(()),
-        Err(e) => Err(e.into()),
     }
 }

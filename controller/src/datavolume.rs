@@ -59,7 +59,7 @@ pub fn from_template(
     dv.metadata.annotations = meta
         .get("annotations")
         .and_then(|a| serde_json::from_value(a.clone()).ok());
-    dv.metadata.owner_references = crate::context::controller_ref(vm).map(|r| vec![r]);
+    dv.metadata.owner_references = controller_runtime::controller_ref(vm).map(|r| vec![r]);
     dv.data = serde_json::json!({ "spec": spec });
     Ok(dv)
 }
@@ -103,7 +103,7 @@ pub async fn ensure(client: &Client, vm: &VirtualMachine) -> Result<DataVolumes,
             Err(e) => return Err(e),
         };
         let current = match existing {
-            Some(e) if crate::context::controlled_by(&e, &uid) => e,
+            Some(e) if controller_runtime::controlled_by(&e, &uid) => e,
             Some(_) => {
                 return Ok(DataVolumes::Failed(format!(
                     "DataVolume {name} exists and is not controlled by this VirtualMachine"

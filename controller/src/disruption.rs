@@ -16,8 +16,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 
-use crate::context::{controller_ref, delete_if_present, is_conflict, Result};
-use crate::pod::LABEL_CREATED_BY;
+use crate::context::Result;
+use controller_runtime::{controller_ref, delete_if_present, is_conflict};
 
 /// The budget of the VMI with this uid.
 pub fn budget_name(vmi_uid: &str) -> String {
@@ -38,7 +38,7 @@ pub fn min_available(status: &VirtualMachineInstanceStatus) -> i32 {
 
 pub fn render(vmi: &VirtualMachineInstance, min: i32) -> PodDisruptionBudget {
     let uid = vmi.uid().unwrap_or_default();
-    let labels = BTreeMap::from([(LABEL_CREATED_BY.to_string(), uid.clone())]);
+    let labels = BTreeMap::from([(api::labels::CREATED_BY.to_string(), uid.clone())]);
     PodDisruptionBudget {
         metadata: kube::api::ObjectMeta {
             name: Some(budget_name(&uid)),
@@ -72,7 +72,7 @@ pub async fn sync(
     let budgets: Api<PodDisruptionBudget> =
         Api::namespaced(client.clone(), &vmi.namespace().unwrap_or_default());
     if !wanted {
-        return delete_if_present(&budgets, &name, &DeleteParams::default()).await;
+        return Ok(delete_if_present(&budgets, &name, &DeleteParams::default()).await?);
     }
     let min = min_available(status);
     match budgets.get_opt(&name).await? {

@@ -12,8 +12,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::conditions::published_migratability;
 use api::migratability::{
-    claim_of, live_migration_blocker, ClaimAccess, EvictionOutcome, EvictionStrategy, NotMigratable,
+    claim_of, eviction_outcome, live_migration_blocker, ClaimAccess, EvictionOutcome,
+    EvictionStrategy, NotMigratable,
 };
 use api::{
     MigrationPhase, VirtualMachineInstance, VirtualMachineInstanceMigration,
@@ -24,16 +26,10 @@ use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Client, ResourceExt};
 
-use crate::context::{now_unix, parse_unix, write_status, Context, Error, Result};
-use crate::pod::{LABEL_APP, LABEL_CREATED_BY};
-use crate::vmi::LABEL_NODE_NAME;
+use crate::context::{Context, Error, Result};
+use controller_runtime::time::{now_unix, parse_unix};
+use controller_runtime::write_status;
 
-/// KubeVirt's VMI condition saying whether the VMI can be live-migrated.
-pub const LIVE_MIGRATABLE: &str = "LiveMigratable";
-/// KubeVirt's default `migrations.nodeDrainTaintKey`.
-pub const DEFAULT_DRAIN_TAINT: &str = "kubevirt.io/drain";
-/// Marks a migration the evacuation made; the value is the node being drained.
-pub const EVACUATION_ANNOTATION: &str = "kubevirt.io/evacuationMigration";
 /// How often a tainted node is looked at again (VMIs may land there through tolerations).
 const TAINTED_NODE_RECHECK: Duration = Duration::from_secs(30);
 
@@ -68,36 +64,6 @@ pub async fn migration_blocker(
     }))
 }
 
-/// The published `LiveMigratable` condition: `Some(Err)` with its reason and message when False.
-pub fn published_migratability(
-    status: &VirtualMachineInstanceStatus,
-) -> Option<std::result::Result<(), String>> {
-    let c = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == LIVE_MIGRATABLE)?;
-    Some(if c.status == "True" {
-        Ok(())
-    } else {
-        Err(format!(
-            "{}: {}",
-            c.reason.as_deref().unwrap_or("NotMigratable"),
-            c.message.as_deref().unwrap_or("")
-        ))
-    })
-}
-
-/// What evicting this VMI's Pod does now, judged by its strategy (else `cluster_default`) and
-/// its published `LiveMigratable` condition (not yet published counts as not migratable).
-pub fn eviction_outcome(
-    spec: &api::VirtualMachineInstanceSpec,
-    status: &VirtualMachineInstanceStatus,
-    cluster_default: EvictionStrategy,
-) -> EvictionOutcome {
-    let migratable = published_migratability(status).is_some_and(|r| r.is_ok());
-    EvictionStrategy::of(spec, cluster_default).on_eviction(migratable)
-}
-
 /// Whether the VMI can migrate: its published condition, else decided now.
 async fn is_migratable(client: &Client, vmi: &VirtualMachineInstance) -> Result<bool, kube::Error> {
     if let Some(published) = vmi.status.as_ref().and_then(published_migratability) {
@@ -119,10 +85,10 @@ pub async fn evict(
     let Some(pod) = pods.get_opt(pod_name).await? else {
         return Ok(None);
     };
-    if pod.labels().get(LABEL_APP).map(String::as_str) != Some("virt-launcher") {
+    if pod.labels().get(api::labels::APP).map(String::as_str) != Some(api::labels::APP_LAUNCHER) {
         return Ok(None);
     }
-    let Some(vmi_uid) = pod.labels().get(LABEL_CREATED_BY).cloned() else {
+    let Some(vmi_uid) = pod.labels().get(api::labels::CREATED_BY).cloned() else {
         return Ok(None);
     };
     let Some(owner) = pod.owner_references().iter().find(|r| r.uid == vmi_uid) else {
@@ -180,7 +146,7 @@ pub async fn evict(
 fn is_evacuation_of(m: &VirtualMachineInstanceMigration, vmi: &str, node: &str) -> bool {
     m.spec.vmi_name == vmi
         && m.annotations()
-            .get(EVACUATION_ANNOTATION)
+            .get(api::labels::ANNOTATION_EVACUATION)
             .map(String::as_str)
             == Some(node)
 }
@@ -230,7 +196,7 @@ pub async fn evacuate(
     let name = vmi.name_any();
     let migrations: Api<VirtualMachineInstanceMigration> = Api::namespaced(ctx.client.clone(), &ns);
     let all = migrations.list(&ListParams::default()).await?.items;
-    if crate::migration::unfinished_of(&all, &name).is_some() {
+    if VirtualMachineInstanceMigration::unfinished_of(&all, &name).is_some() {
         return Ok(None);
     }
     // The VMI this round started from may be a cached copy from before a migration that has
@@ -268,7 +234,7 @@ pub async fn evacuate(
     m.metadata.generate_name = Some("kubevirt-evacuation-".into());
     m.metadata.namespace = Some(ns);
     m.metadata.annotations = Some(BTreeMap::from([(
-        EVACUATION_ANNOTATION.to_string(),
+        api::labels::ANNOTATION_EVACUATION.to_string(),
         node.clone(),
     )]));
     let created = migrations.create(&PostParams::default(), &m).await?;
@@ -307,7 +273,7 @@ pub async fn reconcile_node(node: Arc<Node>, ctx: Arc<Context>) -> Result<Action
     let name = node.name_any();
     let all: Api<VirtualMachineInstance> = Api::all(ctx.client.clone());
     let on_node = all
-        .list(&ListParams::default().labels(&format!("{LABEL_NODE_NAME}={name}")))
+        .list(&ListParams::default().labels(&api::labels::selector(api::labels::NODE_NAME, &name)))
         .await?
         .items;
     for vmi in on_node {

@@ -4,10 +4,8 @@
 //! from then on from that revision, so editing or deleting the instance type never changes a VM
 //! that already uses it.
 
-use api::instancetype::{
-    instancetype_kind, preference_kind, InstancetypeSpec, Matcher, PreferenceSpec,
-};
-use api::VirtualMachine;
+use api::instancetype::{instancetype_kind, preference_kind, InstancetypeSpec, PreferenceSpec};
+use api::{Matcher, VirtualMachine};
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::apimachinery::pkg::runtime::RawExtension;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
@@ -111,7 +109,7 @@ async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
         metadata: kube::api::ObjectMeta {
             name: Some(name.clone()),
             namespace: Some(ns.clone()),
-            owner_references: crate::context::controller_ref(vm).map(|r| vec![r]),
+            owner_references: controller_runtime::controller_ref(vm).map(|r| vec![r]),
             labels: Some(
                 [(
                     "instancetype.kubevirt.io/object-kind".to_string(),

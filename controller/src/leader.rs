@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::api::{Api, PostParams};
 use kube::Client;
 
-use crate::context::{is_conflict, is_not_found};
+use controller_runtime::{is_conflict, is_not_found};
 
 #[derive(Clone, Debug)]
 pub struct LeaseConfig {

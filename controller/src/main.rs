@@ -65,7 +65,7 @@ struct RunArgs {
     default_eviction_strategy: EvictionStrategy,
     /// Nodes with a taint of this key are drained of VMs that can move (KubeVirt's
     /// nodeDrainTaintKey); an empty value turns that off.
-    #[arg(long, default_value = controller::evacuation::DEFAULT_DRAIN_TAINT)]
+    #[arg(long, default_value = api::labels::DEFAULT_DRAIN_TAINT)]
     node_drain_taint_key: String,
     /// KubeVirt feature gates to enable (comma-separated); microvirt knows HostDisk.
     #[arg(long, value_delimiter = ',', value_parser = parse_feature_gate)]

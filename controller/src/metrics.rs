@@ -186,7 +186,7 @@ impl Metrics {
                 let stuck = EvictionStrategy::of(&vmi.spec, *default_strategy)
                     == EvictionStrategy::LiveMigrate
                     && matches!(
-                        crate::evacuation::published_migratability(&status),
+                        api::conditions::published_migratability(&status),
                         Some(Err(_))
                     );
                 if stuck {
@@ -255,32 +255,5 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: std::sync::Arc<Metrics>,
 ) -> std::io::Result<()> {
-    serve_text(listener, move || metrics.render()).await
-}
-
-/// Serves `/metrics` (what `render` returns when scraped, in OpenMetrics text) and `/healthz`
-/// over plain HTTP; virt-handler's endpoint is this one too.
-pub async fn serve_text(
-    listener: tokio::net::TcpListener,
-    render: impl Fn() -> String + Clone + Send + Sync + 'static,
-) -> std::io::Result<()> {
-    use axum::routing::get;
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let render = render.clone();
-                async move {
-                    (
-                        [(
-                            "content-type",
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        render(),
-                    )
-                }
-            }),
-        )
-        .route("/healthz", get(|| async { "ok" }));
-    axum::serve(listener, app).await
+    controller_runtime::metrics_http::serve_text(listener, move || metrics.render()).await
 }

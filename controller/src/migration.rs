@@ -31,14 +31,12 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
-use crate::context::{
-    delete_if_present, finalizer_patch, has_finalizer, now_rfc3339, set_condition, write_status,
-    Context, Error, Result,
+use crate::context::{Context, Error, Result};
+use controller_runtime::time::now_rfc3339;
+use controller_runtime::{
+    delete_if_present, finalizer_patch, has_finalizer, set_condition, write_status,
 };
-use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
-use crate::vmi::{LABEL_MIGRATION_TARGET_NODE, LABEL_NODE_NAME};
 
-pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
 const CONTROLLER: &str = "migration";
 
 /// KubeVirt's defaults for what a MigrationPolicy may override.
@@ -125,7 +123,7 @@ pub fn target_pod(
         .labels
         .get_or_insert_with(Default::default)
         .insert(
-            LABEL_MIGRATION_JOB.into(),
+            api::labels::MIGRATION_JOB.into(),
             migration.uid().unwrap_or_default(),
         );
     let spec = pod.spec.get_or_insert_with(Default::default);
@@ -137,7 +135,7 @@ pub fn target_pod(
         .get_or_insert_with(Vec::new)
         .push(PodAffinityTerm {
             label_selector: Some(LabelSelector {
-                match_labels: Some(BTreeMap::from([(LABEL_CREATED_BY.to_string(), uid)])),
+                match_labels: Some(BTreeMap::from([(api::labels::CREATED_BY.to_string(), uid)])),
                 ..Default::default()
             }),
             topology_key: "kubernetes.io/hostname".into(),
@@ -167,19 +165,6 @@ pub fn error_policy(
     ctx.retry(CONTROLLER, m.as_ref(), err)
 }
 
-fn is_final(p: Option<MigrationPhase>) -> bool {
-    matches!(p, Some(MigrationPhase::Succeeded | MigrationPhase::Failed))
-}
-
-/// The unfinished migration of VMI `vmi` among `all` (one namespace's migrations), if any.
-pub fn unfinished_of<'a>(
-    all: &'a [VirtualMachineInstanceMigration],
-    vmi: &str,
-) -> Option<&'a VirtualMachineInstanceMigration> {
-    all.iter()
-        .find(|m| m.spec.vmi_name == vmi && !is_final(m.status.as_ref().and_then(|s| s.phase)))
-}
-
 struct Apis {
     migrations: Api<VirtualMachineInstanceMigration>,
     vmis: Api<VirtualMachineInstance>,
@@ -199,7 +184,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
     let vmi = apis.vmis.get_opt(&m.spec.vmi_name).await?;
 
     if m.metadata.deletion_timestamp.is_some() {
-        if !is_final(phase) {
+        if !phase.is_some_and(MigrationPhase::is_final) {
             // Deleting an unfinished migration cancels it.
             fail(
                 &apis,
@@ -212,22 +197,24 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
             )
             .await?;
         }
-        if has_finalizer(m, MIGRATION_FINALIZER) {
-            let p = finalizer_patch(m, MIGRATION_FINALIZER, false);
+        if has_finalizer(m, api::labels::MIGRATION_FINALIZER) {
+            let p = finalizer_patch(m, api::labels::MIGRATION_FINALIZER, false);
             apis.migrations
                 .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
                 .await?;
         }
         return Ok(Action::await_change());
     }
-    if !has_finalizer(m, MIGRATION_FINALIZER) && !is_final(phase) {
-        let p = finalizer_patch(m, MIGRATION_FINALIZER, true);
+    if !has_finalizer(m, api::labels::MIGRATION_FINALIZER)
+        && !phase.is_some_and(MigrationPhase::is_final)
+    {
+        let p = finalizer_patch(m, api::labels::MIGRATION_FINALIZER, true);
         apis.migrations
             .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
             .await?;
         return Ok(Action::await_change());
     }
-    if is_final(phase) {
+    if phase.is_some_and(MigrationPhase::is_final) {
         return Ok(Action::await_change());
     }
     if let Err(e) = api::validation::validate_migration(m) {
@@ -276,7 +263,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
         return Ok(Action::await_change());
     }
     if phase == MigrationPhase::Pending {
-        if let Some(Err(why)) = crate::evacuation::published_migratability(&vstatus) {
+        if let Some(Err(why)) = api::conditions::published_migratability(&vstatus) {
             let why = format!(
                 "VirtualMachineInstance {} cannot be live-migrated: {why}",
                 vmi.name_any()
@@ -437,7 +424,7 @@ async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> 
                 ..Default::default()
             };
             let mut labels = vmi.labels().clone();
-            labels.insert(LABEL_MIGRATION_TARGET_NODE.into(), node);
+            labels.insert(api::labels::MIGRATION_TARGET_NODE.into(), node);
             let mut vstatus = vstatus.clone();
             vstatus.migration_state = Some(hand_off.clone());
             crate::vmi::write(&apis.vmis, &vmi, Some(labels), vstatus).await?;
@@ -513,7 +500,9 @@ async fn queue_position(
         .filter(|o| o.uid() != uid)
         .filter(|o| {
             let p = o.status.as_ref().and_then(|s| s.phase);
-            !is_final(p) && p.is_some() && p != Some(MigrationPhase::Pending)
+            !p.is_some_and(MigrationPhase::is_final)
+                && p.is_some()
+                && p != Some(MigrationPhase::Pending)
         })
         .collect();
     if in_flight
@@ -579,8 +568,8 @@ async fn succeed(
         vstatus.evacuation_node_name = None;
     }
     let mut labels = vmi.labels().clone();
-    labels.remove(LABEL_MIGRATION_TARGET_NODE);
-    labels.insert(LABEL_NODE_NAME.into(), target_node.clone());
+    labels.remove(api::labels::MIGRATION_TARGET_NODE);
+    labels.insert(api::labels::NODE_NAME.into(), target_node.clone());
     crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
     // Source Pods: the ones the VMI ran in before.
     for p in crate::vmi::pods_of(&apis.pods, vmi, ctx).await? {
@@ -650,7 +639,7 @@ async fn fail(
             }
         }
         let mut labels = vmi.labels().clone();
-        labels.remove(LABEL_MIGRATION_TARGET_NODE);
+        labels.remove(api::labels::MIGRATION_TARGET_NODE);
         crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
     }
     if let Some(ms) = status.migration_state.as_mut() {
@@ -671,7 +660,7 @@ async fn fail(
 }
 
 async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<()> {
-    delete_if_present(pods, name, &DeleteParams::default()).await
+    Ok(delete_if_present(pods, name, &DeleteParams::default()).await?)
 }
 
 /// The target Pods of a migration (by its uid label) that the VMI controls, from the API
@@ -682,7 +671,7 @@ async fn target_pods(
     vmi: &VirtualMachineInstance,
     ctx: &Context,
 ) -> Result<Vec<Pod>> {
-    crate::vmi::owned_pods(pods, LABEL_MIGRATION_JOB, migration_uid, vmi, ctx).await
+    crate::vmi::owned_pods(pods, api::labels::MIGRATION_JOB, migration_uid, vmi, ctx).await
 }
 
 #[cfg(test)]

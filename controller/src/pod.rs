@@ -8,6 +8,10 @@
 
 use std::collections::BTreeMap;
 
+use api::launcher_pod::{
+    control_socket_in_pod, CONTAINER_DISKS, LAUNCHER_UID, RESOURCE_KVM, RESOURCE_TUN, SOCKETS,
+    SOCKETS_VOLUME, STATE, VOLUMES,
+};
 use api::quantity::parse_bytes;
 use api::validation::{guest_memory, vcpus};
 use api::VirtualMachineInstance;
@@ -21,22 +25,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 
 pub const OVERHEAD_FIXED: u64 = 24 << 20;
 pub const OVERHEAD_PER_VCPU: u64 = 1 << 20;
-pub const LABEL_APP: &str = "kubevirt.io";
-pub const LABEL_CREATED_BY: &str = "kubevirt.io/created-by";
-pub const LABEL_VM_NAME: &str = "vm.kubevirt.io/name";
-pub const LABEL_MIGRATION_JOB: &str = "kubevirt.io/migrationJobUID";
-pub const ANNOTATION_DOMAIN: &str = "kubevirt.io/domain";
-pub const RESOURCE_KVM: &str = "devices.kubevirt.io/kvm";
-pub const RESOURCE_TUN: &str = "devices.kubevirt.io/tun";
-/// Where the launcher finds what the Pod mounts (its `--image-dir`, `--volume-dir`, ...).
-pub const CONTAINER_DISKS: &str = "/var/run/kubevirt/container-disks";
-pub const VOLUMES: &str = "/var/run/kubevirt-private/vmi-disks";
-pub const STATE: &str = "/var/run/kubevirt-private/state";
-pub const SOCKETS: &str = "/var/run/kubevirt/sockets";
-
-/// The user (and group) every container of the launcher Pod runs as: KubeVirt's non-root
-/// launcher UID (`qemu`), so disks and sockets keep the ownership KubeVirt users expect.
-pub const LAUNCHER_UID: i64 = 107;
 
 /// Least privilege for every container of the Pod: a fixed non-root user, no privilege
 /// escalation, a read-only root file system (the launcher writes only to its emptyDir and
@@ -167,7 +155,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
 
     let mut volumes = vec![
         Volume {
-            name: "sockets".into(),
+            name: SOCKETS_VOLUME.into(),
             empty_dir: Some(EmptyDirVolumeSource::default()),
             ..Default::default()
         },
@@ -183,7 +171,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
         },
     ];
     let mut mounts = vec![
-        mount("sockets", SOCKETS),
+        mount(SOCKETS_VOLUME, SOCKETS),
         mount("private", STATE),
         mount("container-disks", CONTAINER_DISKS),
     ];
@@ -300,11 +288,14 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
     }
     let grace = spec.termination_grace_period_seconds.unwrap_or(30);
     let mut labels = BTreeMap::new();
-    labels.insert(LABEL_APP.to_string(), "virt-launcher".to_string());
-    labels.insert(LABEL_CREATED_BY.to_string(), uid.clone());
-    labels.insert(LABEL_VM_NAME.to_string(), name.clone());
+    labels.insert(
+        api::labels::APP.to_string(),
+        api::labels::APP_LAUNCHER.to_string(),
+    );
+    labels.insert(api::labels::CREATED_BY.to_string(), uid.clone());
+    labels.insert(api::labels::VM_NAME.to_string(), name.clone());
     let mut annotations = BTreeMap::new();
-    annotations.insert(ANNOTATION_DOMAIN.to_string(), name.clone());
+    annotations.insert(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone());
     Ok(Pod {
         metadata: ObjectMeta {
             generate_name: Some(format!("virt-launcher-{name}-")),
@@ -330,7 +321,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
                     "virt-launcher".into(),
                     "daemon".into(),
                     "--socket".into(),
-                    format!("{SOCKETS}/launcher.sock"),
+                    control_socket_in_pod(),
                     "--image-dir".into(),
                     CONTAINER_DISKS.into(),
                     "--volume-dir".into(),

@@ -13,11 +13,11 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
-use crate::context::{
-    controlled_by, controller_ref, delete_if_present, remove_condition, set_condition,
-    write_status, Context, Error, Result,
-};
+use crate::context::{Context, Error, Result};
 use crate::replicaset::{record_create_failure, record_invalid_spec, selector_string};
+use controller_runtime::{
+    controlled_by, controller_ref, delete_if_present, remove_condition, set_condition, write_status,
+};
 
 const CONTROLLER: &str = "vmpool";
 

@@ -12,9 +12,9 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
-use crate::context::{
-    controlled_by, controller_ref, delete_if_present, remove_condition, set_condition,
-    write_status, Context, Error, Result,
+use crate::context::{Context, Error, Result};
+use controller_runtime::{
+    controlled_by, controller_ref, delete_if_present, remove_condition, set_condition, write_status,
 };
 
 const CONTROLLER: &str = "vmirs";
@@ -247,5 +247,5 @@ fn vmi_from_template(rs: &VirtualMachineInstanceReplicaSet) -> VirtualMachineIns
 }
 
 async fn delete_vmi(vmis: &Api<VirtualMachineInstance>, v: &VirtualMachineInstance) -> Result<()> {
-    delete_if_present(vmis, &v.name_any(), &DeleteParams::default()).await
+    Ok(delete_if_present(vmis, &v.name_any(), &DeleteParams::default()).await?)
 }

@@ -18,7 +18,6 @@ use kube::{Api, Client, ResourceExt};
 use crate::context::{Context, ControllerConfig};
 use crate::leader::{LeaderElector, LeaseConfig};
 use crate::metrics::Metrics;
-use crate::pod::{LABEL_APP, LABEL_MIGRATION_JOB};
 
 /// Runs the VM, VMI, ReplicaSet, Migration and drain-taint controllers until `shutdown`
 /// resolves.
@@ -35,7 +34,12 @@ pub async fn run_controllers(
             let _ = rx.recv().await;
         }
     };
-    let launcher_pods = || wc().labels(&format!("{LABEL_APP}=virt-launcher"));
+    let launcher_pods = || {
+        wc().labels(&api::labels::selector(
+            api::labels::APP,
+            api::labels::APP_LAUNCHER,
+        ))
+    };
 
     let vm = Controller::new(Api::<VirtualMachine>::all(client.clone()), wc())
         .owns(Api::<VirtualMachineInstance>::all(client.clone()), wc())
@@ -51,7 +55,7 @@ pub async fn run_controllers(
             wc(),
             |m| {
                 m.annotations()
-                    .contains_key(crate::evacuation::EVACUATION_ANNOTATION)
+                    .contains_key(api::labels::ANNOTATION_EVACUATION)
                     .then(|| {
                         ObjectRef::<VirtualMachineInstance>::new(&m.spec.vmi_name)
                             .within(&m.namespace().unwrap_or_default())
@@ -115,9 +119,9 @@ pub async fn run_controllers(
         // Target Pods carry the migration's uid.
         .watches(
             Api::<Pod>::all(client.clone()),
-            wc().labels(LABEL_MIGRATION_JOB),
+            wc().labels(api::labels::MIGRATION_JOB),
             move |pod| {
-                let uid = pod.labels().get(LABEL_MIGRATION_JOB).cloned();
+                let uid = pod.labels().get(api::labels::MIGRATION_JOB).cloned();
                 by_pod
                     .state()
                     .into_iter()

@@ -12,9 +12,11 @@ use kube::ResourceExt;
 
 use crate::datavolume::DataVolumes;
 
-use crate::context::{
-    finalizer_patch, has_finalizer, is_conflict, is_not_found, now_unix, remove_condition,
-    set_condition, write_status, Context, Error, Result,
+use crate::context::{Context, Error, Result};
+use controller_runtime::time::now_unix;
+use controller_runtime::{
+    finalizer_patch, has_finalizer, is_conflict, is_not_found, remove_condition, set_condition,
+    write_status,
 };
 
 /// KubeVirt's start backoff: 10 s doubling per consecutive failure, at most 5 minutes.
@@ -164,8 +166,6 @@ pub fn printable_status(
 // ---------------------------------------------------------------------------------------------
 // The reconcile loop
 
-/// Set on VMs so that deleting one stops its VMI first (`Terminating` is visible meanwhile).
-pub const VM_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalize";
 const CONTROLLER: &str = "vm";
 
 fn retry_after(vm: &VirtualMachine) -> Option<i64> {
@@ -173,7 +173,7 @@ fn retry_after(vm: &VirtualMachine) -> Option<i64> {
         .as_ref()
         .and_then(|s| s.start_failure.as_ref())
         .and_then(|f| f.retry_after_timestamp.as_deref())
-        .and_then(crate::context::parse_unix)
+        .and_then(controller_runtime::time::parse_unix)
 }
 
 /// The VMI a VM creates: the template expanded with the VM's instance type and preference,
@@ -194,14 +194,14 @@ pub fn vmi_for(
     api::validation::default_vmi_spec(&mut spec);
     let mut labels = tmeta.labels.unwrap_or_default();
     labels.insert(
-        crate::pod::LABEL_VM_NAME.into(),
+        api::labels::VM_NAME.into(),
         vm.metadata.name.clone().unwrap_or_default(),
     );
     let mut vmi = VirtualMachineInstance::new(&vm.name_any(), spec);
     vmi.metadata.namespace = vm.metadata.namespace.clone();
     vmi.metadata.labels = Some(labels);
     vmi.metadata.annotations = tmeta.annotations;
-    vmi.metadata.owner_references = crate::context::controller_ref(vm).map(|r| vec![r]);
+    vmi.metadata.owner_references = controller_runtime::controller_ref(vm).map(|r| vec![r]);
     Ok(vmi)
 }
 
@@ -254,8 +254,8 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
     let deleting = vm.metadata.deletion_timestamp.is_some();
 
-    if !deleting && !has_finalizer(vm, VM_FINALIZER) {
-        let p = finalizer_patch(vm, VM_FINALIZER, true);
+    if !deleting && !has_finalizer(vm, api::labels::VM_FINALIZER) {
+        let p = finalizer_patch(vm, api::labels::VM_FINALIZER, true);
         vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
             .await?;
         return Ok(Action::await_change());
@@ -282,7 +282,7 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     let vmi = match vmis.get_opt(&name).await? {
         Some(v)
             if v.owner_references().is_empty()
-                || crate::context::controlled_by(&v, vm.uid().as_deref().unwrap_or("")) =>
+                || controller_runtime::controlled_by(&v, vm.uid().as_deref().unwrap_or("")) =>
         {
             Some(v)
         }
@@ -321,7 +321,7 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
             let wait = backoff_seconds(count as u32) as i64;
             status.start_failure = Some(api::StartFailure {
                 consecutive_fail_count: count,
-                retry_after_timestamp: Some(crate::context::unix_rfc3339(now + wait)),
+                retry_after_timestamp: Some(controller_runtime::time::unix_rfc3339(now + wait)),
                 last_failed_vmi_uid: uid.clone(),
             });
             ctx.event(
@@ -462,7 +462,7 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     }
 
     if deleting && current.is_none() {
-        let p = finalizer_patch(vm, VM_FINALIZER, false);
+        let p = finalizer_patch(vm, api::labels::VM_FINALIZER, false);
         vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
             .await?;
         return Ok(Action::await_change());

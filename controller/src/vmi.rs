@@ -18,17 +18,14 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
-use crate::context::{
-    delete_if_present, finalizer_patch, has_finalizer, remove_condition, set_condition,
-    write_labels, write_status, Context, Error, Result,
-};
-use crate::evacuation::{self, LIVE_MIGRATABLE};
-use crate::pod::{LABEL_CREATED_BY, LABEL_MIGRATION_JOB};
+use crate::context::{Context, Error, Result};
+use crate::evacuation;
 use api::migratability::EvictionStrategy;
+use controller_runtime::{
+    delete_if_present, finalizer_patch, has_finalizer, remove_condition, set_condition,
+    write_labels, write_status,
+};
 
-pub const VMI_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
-pub const LABEL_NODE_NAME: &str = "kubevirt.io/nodeName";
-pub const LABEL_MIGRATION_TARGET_NODE: &str = "kubevirt.io/migrationTargetNodeName";
 const CONTROLLER: &str = "vmi";
 
 pub async fn reconcile(vmi: Arc<VirtualMachineInstance>, ctx: Arc<Context>) -> Result<Action> {
@@ -53,7 +50,7 @@ pub async fn pods_of(
     ctx: &Context,
 ) -> Result<Vec<Pod>> {
     let uid = vmi.uid().unwrap_or_default();
-    owned_pods(pods, LABEL_CREATED_BY, &uid, vmi, ctx).await
+    owned_pods(pods, api::labels::CREATED_BY, &uid, vmi, ctx).await
 }
 
 /// The Pods labelled `label=value` that `vmi` controls. A label is anyone's to write, so a
@@ -82,7 +79,8 @@ pub async fn owned_pods(
         );
         tracing::warn!(vmi = %vmi.name_any(), pod = %p.name_any(), "{note}");
         let related = Some(kube::Resource::object_ref(&p, &()));
-        ctx.event_related(vmi, true, "ForeignPodIgnored", "Sync", note, related)
+        ctx.events
+            .publish(vmi, true, "ForeignPodIgnored", "Sync", note, related)
             .await;
     }
     Ok(owned)
@@ -161,15 +159,15 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         {
             delete_if_present(&pods, &p.name_any(), &dp).await?;
         }
-        if all.is_empty() && has_finalizer(vmi, VMI_FINALIZER) {
-            let p = finalizer_patch(vmi, VMI_FINALIZER, false);
+        if all.is_empty() && has_finalizer(vmi, api::labels::VMI_FINALIZER) {
+            let p = finalizer_patch(vmi, api::labels::VMI_FINALIZER, false);
             vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
                 .await?;
         }
         return Ok(Action::await_change());
     }
-    if !has_finalizer(vmi, VMI_FINALIZER) {
-        let p = finalizer_patch(vmi, VMI_FINALIZER, true);
+    if !has_finalizer(vmi, api::labels::VMI_FINALIZER) {
+        let p = finalizer_patch(vmi, api::labels::VMI_FINALIZER, true);
         vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
             .await?;
         return Ok(Action::await_change());
@@ -227,7 +225,7 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         // A launcher Pod created by an earlier round whose status write was lost is adopted.
         pod = all
             .iter()
-            .find(|p| !p.labels().contains_key(LABEL_MIGRATION_JOB))
+            .find(|p| !p.labels().contains_key(api::labels::MIGRATION_JOB))
             .cloned();
     }
     let mut labels = vmi.labels().clone();
@@ -300,7 +298,7 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
                 _ => {}
             }
             if let Some(n) = &status.node_name {
-                labels.insert(LABEL_NODE_NAME.into(), n.clone());
+                labels.insert(api::labels::NODE_NAME.into(), n.clone());
             }
             let ready = status.phase == Some(VmiPhase::Running)
                 && pod_condition(p, "Ready").is_some_and(|c| c.status == "True");
@@ -316,10 +314,16 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     let placed = matches!(status.phase, Some(VmiPhase::Scheduled | VmiPhase::Running));
     if placed {
         match evacuation::migration_blocker(&ctx.client, vmi).await? {
-            None => set_condition(&mut status.conditions, LIVE_MIGRATABLE, true, None, None),
+            None => set_condition(
+                &mut status.conditions,
+                api::conditions::LIVE_MIGRATABLE,
+                true,
+                None,
+                None,
+            ),
             Some(b) => set_condition(
                 &mut status.conditions,
-                LIVE_MIGRATABLE,
+                api::conditions::LIVE_MIGRATABLE,
                 false,
                 Some(b.reason),
                 Some(b.message),
@@ -329,8 +333,11 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
     if strategy != EvictionStrategy::None {
         // Strategy None never has a budget, so those VMIs cost no request here.
-        let outcome =
-            evacuation::eviction_outcome(&vmi.spec, &status, ctx.config.default_eviction_strategy);
+        let outcome = api::migratability::eviction_outcome(
+            &vmi.spec,
+            &status,
+            ctx.config.default_eviction_strategy,
+        );
         let protect = placed && outcome.protects_pod();
         crate::disruption::sync(&ctx.client, vmi, &status, protect).await?;
     }

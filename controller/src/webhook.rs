@@ -141,7 +141,7 @@ pub async fn admit_migration(client: &Client, obj: &DynamicObject) -> Result<(),
             status.phase.unwrap_or(api::VmiPhase::Pending)
         ));
     }
-    if let Some(Err(why)) = crate::evacuation::published_migratability(&status) {
+    if let Some(Err(why)) = api::conditions::published_migratability(&status) {
         return Err(format!(
             "spec.vmiName: VirtualMachineInstance {vmi_name:?} cannot be live-migrated: {why}"
         ));
@@ -151,7 +151,7 @@ pub async fn admit_migration(client: &Client, obj: &DynamicObject) -> Result<(),
         .list(&Default::default())
         .await
         .map_err(|e| format!("cannot list migrations: {e}"))?;
-    if let Some(busy) = crate::migration::unfinished_of(&others.items, vmi_name) {
+    if let Some(busy) = VirtualMachineInstanceMigration::unfinished_of(&others.items, vmi_name) {
         return Err(format!(
             "spec.vmiName: VirtualMachineInstance {vmi_name:?} is already being migrated by {:?}",
             busy.name_any()

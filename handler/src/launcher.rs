@@ -10,14 +10,10 @@ use api::VirtualMachineInstance;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
-/// Where a launcher Pod's control socket is on the node: the Pod's `sockets` emptyDir as the
-/// kubelet lays it out (the handler mounts the kubelet's pods directory).
+/// Where a launcher Pod's control socket is on the node (`api::launcher_pod`).
 pub fn socket_path(pods_dir: &Path, pod_uid: &str) -> PathBuf {
-    pods_dir.join(pod_uid).join(SOCKET_IN_POD_DIR)
+    api::launcher_pod::control_socket_on_node(pods_dir, pod_uid)
 }
-
-/// The control socket below a Pod's directory.
-const SOCKET_IN_POD_DIR: &str = "volumes/kubernetes.io~empty-dir/sockets/launcher.sock";
 
 /// A Pod UID as the API server makes them (a UUID): anything else would let a crafted value
 /// name another directory below the kubelet's pods directory.

@@ -4,8 +4,10 @@
 //! Before the first Sync it wires the VMI's Pod network in the launcher's network namespace
 //! and hands the TAPs over (`network`).
 
+pub mod context;
 pub mod deviceplugin;
 pub mod launcher;
+pub mod legs;
 pub mod metrics;
 pub mod migration;
 pub mod migration_proxy;
@@ -16,7 +18,7 @@ use futures::StreamExt;
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client};
 
-pub use sync::{Context, HandlerConfig};
+pub use context::{Context, HandlerConfig};
 
 /// Runs the reconcilers for this node until the process is told to stop: the VMIs that run
 /// here, and the VMIs migrating here.
@@ -26,8 +28,8 @@ pub async fn run(
     metrics_listener: Option<tokio::net::TcpListener>,
 ) {
     let vmis: Api<api::VirtualMachineInstance> = Api::all(client.clone());
-    let here = format!("kubevirt.io/nodeName={}", config.node);
-    let incoming = format!("kubevirt.io/migrationTargetNodeName={}", config.node);
+    let here = api::labels::selector(api::labels::NODE_NAME, &config.node);
+    let incoming = api::labels::selector(api::labels::MIGRATION_TARGET_NODE, &config.node);
     tracing::info!(node = %config.node, pods_dir = %config.pods_dir.display(), "virt-handler running");
     let ctx = Context::new(client, config);
     if let Some(l) = metrics_listener {

@@ -297,7 +297,7 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<NodeMetrics>,
 ) -> std::io::Result<()> {
-    controller::metrics::serve_text(listener, move || metrics.render()).await
+    controller_runtime::metrics_http::serve_text(listener, move || metrics.render()).await
 }
 
 #[cfg(test)]

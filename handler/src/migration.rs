@@ -8,10 +8,10 @@
 //! launcher guarantees it); a hand-off marked failed meanwhile (the migration was deleted)
 //! cancels the transfer.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use api::launcher_pod::{MIGRATION_IN_SOCKET, MIGRATION_OUT_SOCKET};
 use api::protocol::{Event, MigrationOptions, Request, Response};
 use api::{MigrationState, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::Pod;
@@ -19,20 +19,8 @@ use kube::api::PostParams;
 use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 
+use crate::context::{Context, Error};
 use crate::launcher::{socket_path, LauncherClient};
-use crate::sync::{Context, Error};
-
-/// What this handler has started, so a reconcile that runs again does not start it twice.
-#[derive(Default)]
-pub struct Legs {
-    /// Migration uid → the address the target launcher listens on.
-    incoming: Mutex<HashMap<String, String>>,
-    /// Migration uids whose MigrateOut this handler runs or ran: a reconcile working from a
-    /// stale read must never start one again.
-    outgoing: Mutex<HashSet<String>>,
-    /// Those whose MigrateOut has ended.
-    finished: Mutex<HashSet<String>>,
-}
 
 /// The launcher's options from the hand-off's migration configuration (KubeVirt's fields).
 pub fn options(ms: &MigrationState) -> MigrationOptions {
@@ -257,7 +245,7 @@ pub async fn source_leg(
     let name = vmi.name_any();
     edit_state(&api, &name, &muid, |m| {
         m.start_timestamp
-            .get_or_insert_with(controller::context::now_rfc3339);
+            .get_or_insert_with(controller_runtime::time::now_rfc3339);
     })
     .await?;
     let socket = socket.to_path_buf();
@@ -280,7 +268,7 @@ pub async fn source_leg(
             if m.completed == Some(true) || m.failed == Some(true) {
                 return; // decided already
             }
-            m.end_timestamp = Some(controller::context::now_rfc3339());
+            m.end_timestamp = Some(controller_runtime::time::now_rfc3339());
             match &outcome {
                 Ok(()) => m.completed = Some(true),
                 Err(reason) => {
@@ -302,12 +290,8 @@ pub async fn source_leg(
     Ok(true)
 }
 
-/// The socket a target launcher receives on, and the one a source launcher offers its
-/// stream on, in each Pod's sockets volume (`migration_proxy`).
-pub const MIGRATION_IN_SOCKET: &str = "migration-in.sock";
 /// How long a target handler waits for the source node's handler to connect.
 const TARGET_WAIT: Duration = Duration::from_secs(600);
-pub const MIGRATION_OUT_SOCKET: &str = "migration-out.sock";
 
 /// Runs MigrateOut on the source launcher to its end: the launcher offers its stream on its
 /// own Pod's socket, and this handler carries it to the target node's (`migration_proxy`).

@@ -2,118 +2,17 @@
 //! Pod's control socket, Sync the VMI into it, and keep the VMI's status true to what the
 //! launcher reports (phase, reason, conditions, launcher version).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use api::protocol::{StatusReport, VmState};
 use api::{VirtualMachineInstance, VirtualMachineInstanceStatus, VmiPhase};
-use controller::context::{set_condition, write_status, RetryBackoff};
+use controller_runtime::{is_conflict, remove_condition, set_condition, write_status};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 
+use crate::context::{Context, Error};
 use crate::launcher::{socket_path, LauncherClient, LauncherError};
-
-/// virt-handler's settings (flags of `virt-handler run`).
-#[derive(Clone, Debug)]
-pub struct HandlerConfig {
-    /// The node this handler serves.
-    pub node: String,
-    /// The kubelet's pods directory, where launcher Pods' socket volumes are.
-    pub pods_dir: PathBuf,
-    /// How often a running VMI's status is checked against its launcher.
-    pub resync: Duration,
-    /// How long a launcher may take to answer.
-    pub launcher_timeout: Duration,
-    pub retry_base: Duration,
-    pub retry_max: Duration,
-    /// Mutual TLS for migration streams between nodes: this node's own certificate (its name
-    /// as DNS name) and the cluster's CA; None: plain.
-    pub migration_tls: Option<api::protocol::MigrationTls>,
-    /// The node address a migration target listens on and publishes (the handler's Pod IP,
-    /// which is the node's: it runs on the host network).
-    pub migration_ip: std::net::IpAddr,
-}
-
-impl HandlerConfig {
-    pub fn new(node: impl Into<String>) -> Self {
-        HandlerConfig {
-            node: node.into(),
-            pods_dir: "/var/lib/kubelet/pods".into(),
-            resync: Duration::from_secs(2),
-            launcher_timeout: Duration::from_secs(5),
-            retry_base: Duration::from_millis(500),
-            retry_max: Duration::from_secs(60),
-            migration_tls: None,
-            migration_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-        }
-    }
-}
-
-impl Context {
-    /// This node's migration identity, when it has one.
-    pub fn node_tls(&self) -> Result<Option<crate::migration_proxy::NodeTls>, String> {
-        self.config
-            .migration_tls
-            .as_ref()
-            .map(crate::migration_proxy::NodeTls::new)
-            .transpose()
-    }
-}
-
-pub struct Context {
-    pub client: Client,
-    pub config: HandlerConfig,
-    pub backoff: RetryBackoff,
-    pub recorder: Recorder,
-    pub legs: crate::migration::Legs,
-    pub metrics: Arc<crate::metrics::NodeMetrics>,
-}
-
-impl Context {
-    pub fn new(client: Client, config: HandlerConfig) -> Arc<Context> {
-        let reporter = Reporter {
-            controller: "virt-handler".into(),
-            instance: Some(config.node.clone()),
-        };
-        Arc::new(Context {
-            recorder: Recorder::new(client.clone(), reporter),
-            client,
-            metrics: crate::metrics::NodeMetrics::new(&config.node),
-            config,
-            backoff: RetryBackoff::default(),
-            legs: Default::default(),
-        })
-    }
-
-    async fn event(&self, vmi: &VirtualMachineInstance, warning: bool, reason: &str, note: String) {
-        let e = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note),
-            action: reason.into(),
-            secondary: None,
-        };
-        if let Err(err) = self.recorder.publish(&e, &vmi.object_ref(&())).await {
-            tracing::debug!("event: {err}");
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error(transparent)]
-    Write(#[from] controller::context::Error),
-    #[error(transparent)]
-    Launcher(#[from] LauncherError),
-}
 
 /// The launcher Pod of `status` on `node` (from `status.activePods`: Pod UID → node).
 pub fn launcher_pod<'a>(status: &'a VirtualMachineInstanceStatus, node: &str) -> Option<&'a str> {
@@ -175,7 +74,7 @@ pub fn observed_status(
             Some("the VMI was paused".into()),
         );
     } else {
-        controller::context::remove_condition(&mut s.conditions, "Paused");
+        remove_condition(&mut s.conditions, "Paused");
     }
     set_condition(&mut s.conditions, "Synchronized", true, None, None);
     if report.software_emulated_kvm {
@@ -187,7 +86,7 @@ pub fn observed_status(
             Some("this node's KVM has no hardware virtualization (no vmx/svm): the guest runs ~1000x slower".into()),
         );
     } else {
-        controller::context::remove_condition(&mut s.conditions, "SoftwareEmulation");
+        remove_condition(&mut s.conditions, "SoftwareEmulation");
     }
     s
 }
@@ -346,16 +245,15 @@ fn key(vmi: &VirtualMachineInstance) -> String {
 /// tight loop.
 pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Context>) -> Action {
     let conflict = match err {
-        Error::Kube(e) => controller::context::is_conflict(e),
-        Error::Write(controller::context::Error::Kube(e)) => controller::context::is_conflict(e),
+        Error::Kube(e) => is_conflict(e),
         _ => false,
     };
-    let base = if conflict {
-        ctx.config.retry_base / 4
-    } else {
-        ctx.config.retry_base
-    };
-    let delay = ctx.backoff.delay(&key(&vmi), base, ctx.config.retry_max);
+    let delay = ctx.backoff.after_failure(
+        &key(&vmi),
+        conflict,
+        ctx.config.retry_base,
+        ctx.config.retry_max,
+    );
     if conflict {
         // The controller wrote the VMI meanwhile: expected, retried with a fresh read.
         tracing::debug!(vmi = %key(&vmi), retry_in = ?delay, "conflict, retrying");

@@ -17,6 +17,7 @@ use api::VirtualMachineInstance;
 use vmm::{SerialInput, SerialOutput, Vm, VmEnd};
 
 use crate::translate::{translate, Environment};
+use crate::unix_socket::peer_uid;
 
 /// Console output fan-out to every attached client, with recent history for late attachers.
 ///
@@ -1119,35 +1120,10 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// The user of the process at the other end of `stream` (`SO_PEERCRED`, as the kernel
-/// recorded it at connect time: the peer cannot lie about it).
-pub(crate) fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: u32::MAX,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `cred`, which is that large.
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
 /// Accepts connections on `socket` until the process exits.
 pub fn listen(daemon: Arc<Daemon>, socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
-    let listener = crate::migration_link::bind_unix(socket)?;
+    let listener = crate::unix_socket::bind_unix(socket)?;
     if let Some(parent) = socket.parent() {
         let _ = daemon.socket_dir.set(parent.to_path_buf());
     }

@@ -10,3 +10,4 @@ pub mod migration_link;
 pub mod migration_tls;
 pub mod network;
 pub mod translate;
+pub mod unix_socket;

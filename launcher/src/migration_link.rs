@@ -13,6 +13,7 @@ use std::time::Duration;
 use api::protocol::MigrationTls;
 
 use crate::migration_tls::{self, Duplex};
+use crate::unix_socket::{bind_unix, connect_unix, peer_uid};
 
 /// How long either end waits for the other before the migration fails.
 pub const LINK_TIMEOUT: Duration = Duration::from_secs(60);
@@ -126,7 +127,7 @@ impl MigrationListener {
         if let (MigrationListener::Unix(l, p), Some(uid)) = (self, only_uid) {
             loop {
                 let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
-                match crate::daemon::peer_uid(&s) {
+                match peer_uid(&s) {
                     Ok(peer) if peer == uid => {
                         tracing::info!(path = %p.display(), "incoming migration");
                         set_timeouts_unix(&s)?;
@@ -162,7 +163,7 @@ impl MigrationListener {
         loop {
             match l.accept() {
                 Ok((s, _)) => {
-                    let peer = crate::daemon::peer_uid(&s).map_err(|e| e.to_string())?;
+                    let peer = peer_uid(&s).map_err(|e| e.to_string())?;
                     if only_uid.is_some_and(|u| u != peer) {
                         tracing::warn!(peer, "migration connection from another user closed");
                         continue;
@@ -210,27 +211,6 @@ impl Drop for MigrationListener {
             let _ = std::fs::remove_file(p);
         }
     }
-}
-
-/// A unix socket path is limited to 107 bytes; through its directory's descriptor
-/// (/proc/self/fd/N/NAME) any path works (a Pod's sockets volume under the kubelet's pods
-/// directory is longer).
-fn via_dir<T>(
-    path: &std::path::Path,
-    f: impl FnOnce(&str) -> std::io::Result<T>,
-) -> std::io::Result<T> {
-    use std::os::fd::AsRawFd;
-    let dir = std::fs::File::open(path.parent().unwrap_or(std::path::Path::new(".")))?;
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    f(&format!("/proc/self/fd/{}/{name}", dir.as_raw_fd()))
-}
-
-pub fn bind_unix(path: &std::path::Path) -> std::io::Result<UnixListener> {
-    via_dir(path, |p| UnixListener::bind(p))
-}
-
-pub fn connect_unix(path: &std::path::Path) -> std::io::Result<UnixStream> {
-    via_dir(path, |p| UnixStream::connect(p))
 }
 
 fn set_timeouts_tcp(s: &TcpStream) -> Result<(), String> {

@@ -13,7 +13,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 };
 use serde_json::{json, Value};
 
-use crate::apiserver::ResourceType;
+use crate::apiserver::resources::ResourceType;
 
 /// The Kubernetes version this server claims (kubectl only compares the minor for its skew
 /// warning).
@@ -556,7 +556,7 @@ mod tests {
 
     #[test]
     fn printer_columns_follow_the_crd() {
-        let rt = crate::apiserver::default_types()
+        let rt = crate::apiserver::resources::default_types()
             .into_iter()
             .find(|t| t.plural == "virtualmachines")
             .unwrap();

@@ -23,8 +23,8 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// The user a launcher Pod's containers run as (`controller::pod::LAUNCHER_UID`).
-pub const POD_UID: u32 = controller::pod::LAUNCHER_UID as u32;
+/// The user a launcher Pod's containers run as (`api::launcher_pod::LAUNCHER_UID`).
+pub const POD_UID: u32 = api::launcher_pod::LAUNCHER_UID as u32;
 
 /// `cmd` (program, arguments and environment; set its stdio afterwards) as a launcher Pod's
 /// container runs it: as the Pod's non-root user without any capability, in a private mount

@@ -117,7 +117,7 @@ impl GuestRam {
     pub fn from_file(
         path: &Path,
         layout: &[RegionLayout],
-        seal: Option<&crate::persist::MemorySeal>,
+        seal: Option<&crate::persist::files::MemorySeal>,
     ) -> Result<GuestRam, MemoryError> {
         let file_err = |source| MemoryError::File {
             path: path.display().to_string(),
@@ -293,14 +293,14 @@ impl GuestRam {
     pub fn write_file(
         &self,
         path: &Path,
-        seal: &crate::persist::MemorySeal,
+        seal: &crate::persist::files::MemorySeal,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<MemoryFileStats, MemoryError> {
         let err = |source| MemoryError::File {
             path: path.display().to_string(),
             source,
         };
-        let file = crate::persist::create_private(path).map_err(err)?;
+        let file = crate::persist::files::create_private(path).map_err(err)?;
         let total = self.size();
         file.set_len(total).map_err(err)?;
         {

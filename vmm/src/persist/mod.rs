@@ -5,6 +5,8 @@
 //! payload length (u64 LE) | payload (postcard) | CRC-32 of everything before it (u32 LE)`.
 //! Guest memory is not in it: it goes to a separate, sparse memory file (see `memory.rs`).
 
+pub mod files;
+pub mod object;
 pub mod vcpu;
 pub mod vm;
 
@@ -20,17 +22,10 @@ use crate::devices::virtio::block::persist::BlockState;
 use crate::devices::virtio::net::persist::NetState;
 use crate::devices::virtio::persist::TransportState;
 use crate::memory::RegionLayout;
+pub use files::{create_private, new_memory_seal, MemorySeal};
+pub use object::Persist;
 pub use vcpu::VcpuState;
 pub use vm::KvmVmState;
-
-/// Saves an object's state and builds the object again from it. `Args` is what the state does
-/// not hold: host resources (files, eventfds, sinks) the new object is connected to.
-pub trait Persist: Sized {
-    type State;
-    type Args;
-    fn save(&self) -> Self::State;
-    fn restore(args: Self::Args, state: &Self::State) -> Result<Self, String>;
-}
 
 pub const STATE_MAGIC: [u8; 8] = *b"MVRTSTAT";
 /// Bumped whenever `MachineState`'s encoding changes; a restore refuses any other version.
@@ -100,41 +95,6 @@ pub struct MachineState {
     /// a restore refuses a memory file from another snapshot. `None` in a migration stream,
     /// which carries memory itself.
     pub memory_seal: Option<MemorySeal>,
-}
-
-/// 16 random bytes that pair a snapshot's state file with its memory file. The two files are
-/// renamed into place one after the other, so a crash between the renames, or files copied
-/// from two snapshots, could otherwise pair one snapshot's memory with another's vCPU state.
-pub type MemorySeal = [u8; 16];
-
-/// A fresh seal (getrandom).
-pub fn new_memory_seal() -> std::io::Result<MemorySeal> {
-    let mut seal = [0u8; 16];
-    // SAFETY: getrandom writes at most `seal.len()` bytes into `seal`.
-    let n = unsafe { libc::getrandom(seal.as_mut_ptr().cast(), seal.len(), 0) };
-    if n != seal.len() as isize {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(seal)
-}
-
-/// Creates `path` for writing with mode 0600 (snapshot files hold guest RAM and device state,
-/// readable by nobody else), never through a symbolic link and never an existing file
-/// (`O_CREAT | O_EXCL | O_NOFOLLOW`). A stale temporary left by a crash is removed first; a
-/// link there is removed, not followed.
-pub fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
 }
 
 #[derive(Debug, thiserror::Error)]

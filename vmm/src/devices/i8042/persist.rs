@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Expect, I8042};
 use crate::devices::EventFdTrigger;
-use crate::persist::Persist;
+use crate::persist::object::Persist;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct I8042State {

@@ -10,7 +10,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::{InputDrained, SerialDevice};
 use crate::devices::EventFdTrigger;
-use crate::persist::Persist;
+use crate::persist::object::Persist;
 
 /// serde's view of vm-superio's `SerialState` (that crate has no serde): the registers and the
 /// receive FIFO.

@@ -11,7 +11,7 @@ use virtio_queue::{Queue, QueueState, QueueT};
 use super::mmio::MmioTransport;
 use super::{VirtioDevice, VirtioInterrupt};
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
+use crate::persist::object::Persist;
 
 /// serde's view of virtio-queue's `QueueState` (that crate has no serde).
 #[derive(Serialize, Deserialize)]

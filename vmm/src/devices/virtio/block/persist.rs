@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Block, BlockCounters, Disk};
-use crate::persist::Persist;
+use crate::persist::object::Persist;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockState {

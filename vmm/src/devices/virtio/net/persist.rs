@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{MacAddr, Net, NetCounters, Tap, MAX_FRAME};
-use crate::persist::Persist;
+use crate::persist::object::Persist;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetState {

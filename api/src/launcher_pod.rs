@@ -1,0 +1,62 @@
+//! The launcher Pod's layout: what virt-controller mounts where, what the launcher reads there,
+//! and where virt-handler finds the Pod's sockets on the node. One place, so that the three
+//! cannot disagree about a path.
+
+use std::path::{Path, PathBuf};
+
+/// The user (and group) every container of the launcher Pod runs as: KubeVirt's non-root
+/// launcher UID (`qemu`), so disks and sockets keep the ownership KubeVirt users expect.
+pub const LAUNCHER_UID: i64 = 107;
+
+/// Extended resources the launcher container asks for (served by virt-handler's device plugins).
+pub const RESOURCE_KVM: &str = "devices.kubevirt.io/kvm";
+pub const RESOURCE_TUN: &str = "devices.kubevirt.io/tun";
+
+/// Where the launcher finds what the Pod mounts (its `--image-dir`, `--volume-dir`, ...).
+pub const CONTAINER_DISKS: &str = "/var/run/kubevirt/container-disks";
+pub const VOLUMES: &str = "/var/run/kubevirt-private/vmi-disks";
+pub const STATE: &str = "/var/run/kubevirt-private/state";
+pub const SOCKETS: &str = "/var/run/kubevirt/sockets";
+
+/// The emptyDir volume that holds the Pod's sockets, mounted at [`SOCKETS`].
+pub const SOCKETS_VOLUME: &str = "sockets";
+/// The launcher's control socket, in [`SOCKETS`].
+pub const CONTROL_SOCKET: &str = "launcher.sock";
+/// The socket a target launcher receives a migration on, in [`SOCKETS`].
+pub const MIGRATION_IN_SOCKET: &str = "migration-in.sock";
+/// The socket a source launcher offers its migration stream on, in [`SOCKETS`].
+pub const MIGRATION_OUT_SOCKET: &str = "migration-out.sock";
+
+/// The control socket's path inside the Pod.
+pub fn control_socket_in_pod() -> String {
+    format!("{SOCKETS}/{CONTROL_SOCKET}")
+}
+
+/// Where a launcher Pod's control socket is on the node: the Pod's sockets emptyDir as the
+/// kubelet lays it out below its pods directory (which virt-handler mounts).
+pub fn control_socket_on_node(pods_dir: &Path, pod_uid: &str) -> PathBuf {
+    pods_dir
+        .join(pod_uid)
+        .join("volumes/kubernetes.io~empty-dir")
+        .join(SOCKETS_VOLUME)
+        .join(CONTROL_SOCKET)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_node_path_is_the_kubelets_empty_dir_layout() {
+        assert_eq!(
+            control_socket_on_node(Path::new("/var/lib/kubelet/pods"), "u-1"),
+            Path::new(
+                "/var/lib/kubelet/pods/u-1/volumes/kubernetes.io~empty-dir/sockets/launcher.sock"
+            )
+        );
+        assert_eq!(
+            control_socket_in_pod(),
+            "/var/run/kubevirt/sockets/launcher.sock"
+        );
+    }
+}

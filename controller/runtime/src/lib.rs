@@ -1,0 +1,24 @@
+//! What every microvirt reconciler shares, virt-controller's and virt-handler's alike, and
+//! nothing about KubeVirt's objects themselves (those facts are in `api`):
+//! - [`objects`]: status and label writes guarded by resourceVersion, owners, finalizers,
+//!   deletes that tolerate absence, and the API errors reconcilers branch on;
+//! - [`conditions`]: setting and removing a condition the way the API conventions ask;
+//! - [`time`]: the timestamps Kubernetes objects carry;
+//! - [`backoff`]: per-object exponential retry (client-go's per-item rate limiter);
+//! - [`events`]: Events that never fail a reconcile;
+//! - [`metrics_http`]: the `/metrics` and `/healthz` endpoint.
+
+pub mod backoff;
+pub mod conditions;
+pub mod events;
+pub mod metrics_http;
+pub mod objects;
+pub mod time;
+
+pub use backoff::RetryBackoff;
+pub use conditions::{remove_condition, set_condition};
+pub use events::EventSink;
+pub use objects::{
+    controlled_by, controller_ref, delete_if_present, finalizer_patch, has_finalizer, is_conflict,
+    is_not_found, write_labels, write_status,
+};
