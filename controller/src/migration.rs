@@ -171,314 +171,380 @@ struct Apis {
     pods: Api<Pod>,
 }
 
+/// One reconcile of one migration: the object, where to write, and the status being built.
+struct Pass<'a> {
+    m: &'a VirtualMachineInstanceMigration,
+    ctx: &'a Context,
+    apis: Apis,
+    status: VirtualMachineInstanceMigrationStatus,
+}
+
+/// The healthy target Pod of a migration past admission, and what the phases read of it.
+struct Target {
+    pod: Pod,
+    /// The Pod's phase ("Pending", "Running", ...).
+    phase: String,
+    node: Option<String>,
+}
+
+/// Why the VMI cannot be migrated now: the VMI as read, the Failed reason, the message.
+struct SourceRefused(Option<VirtualMachineInstance>, &'static str, String);
+
 async fn reconcile_inner(m: &VirtualMachineInstanceMigration, ctx: &Context) -> Result<Action> {
     let ns = m.namespace().unwrap_or_default();
-    let apis = Apis {
-        migrations: Api::namespaced(ctx.client.clone(), &ns),
-        vmis: Api::namespaced(ctx.client.clone(), &ns),
-        pods: Api::namespaced(ctx.client.clone(), &ns),
+    let mut pass = Pass {
+        m,
+        ctx,
+        apis: Apis {
+            migrations: Api::namespaced(ctx.client.clone(), &ns),
+            vmis: Api::namespaced(ctx.client.clone(), &ns),
+            pods: Api::namespaced(ctx.client.clone(), &ns),
+        },
+        status: m.status.clone().unwrap_or_default(),
     };
-    let name = m.name_any();
-    let mut status = m.status.clone().unwrap_or_default();
-    let phase = status.phase;
-    let vmi = apis.vmis.get_opt(&m.spec.vmi_name).await?;
-
+    let vmi = pass.apis.vmis.get_opt(&m.spec.vmi_name).await?;
+    let finished = pass.status.phase.is_some_and(MigrationPhase::is_final);
     if m.metadata.deletion_timestamp.is_some() {
-        if !phase.is_some_and(MigrationPhase::is_final) {
-            // Deleting an unfinished migration cancels it.
-            fail(
-                &apis,
-                m,
-                vmi.as_ref(),
-                &mut status,
-                "MigrationCanceled",
-                "the migration was deleted (canceled)".into(),
-                ctx,
-            )
-            .await?;
-        }
-        if has_finalizer(m, api::labels::MIGRATION_FINALIZER) {
-            let p = finalizer_patch(m, api::labels::MIGRATION_FINALIZER, false);
-            apis.migrations
-                .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-                .await?;
-        }
+        return pass.finalize(vmi.as_ref(), finished).await;
+    }
+    if finished {
         return Ok(Action::await_change());
     }
-    if !has_finalizer(m, api::labels::MIGRATION_FINALIZER)
-        && !phase.is_some_and(MigrationPhase::is_final)
-    {
-        let p = finalizer_patch(m, api::labels::MIGRATION_FINALIZER, true);
-        apis.migrations
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-        return Ok(Action::await_change());
-    }
-    if phase.is_some_and(MigrationPhase::is_final) {
-        return Ok(Action::await_change());
+    if !has_finalizer(m, api::labels::MIGRATION_FINALIZER) {
+        return pass.set_finalizer(true).await;
     }
     if let Err(e) = api::validation::validate_migration(m) {
-        fail(
-            &apis,
-            m,
-            vmi.as_ref(),
-            &mut status,
-            "InvalidSpec",
-            e.to_string(),
-            ctx,
-        )
-        .await?;
-        return Ok(Action::await_change());
+        return pass.fail(vmi.as_ref(), "InvalidSpec", e.to_string()).await;
     }
-    let phase = phase.unwrap_or(MigrationPhase::Pending);
-    let Some(vmi) = vmi.filter(|v| v.metadata.deletion_timestamp.is_none()) else {
-        fail(
-            &apis,
-            m,
-            None,
-            &mut status,
-            "VMINotFound",
-            format!(
-                "VirtualMachineInstance {} does not exist or is being deleted",
-                m.spec.vmi_name
-            ),
-            ctx,
-        )
-        .await?;
-        return Ok(Action::await_change());
+    let phase = pass.status.phase.unwrap_or(MigrationPhase::Pending);
+    let vmi = match pass.running_source(vmi, phase) {
+        Ok(vmi) => vmi,
+        Err(refused) => {
+            let SourceRefused(vmi, reason, why) = *refused;
+            return pass.fail(vmi.as_ref(), reason, why).await;
+        }
     };
-    let vstatus = vmi.status.clone().unwrap_or_default();
-    if vstatus.phase != Some(VmiPhase::Running) {
-        let why = format!(
-            "VirtualMachineInstance {} is {:?}, not Running{}",
-            vmi.name_any(),
-            vstatus.phase.unwrap_or(VmiPhase::Pending),
-            if phase == MigrationPhase::Pending {
-                ""
-            } else {
-                " (the source was lost)"
+    match phase {
+        MigrationPhase::Pending => pass.admit(&vmi).await,
+        MigrationPhase::Succeeded | MigrationPhase::Failed => Ok(Action::await_change()),
+        _ => {
+            let Some(target) = pass.target(&vmi, phase).await? else {
+                return Ok(Action::await_change());
+            };
+            match phase {
+                MigrationPhase::Scheduling => pass.bind(target).await,
+                MigrationPhase::Scheduled if target.phase == "Running" => {
+                    pass.hand_off(&vmi, target).await
+                }
+                MigrationPhase::Scheduled => Ok(Action::await_change()),
+                _ => pass.follow(&vmi, target).await,
             }
-        );
-        fail(&apis, m, Some(&vmi), &mut status, "VMINotRunning", why, ctx).await?;
-        return Ok(Action::await_change());
+        }
     }
-    if phase == MigrationPhase::Pending {
-        if let Some(Err(why)) = api::conditions::published_migratability(&vstatus) {
+}
+
+impl Pass<'_> {
+    fn name(&self) -> String {
+        self.m.name_any()
+    }
+
+    fn uid(&self) -> String {
+        self.m.uid().unwrap_or_default()
+    }
+
+    /// Ends the migration as Failed (see [`fail`]); nothing more to do until it changes.
+    async fn fail(
+        &mut self,
+        vmi: Option<&VirtualMachineInstance>,
+        reason: &str,
+        message: String,
+    ) -> Result<Action> {
+        fail(
+            &self.apis,
+            self.m,
+            vmi,
+            &mut self.status,
+            reason,
+            message,
+            self.ctx,
+        )
+        .await?;
+        Ok(Action::await_change())
+    }
+
+    async fn write(&mut self) -> Result<Action> {
+        write_status(&self.apis.migrations, self.m, self.status.clone()).await?;
+        Ok(Action::await_change())
+    }
+
+    async fn set_finalizer(&self, present: bool) -> Result<Action> {
+        let p = finalizer_patch(self.m, api::labels::MIGRATION_FINALIZER, present);
+        self.apis
+            .migrations
+            .patch(&self.name(), &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        Ok(Action::await_change())
+    }
+
+    /// Deleted: an unfinished migration is canceled, then the finalizer lets it go.
+    async fn finalize(
+        &mut self,
+        vmi: Option<&VirtualMachineInstance>,
+        finished: bool,
+    ) -> Result<Action> {
+        if !finished {
+            let why = "the migration was deleted (canceled)".to_string();
+            self.fail(vmi, "MigrationCanceled", why).await?;
+        }
+        if has_finalizer(self.m, api::labels::MIGRATION_FINALIZER) {
+            self.set_finalizer(false).await?;
+        }
+        Ok(Action::await_change())
+    }
+
+    /// The VMI to migrate, if it can be: it exists, runs, and (before admission) is
+    /// migratable; else the reason the migration fails and its message.
+    fn running_source(
+        &self,
+        vmi: Option<VirtualMachineInstance>,
+        phase: MigrationPhase,
+    ) -> std::result::Result<VirtualMachineInstance, Box<SourceRefused>> {
+        let Some(vmi) = vmi.filter(|v| v.metadata.deletion_timestamp.is_none()) else {
             let why = format!(
-                "VirtualMachineInstance {} cannot be live-migrated: {why}",
-                vmi.name_any()
+                "VirtualMachineInstance {} does not exist or is being deleted",
+                self.m.spec.vmi_name
             );
-            fail(
-                &apis,
-                m,
-                Some(&vmi),
-                &mut status,
-                "VMINotMigratable",
-                why,
-                ctx,
+            return Err(Box::new(SourceRefused(None, "VMINotFound", why)));
+        };
+        let vstatus = vmi.status.clone().unwrap_or_default();
+        if vstatus.phase != Some(VmiPhase::Running) {
+            let why = format!(
+                "VirtualMachineInstance {} is {:?}, not Running{}",
+                vmi.name_any(),
+                vstatus.phase.unwrap_or(VmiPhase::Pending),
+                if phase == MigrationPhase::Pending {
+                    ""
+                } else {
+                    " (the source was lost)"
+                }
+            );
+            return Err(Box::new(SourceRefused(Some(vmi), "VMINotRunning", why)));
+        }
+        if phase == MigrationPhase::Pending {
+            if let Some(Err(why)) = api::conditions::published_migratability(&vstatus) {
+                let why = format!(
+                    "VirtualMachineInstance {} cannot be live-migrated: {why}",
+                    vmi.name_any()
+                );
+                return Err(Box::new(SourceRefused(Some(vmi), "VMINotMigratable", why)));
+            }
+        }
+        Ok(vmi)
+    }
+
+    /// Pending: admitted to Scheduling once the limits allow, else queued.
+    async fn admit(&mut self, vmi: &VirtualMachineInstance) -> Result<Action> {
+        let source_node = vmi
+            .status
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default();
+        // Admission is serialized (one reconcile at a time decides, and writes its decision
+        // before the next looks) so the limits are exact; everything else runs in parallel.
+        let _admission = self.ctx.migration_admission.lock().await;
+        if let Some(wait) = queue_position(self.ctx, self.m, vmi, &source_node).await? {
+            if self.status.phase.is_none() {
+                enter(&mut self.status, MigrationPhase::Pending);
+                self.write().await?;
+            }
+            tracing::debug!(migration = %self.name(), reason = %wait, "migration queued");
+            return Ok(Action::requeue(self.ctx.config.migration_queue_recheck));
+        }
+        let uid = self.uid();
+        let ms = self
+            .status
+            .migration_state
+            .get_or_insert_with(Default::default);
+        ms.migration_uid = Some(uid);
+        ms.source_node = Some(source_node);
+        enter(&mut self.status, MigrationPhase::Scheduling);
+        self.write().await
+    }
+
+    /// Past admission: the target Pod, created in Scheduling if there is none (a retry after
+    /// a lost write finds it by label), and recorded. `None` when this pass has ended (the Pod
+    /// was just created, or it is lost and the migration failed).
+    async fn target(
+        &mut self,
+        vmi: &VirtualMachineInstance,
+        phase: MigrationPhase,
+    ) -> Result<Option<Target>> {
+        let found = target_pods(&self.apis.pods, &self.uid(), vmi, self.ctx)
+            .await?
+            .into_iter()
+            .next();
+        let recorded = self
+            .status
+            .migration_state
+            .as_ref()
+            .and_then(|s| s.target_pod.clone());
+        if phase == MigrationPhase::Scheduling && found.is_none() && recorded.is_none() {
+            self.create_target(vmi).await?;
+            return Ok(None);
+        }
+        if let (Some(t), None) = (&found, &recorded) {
+            let ms = self
+                .status
+                .migration_state
+                .get_or_insert_with(Default::default);
+            ms.target_pod = Some(t.name_any());
+        }
+        // From here on the target Pod must exist and be healthy.
+        let Some(pod) = found.filter(|p| p.metadata.deletion_timestamp.is_none()) else {
+            let why = "the migration target pod is gone".to_string();
+            self.fail(Some(vmi), "TargetPodLost", why).await?;
+            return Ok(None);
+        };
+        let phase = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_default();
+        if phase == "Failed" || phase == "Succeeded" {
+            let why = format!(
+                "the migration target pod {} ended ({phase})",
+                pod.name_any()
+            );
+            self.fail(Some(vmi), "TargetPodFailed", why).await?;
+            return Ok(None);
+        }
+        let node = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .filter(|n| !n.is_empty());
+        Ok(Some(Target { pod, phase, node }))
+    }
+
+    /// Scheduling, admitted: the target Pod is made.
+    async fn create_target(&mut self, vmi: &VirtualMachineInstance) -> Result<()> {
+        let pod = target_pod(vmi, self.m, &self.ctx.config.pod)?;
+        let pod = self.apis.pods.create(&PostParams::default(), &pod).await?;
+        let note = format!("Created migration target pod {}", pod.name_any());
+        self.ctx
+            .event(self.m, false, "SuccessfulCreate", "Migrate", note)
+            .await;
+        let ms = self
+            .status
+            .migration_state
+            .get_or_insert_with(Default::default);
+        ms.target_pod = Some(pod.name_any());
+        self.write().await?;
+        Ok(())
+    }
+
+    /// Scheduling: Scheduled once the target Pod is bound to a node.
+    async fn bind(&mut self, target: Target) -> Result<Action> {
+        let Some(node) = target.node else {
+            return Ok(Action::await_change());
+        };
+        let ms = self
+            .status
+            .migration_state
+            .get_or_insert_with(Default::default);
+        ms.target_node = Some(node);
+        enter(&mut self.status, MigrationPhase::Scheduled);
+        self.write().await
+    }
+
+    /// Scheduled, target Pod running: the hand-off (nodes, Pod, the policy's configuration)
+    /// written to the VMI for the two virt-handlers, and the VMI labelled with the target node.
+    async fn hand_off(&mut self, vmi: &VirtualMachineInstance, target: Target) -> Result<Action> {
+        let node = target.node.unwrap_or_default();
+        let client = &self.ctx.client;
+        let ns_labels = Api::<Namespace>::all(client.clone())
+            .get_opt(&vmi.namespace().unwrap_or_default())
+            .await?
+            .map(|n| n.labels().clone())
+            .unwrap_or_default();
+        let policies = Api::<MigrationPolicy>::all(client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items;
+        let policy = matching_policy(&policies, vmi.labels(), &ns_labels);
+        let configuration = configuration(policy);
+        let mut vstatus = vmi.status.clone().unwrap_or_default();
+        let hand_off = MigrationState {
+            migration_uid: Some(self.uid()),
+            source_node: Some(vstatus.node_name.clone().unwrap_or_default()),
+            target_node: Some(node.clone()),
+            target_pod: Some(target.pod.name_any()),
+            mode: Some(
+                if configuration.allow_post_copy == Some(true) {
+                    "PostCopy"
+                } else {
+                    "PreCopy"
+                }
+                .into(),
+            ),
+            migration_configuration: Some(configuration),
+            migration_policy_name: policy.map(|p| p.name_any()),
+            ..Default::default()
+        };
+        let mut labels = vmi.labels().clone();
+        labels.insert(api::labels::MIGRATION_TARGET_NODE.into(), node);
+        vstatus.migration_state = Some(hand_off.clone());
+        crate::vmi::write(&self.apis.vmis, vmi, Some(labels), vstatus).await?;
+        self.status.migration_state = Some(hand_off);
+        enter(&mut self.status, MigrationPhase::PreparingTarget);
+        self.write().await
+    }
+
+    /// PreparingTarget, TargetReady, Running: the phase follows what the virt-handlers report
+    /// in the VMI's hand-off, until it completes or fails.
+    async fn follow(&mut self, vmi: &VirtualMachineInstance, target: Target) -> Result<Action> {
+        let uid = self.uid();
+        let phase = self.status.phase.unwrap_or(MigrationPhase::Pending);
+        let reported = vmi
+            .status
+            .as_ref()
+            .and_then(|s| s.migration_state.clone())
+            .filter(|s| s.migration_uid.as_deref() == Some(&uid));
+        let Some(vms) = reported else {
+            let why = "vmi.status.migrationState no longer describes this migration".to_string();
+            return self.fail(Some(vmi), "HandOffLost", why).await;
+        };
+        if vms.failed == Some(true) {
+            let why = "virt-handler reported the migration failed".to_string();
+            return self.fail(Some(vmi), "MigrationFailed", why).await;
+        }
+        if vms.completed == Some(true) {
+            succeed(
+                &self.apis,
+                self.m,
+                vmi,
+                &target.pod,
+                vms,
+                &mut self.status,
+                self.ctx,
             )
             .await?;
             return Ok(Action::await_change());
         }
-    }
-    let source_node = vstatus.node_name.clone().unwrap_or_default();
-    let muid = m.uid().unwrap_or_default();
-    let target = target_pods(&apis.pods, &muid, &vmi, ctx)
-        .await?
-        .into_iter()
-        .next();
-
-    if phase == MigrationPhase::Pending {
-        // Admission is serialized (one reconcile at a time decides, and writes its decision
-        // before the next looks) so the limits are exact; everything else runs in parallel.
-        let _admission = ctx.migration_admission.lock().await;
-        if let Some(wait) = queue_position(ctx, m, &vmi, &source_node).await? {
-            if status.phase.is_none() {
-                enter(&mut status, MigrationPhase::Pending);
-                write_status(&apis.migrations, m, status).await?;
-            }
-            tracing::debug!(migration = %name, reason = %wait, "migration queued");
-            return Ok(Action::requeue(ctx.config.migration_queue_recheck));
+        let next = if vms.start_timestamp.is_some() {
+            MigrationPhase::Running
+        } else if vms.target_node_address.is_some() {
+            MigrationPhase::TargetReady
+        } else {
+            phase
+        };
+        if next == phase {
+            return Ok(Action::await_change());
         }
-        let ms = status.migration_state.get_or_insert_with(Default::default);
-        ms.migration_uid = Some(muid.clone());
-        ms.source_node = Some(source_node.clone());
-        enter(&mut status, MigrationPhase::Scheduling);
-        write_status(&apis.migrations, m, status).await?;
-        return Ok(Action::await_change());
+        self.status.migration_state = Some(vms);
+        enter(&mut self.status, next);
+        self.write().await
     }
-    let recorded_target = status
-        .migration_state
-        .as_ref()
-        .and_then(|s| s.target_pod.clone());
-    if phase == MigrationPhase::Scheduling && target.is_none() && recorded_target.is_none() {
-        // Admitted: make the target Pod (a retry after a lost write finds it by label above).
-        let pod = apis
-            .pods
-            .create(
-                &PostParams::default(),
-                &target_pod(&vmi, m, &ctx.config.pod)?,
-            )
-            .await?;
-        ctx.event(
-            m,
-            false,
-            "SuccessfulCreate",
-            "Migrate",
-            format!("Created migration target pod {}", pod.name_any()),
-        )
-        .await;
-        let ms = status.migration_state.get_or_insert_with(Default::default);
-        ms.target_pod = Some(pod.name_any());
-        write_status(&apis.migrations, m, status).await?;
-        return Ok(Action::await_change());
-    }
-    if let (Some(t), None) = (&target, &recorded_target) {
-        let ms = status.migration_state.get_or_insert_with(Default::default);
-        ms.target_pod = Some(t.name_any());
-    }
-
-    // From here on the target Pod must exist and be healthy.
-    let Some(target) = target.filter(|p| p.metadata.deletion_timestamp.is_none()) else {
-        fail(
-            &apis,
-            m,
-            Some(&vmi),
-            &mut status,
-            "TargetPodLost",
-            "the migration target pod is gone".into(),
-            ctx,
-        )
-        .await?;
-        return Ok(Action::await_change());
-    };
-    let tphase = target
-        .status
-        .as_ref()
-        .and_then(|s| s.phase.clone())
-        .unwrap_or_default();
-    if tphase == "Failed" || tphase == "Succeeded" {
-        fail(
-            &apis,
-            m,
-            Some(&vmi),
-            &mut status,
-            "TargetPodFailed",
-            format!(
-                "the migration target pod {} ended ({tphase})",
-                target.name_any()
-            ),
-            ctx,
-        )
-        .await?;
-        return Ok(Action::await_change());
-    }
-    let target_node = target
-        .spec
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .filter(|n| !n.is_empty());
-    let vms = vstatus
-        .migration_state
-        .clone()
-        .filter(|s| s.migration_uid.as_deref() == Some(&muid));
-
-    match phase {
-        MigrationPhase::Scheduling => {
-            if let Some(node) = target_node {
-                status
-                    .migration_state
-                    .get_or_insert_with(Default::default)
-                    .target_node = Some(node);
-                enter(&mut status, MigrationPhase::Scheduled);
-                write_status(&apis.migrations, m, status).await?;
-            }
-        }
-        MigrationPhase::Scheduled if tphase == "Running" => {
-            let node = target_node.unwrap_or_default();
-            let ns_labels = Api::<Namespace>::all(ctx.client.clone())
-                .get_opt(&vmi.namespace().unwrap_or_default())
-                .await?
-                .map(|n| n.labels().clone())
-                .unwrap_or_default();
-            let policies = Api::<MigrationPolicy>::all(ctx.client.clone())
-                .list(&ListParams::default())
-                .await?
-                .items;
-            let policy = matching_policy(&policies, vmi.labels(), &ns_labels);
-            let hand_off = MigrationState {
-                migration_uid: Some(muid.clone()),
-                source_node: Some(source_node.clone()),
-                target_node: Some(node.clone()),
-                target_pod: Some(target.name_any()),
-                mode: Some(
-                    if configuration(policy).allow_post_copy == Some(true) {
-                        "PostCopy"
-                    } else {
-                        "PreCopy"
-                    }
-                    .into(),
-                ),
-                migration_configuration: Some(configuration(policy)),
-                migration_policy_name: policy.map(|p| p.name_any()),
-                ..Default::default()
-            };
-            let mut labels = vmi.labels().clone();
-            labels.insert(api::labels::MIGRATION_TARGET_NODE.into(), node);
-            let mut vstatus = vstatus.clone();
-            vstatus.migration_state = Some(hand_off.clone());
-            crate::vmi::write(&apis.vmis, &vmi, Some(labels), vstatus).await?;
-            status.migration_state = Some(hand_off);
-            enter(&mut status, MigrationPhase::PreparingTarget);
-            write_status(&apis.migrations, m, status).await?;
-        }
-        MigrationPhase::PreparingTarget | MigrationPhase::TargetReady | MigrationPhase::Running => {
-            let Some(vms) = vms else {
-                fail(
-                    &apis,
-                    m,
-                    Some(&vmi),
-                    &mut status,
-                    "HandOffLost",
-                    "vmi.status.migrationState no longer describes this migration".into(),
-                    ctx,
-                )
-                .await?;
-                return Ok(Action::await_change());
-            };
-            if vms.failed == Some(true) {
-                fail(
-                    &apis,
-                    m,
-                    Some(&vmi),
-                    &mut status,
-                    "MigrationFailed",
-                    "virt-handler reported the migration failed".into(),
-                    ctx,
-                )
-                .await?;
-                return Ok(Action::await_change());
-            }
-            if vms.completed == Some(true) {
-                succeed(&apis, m, &vmi, &target, vms, &mut status, ctx).await?;
-                return Ok(Action::await_change());
-            }
-            let next = if vms.start_timestamp.is_some() {
-                MigrationPhase::Running
-            } else if vms.target_node_address.is_some() {
-                MigrationPhase::TargetReady
-            } else {
-                phase
-            };
-            if next != phase {
-                status.migration_state = Some(vms);
-                enter(&mut status, next);
-                write_status(&apis.migrations, m, status).await?;
-            }
-        }
-        _ => {}
-    }
-    Ok(Action::await_change())
 }
 
 /// None when the migration may start, or why it waits: at most

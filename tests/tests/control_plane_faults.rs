@@ -53,7 +53,9 @@ async fn status_conflicts_are_retried() {
         .iter()
         .filter(|(_, _, code)| *code == 409)
         .count();
-    assert_eq!(conflicts, 6, "every injected conflict was hit");
+    // Every injected conflict was hit; the controllers' own stale writes may add real ones.
+    assert_eq!(c.api.pending_faults(), 0, "every injected conflict was hit");
+    assert!(conflicts >= 6, "{conflicts} conflicts answered");
     assert!(r.metrics.render().contains("reason=\"conflict\""));
     assert_eq!(launcher_pods(&c), 1);
     r.stop().await;

@@ -468,6 +468,12 @@ impl ApiServer {
         });
     }
 
+    /// How many injected faults have not been hit yet.
+    pub fn pending_faults(&self) -> u64 {
+        let st = self.inner.state.lock().unwrap();
+        st.faults.iter().map(|f| f.remaining).sum()
+    }
+
     /// Ends every open watch stream (as an API server restart or a load balancer would).
     pub fn drop_watches(&self) {
         self.inner.watch_epoch.send_modify(|e| *e += 1);
