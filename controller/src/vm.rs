@@ -3,6 +3,7 @@
 //! `status.printableStatus` users see in `kubectl get vm`. The reconcile loop applies them.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use api::validation::run_strategy;
 use api::{RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase};
@@ -10,14 +11,14 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::ResourceExt;
 
-use crate::datavolume::DataVolumes;
+use controller_runtime::time::{now_unix, unix_rfc3339};
+use controller_runtime::{
+    controlled_by, finalizer_patch, has_finalizer, is_conflict, is_not_found, remove_condition,
+    set_condition, write_status,
+};
 
 use crate::context::{Context, Error, Result};
-use controller_runtime::time::now_unix;
-use controller_runtime::{
-    finalizer_patch, has_finalizer, is_conflict, is_not_found, remove_condition, set_condition,
-    write_status,
-};
+use crate::datavolume::DataVolumes;
 
 /// KubeVirt's start backoff: 10 s doubling per consecutive failure, at most 5 minutes.
 pub fn backoff_seconds(consecutive_failures: u32) -> u64 {
@@ -216,7 +217,7 @@ async fn record_failure(
     msg: String,
 ) {
     let known = status.conditions.iter().any(|c| {
-        c.type_ == "Failure"
+        c.type_ == api::conditions::FAILURE
             && c.reason.as_deref() == Some(reason)
             && c.message.as_ref() == Some(&msg)
     });
@@ -225,7 +226,7 @@ async fn record_failure(
     }
     set_condition(
         &mut status.conditions,
-        "Failure",
+        api::conditions::FAILURE,
         true,
         Some(reason),
         Some(msg),
@@ -247,253 +248,312 @@ pub fn error_policy(vm: Arc<VirtualMachine>, err: &Error, ctx: Arc<Context>) -> 
     ctx.retry(CONTROLLER, vm.as_ref(), err)
 }
 
+/// One reconcile of one VM: the object, where to write, and the status being built.
+struct Pass<'a> {
+    vm: &'a VirtualMachine,
+    ctx: &'a Context,
+    name: String,
+    vms: Api<VirtualMachine>,
+    vmis: Api<VirtualMachineInstance>,
+    status: api::VirtualMachineStatus,
+    deleting: bool,
+    now: i64,
+}
+
+/// What carrying out the decision leaves: the VMI as it now is, or an early answer.
+enum Outcome {
+    Vmi(Option<Box<VirtualMachineInstance>>, Action),
+    Done(Action),
+}
+
 async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     let ns = vm.namespace().unwrap_or_default();
-    let name = vm.name_any();
-    let vms: Api<VirtualMachine> = Api::namespaced(ctx.client.clone(), &ns);
-    let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
-    let deleting = vm.metadata.deletion_timestamp.is_some();
-
-    if !deleting && !has_finalizer(vm, api::labels::VM_FINALIZER) {
-        let p = finalizer_patch(vm, api::labels::VM_FINALIZER, true);
-        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-        return Ok(Action::await_change());
+    let mut pass = Pass {
+        vm,
+        ctx,
+        name: vm.name_any(),
+        vms: Api::namespaced(ctx.client.clone(), &ns),
+        vmis: Api::namespaced(ctx.client.clone(), &ns),
+        status: vm.status.clone().unwrap_or_default(),
+        deleting: vm.metadata.deletion_timestamp.is_some(),
+        now: now_unix(),
+    };
+    if !pass.deleting && !has_finalizer(vm, api::labels::VM_FINALIZER) {
+        return pass.set_finalizer(true).await;
     }
-
-    let mut status = vm.status.clone().unwrap_or_default();
     if let Err(e) = api::validation::validate_vm(vm) {
         // Never half-reconciled: no VMI, an Event and a Failure condition with the message.
-        record_failure(
-            ctx,
-            vm,
-            &mut status,
-            "InvalidSpec",
-            "Validate",
-            e.to_string(),
-        )
-        .await;
-        write_status(&vms, vm, status).await?;
-        return Ok(Action::await_change());
+        pass.failure("InvalidSpec", "Validate", e.to_string()).await;
+        return pass.write(Action::await_change()).await;
     }
-    remove_condition(&mut status.conditions, "Failure");
-
-    // Only a VMI this VM controls counts; a foreign one with the same name is a failure.
-    let vmi = match vmis.get_opt(&name).await? {
-        Some(v)
-            if v.owner_references().is_empty()
-                || controller_runtime::controlled_by(&v, vm.uid().as_deref().unwrap_or("")) =>
-        {
-            Some(v)
-        }
-        Some(_) => {
-            let msg = format!(
-                "VirtualMachineInstance {name} exists and is not controlled by this VirtualMachine"
-            );
+    remove_condition(&mut pass.status.conditions, api::conditions::FAILURE);
+    let vmi = match pass.owned_vmi().await? {
+        Ok(vmi) => vmi,
+        Err(msg) => {
+            let c = &mut pass.status.conditions;
             set_condition(
-                &mut status.conditions,
-                "Failure",
+                c,
+                api::conditions::FAILURE,
                 true,
                 Some("FailedCreate"),
                 Some(msg),
             );
-            write_status(&vms, vm, status).await?;
-            return Ok(Action::await_change());
+            return pass.write(Action::await_change()).await;
         }
-        None => None,
     };
-    let now = now_unix();
+    pass.count_start_failure(vmi.as_ref()).await;
+    // Start/stop requests: a Stop is done once its VMI is gone (or it names another VMI).
+    let vmi_uid = vmi.as_ref().and_then(|v| v.uid());
+    pass.status.state_change_requests.retain(|r| {
+        !(r.action == "Stop" && (vmi.is_none() || (r.uid.is_some() && r.uid != vmi_uid)))
+    });
+    // runStrategy Once: when its VMI has finished, the VM becomes Halted (as KubeVirt does), so
+    // it is never started again, whatever happens to the finished VMI.
+    if run_strategy(vm) == RunStrategy::Once
+        && !pass.deleting
+        && vmi.as_ref().and_then(finished).is_some()
+    {
+        return pass.halt().await;
+    }
+    let data_volumes = pass.data_volumes().await?;
+    let (current, requeue) = match pass.carry_out(vmi, &data_volumes).await? {
+        Outcome::Vmi(current, requeue) => (current, requeue),
+        Outcome::Done(action) => return Ok(action),
+    };
+    if pass.deleting && current.is_none() {
+        return pass.set_finalizer(false).await;
+    }
+    pass.observe(current.as_deref(), &data_volumes);
+    pass.write(requeue).await
+}
 
-    // Start failures: counted once per failed VMI, cleared when a newer VMI reaches Running.
-    if let Some(v) = &vmi {
+impl Pass<'_> {
+    async fn write(&self, then: Action) -> Result<Action> {
+        write_status(&self.vms, self.vm, self.status.clone()).await?;
+        Ok(then)
+    }
+
+    async fn patch(&self, p: &serde_json::Value) -> Result<Action> {
+        self.vms
+            .patch(&self.name, &PatchParams::default(), &Patch::Merge(p))
+            .await?;
+        Ok(Action::await_change())
+    }
+
+    async fn set_finalizer(&self, present: bool) -> Result<Action> {
+        self.patch(&finalizer_patch(
+            self.vm,
+            api::labels::VM_FINALIZER,
+            present,
+        ))
+        .await
+    }
+
+    async fn failure(&mut self, reason: &str, action: &str, msg: String) {
+        record_failure(self.ctx, self.vm, &mut self.status, reason, action, msg).await
+    }
+
+    /// The VMI of the VM's name, if this VM controls it (or nobody does); a foreign one is
+    /// the failure's message.
+    async fn owned_vmi(
+        &self,
+    ) -> Result<std::result::Result<Option<VirtualMachineInstance>, String>> {
+        let uid = self.vm.uid().unwrap_or_default();
+        Ok(match self.vmis.get_opt(&self.name).await? {
+            Some(v) if v.owner_references().is_empty() || controlled_by(&v, &uid) => Ok(Some(v)),
+            Some(_) => Err(format!(
+                "VirtualMachineInstance {} exists and is not controlled by this VirtualMachine",
+                self.name
+            )),
+            None => Ok(None),
+        })
+    }
+
+    /// Start failures: counted once per failed VMI, cleared when a newer VMI reaches Running.
+    async fn count_start_failure(&mut self, vmi: Option<&VirtualMachineInstance>) {
+        let Some(v) = vmi else { return };
         let uid = v.uid();
         let phase = v.status.as_ref().and_then(|s| s.phase);
-        let last = status
+        let last = self
+            .status
             .start_failure
             .as_ref()
             .and_then(|f| f.last_failed_vmi_uid.clone());
         if phase == Some(VmiPhase::Failed) && last != uid {
-            let count = status
+            let count = self
+                .status
                 .start_failure
                 .as_ref()
                 .map_or(0, |f| f.consecutive_fail_count)
                 + 1;
             let wait = backoff_seconds(count as u32) as i64;
-            status.start_failure = Some(api::StartFailure {
+            self.status.start_failure = Some(api::StartFailure {
                 consecutive_fail_count: count,
-                retry_after_timestamp: Some(controller_runtime::time::unix_rfc3339(now + wait)),
+                retry_after_timestamp: Some(unix_rfc3339(self.now + wait)),
                 last_failed_vmi_uid: uid.clone(),
             });
-            ctx.event(
-                vm,
-                true,
-                "FailedStart",
-                "Start",
-                format!(
-                    "VirtualMachineInstance {name} failed; restart in {wait} s (failure {count})"
-                ),
-            )
-            .await;
+            let note = format!(
+                "VirtualMachineInstance {} failed; restart in {wait} s (failure {count})",
+                self.name
+            );
+            self.ctx
+                .event(self.vm, true, "FailedStart", "Start", note)
+                .await;
         } else if phase == Some(VmiPhase::Running) && last.is_some() && last != uid {
-            status.start_failure = None;
+            self.status.start_failure = None;
         }
     }
 
-    // Start/stop requests: a Stop is done once its VMI is gone (or it names another VMI).
-    let vmi_uid = vmi.as_ref().and_then(|v| v.uid());
-    status.state_change_requests.retain(|r| {
-        !(r.action == "Stop" && (vmi.is_none() || (r.uid.is_some() && r.uid != vmi_uid)))
-    });
-
-    // runStrategy Once: when its VMI has finished, the VM becomes Halted (as KubeVirt does), so
-    // it is never started again, whatever happens to the finished VMI.
-    if run_strategy(vm) == RunStrategy::Once
-        && !deleting
-        && vmi.as_ref().and_then(finished).is_some()
-    {
-        let p = serde_json::json!({
-            "metadata": {"resourceVersion": vm.resource_version()},
+    async fn halt(&self) -> Result<Action> {
+        self.patch(&serde_json::json!({
+            "metadata": {"resourceVersion": self.vm.resource_version()},
             "spec": {"runStrategy": "Halted", "running": null}
-        });
-        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-        return Ok(Action::await_change());
+        }))
+        .await
     }
 
-    // DataVolumes are made as soon as the VM exists (CDI takes its time to populate them);
-    // the VMI waits until they are ready.
-    let data_volumes = if deleting {
-        DataVolumes::Ready
-    } else {
-        crate::datavolume::ensure(&ctx.client, vm).await?
-    };
-    if vm
-        .spec
-        .data_volume_templates
-        .as_ref()
-        .is_some_and(|t| !t.is_empty())
-    {
-        let (ready, reason, message) = match &data_volumes {
-            DataVolumes::Ready => (true, "AllDataVolumesReady", None),
-            DataVolumes::Provisioning(m) => (false, "NotAllDataVolumesReady", Some(m.clone())),
-            DataVolumes::Failed(m) => (false, "DataVolumeError", Some(m.clone())),
+    /// DataVolumes are made as soon as the VM exists (CDI takes its time to populate them);
+    /// the VMI waits until they are ready, and the VM's condition says how far they are.
+    async fn data_volumes(&mut self) -> Result<DataVolumes> {
+        let dvs = if self.deleting {
+            DataVolumes::Ready
+        } else {
+            crate::datavolume::ensure(&self.ctx.client, self.vm).await?
+        };
+        let templates = self.vm.spec.data_volume_templates.as_ref();
+        if templates.is_some_and(|t| !t.is_empty()) {
+            let (ready, reason, message) = match &dvs {
+                DataVolumes::Ready => (true, "AllDataVolumesReady", None),
+                DataVolumes::Provisioning(m) => (false, "NotAllDataVolumesReady", Some(m.clone())),
+                DataVolumes::Failed(m) => (false, "DataVolumeError", Some(m.clone())),
+            };
+            let c = &mut self.status.conditions;
+            set_condition(
+                c,
+                api::conditions::DATA_VOLUMES_READY,
+                ready,
+                Some(reason),
+                message,
+            );
+        }
+        Ok(dvs)
+    }
+
+    /// Does what [`decide`] asks of the VM as it now is.
+    async fn carry_out(
+        &mut self,
+        vmi: Option<VirtualMachineInstance>,
+        data_volumes: &DataVolumes,
+    ) -> Result<Outcome> {
+        let mut view = self.vm.clone();
+        view.status = Some(self.status.clone());
+        let mut requeue = Action::await_change();
+        match decide(&view, vmi.as_ref(), retry_after(&view), self.now) {
+            VmAction::Nothing => {}
+            VmAction::CreateVmi if *data_volumes != DataVolumes::Ready => {
+                if let DataVolumes::Failed(msg) = data_volumes {
+                    self.failure("FailedCreate", "Create", msg.clone()).await;
+                }
+                // CDI's progress is not watched; look again shortly.
+                requeue = Action::requeue(Duration::from_secs(2));
+            }
+            VmAction::CreateVmi => return self.create_vmi().await,
+            VmAction::DeleteVmi => {
+                let v = vmi.as_ref().expect("DeleteVmi implies a VMI");
+                if v.metadata.deletion_timestamp.is_none() {
+                    self.delete_vmi().await?;
+                }
+            }
+            VmAction::WaitUntil(t) => {
+                requeue = Action::requeue(Duration::from_secs((t - self.now).max(1) as u64));
+            }
+        }
+        Ok(Outcome::Vmi(vmi.map(Box::new), requeue))
+    }
+
+    async fn create_vmi(&mut self) -> Result<Outcome> {
+        let expanded = match crate::instancetype::resolve(&self.ctx.client, self.vm).await {
+            Ok(x) => vmi_for(self.vm, &x),
+            Err(crate::instancetype::ResolveError::Missing(m)) => Err(m),
+            Err(crate::instancetype::ResolveError::Kube(e)) => return Err(e.into()),
+        };
+        let new_vmi = match expanded {
+            Ok(v) => v,
+            Err(msg) => {
+                // Not started: the VM says why, and tries again (the instance type may
+                // appear later).
+                self.failure("FailedCreate", "Create", msg).await;
+                let again = Action::requeue(Duration::from_secs(5));
+                return Ok(Outcome::Done(self.write(again).await?));
+            }
+        };
+        let created = match self.vmis.create(&PostParams::default(), &new_vmi).await {
+            Ok(created) => created,
+            Err(e) if is_conflict(&e) => {
+                return Ok(Outcome::Done(Action::requeue(Duration::from_millis(200))))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let note = format!("Created virtual machine instance {}", self.name);
+        self.ctx
+            .event(self.vm, false, "SuccessfulCreate", "Create", note)
+            .await;
+        self.status.created = Some(true);
+        self.status
+            .state_change_requests
+            .retain(|r| r.action != "Start");
+        Ok(Outcome::Vmi(
+            Some(Box::new(created)),
+            Action::await_change(),
+        ))
+    }
+
+    async fn delete_vmi(&self) -> Result<()> {
+        match self.vmis.delete(&self.name, &DeleteParams::default()).await {
+            Ok(_) => {
+                let note = format!("Stopped virtual machine instance {}", self.name);
+                self.ctx
+                    .event(self.vm, false, "SuccessfulDelete", "Delete", note)
+                    .await
+            }
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// What the VM shows: printableStatus, ready, created, runStrategy and `Ready`.
+    fn observe(&mut self, current: Option<&VirtualMachineInstance>, data_volumes: &DataVolumes) {
+        let mut view = self.vm.clone();
+        view.status = Some(self.status.clone());
+        let printable = match (current, data_volumes) {
+            (None, DataVolumes::Provisioning(_)) if !self.deleting => "Provisioning",
+            (None, DataVolumes::Failed(_)) if !self.deleting => "DataVolumeError",
+            _ => printable_status(&view, current, retry_after(&view), self.now),
+        };
+        let s = &mut self.status;
+        s.printable_status = Some(printable.to_string());
+        let vmi_ready = current
+            .and_then(|v| v.status.as_ref())
+            .is_some_and(|s| api::conditions::is_true(&s.conditions, api::conditions::READY));
+        s.ready = Some(vmi_ready);
+        s.created = Some(current.is_some());
+        s.run_strategy = Some(run_strategy(self.vm));
+        let reason = if vmi_ready {
+            None
+        } else if current.is_none() {
+            Some("VMINotExists")
+        } else {
+            Some("VMINotReady")
         };
         set_condition(
-            &mut status.conditions,
-            "DataVolumesReady",
-            ready,
-            Some(reason),
-            message,
+            &mut s.conditions,
+            api::conditions::READY,
+            vmi_ready,
+            reason,
+            None,
         );
     }
-
-    let mut view = vm.clone();
-    view.status = Some(status.clone());
-    let action = decide(&view, vmi.as_ref(), retry_after(&view), now);
-    let mut requeue = Action::await_change();
-    let mut current = vmi.clone();
-    match action {
-        VmAction::Nothing => {}
-        VmAction::CreateVmi if data_volumes != DataVolumes::Ready => {
-            if let DataVolumes::Failed(msg) = &data_volumes {
-                record_failure(ctx, vm, &mut status, "FailedCreate", "Create", msg.clone()).await;
-            }
-            // CDI's progress is not watched; look again shortly.
-            requeue = Action::requeue(std::time::Duration::from_secs(2));
-        }
-        VmAction::CreateVmi => {
-            let expanded = match crate::instancetype::resolve(&ctx.client, vm).await {
-                Ok(x) => vmi_for(vm, &x),
-                Err(crate::instancetype::ResolveError::Missing(m)) => Err(m),
-                Err(crate::instancetype::ResolveError::Kube(e)) => return Err(e.into()),
-            };
-            let new_vmi = match expanded {
-                Ok(v) => v,
-                Err(msg) => {
-                    // Not started: the VM says why, and tries again (the instance type may
-                    // appear later).
-                    record_failure(ctx, vm, &mut status, "FailedCreate", "Create", msg).await;
-                    write_status(&vms, vm, status).await?;
-                    return Ok(Action::requeue(std::time::Duration::from_secs(5)));
-                }
-            };
-            match vmis.create(&PostParams::default(), &new_vmi).await {
-                Ok(created) => {
-                    ctx.event(
-                        vm,
-                        false,
-                        "SuccessfulCreate",
-                        "Create",
-                        format!("Created virtual machine instance {name}"),
-                    )
-                    .await;
-                    current = Some(created);
-                }
-                Err(e) if is_conflict(&e) => {
-                    return Ok(Action::requeue(std::time::Duration::from_millis(200)))
-                }
-                Err(e) => return Err(e.into()),
-            }
-            status.created = Some(true);
-            status.state_change_requests.retain(|r| r.action != "Start");
-        }
-        VmAction::DeleteVmi => {
-            let v = vmi.as_ref().expect("DeleteVmi implies a VMI");
-            if v.metadata.deletion_timestamp.is_none() {
-                match vmis.delete(&name, &DeleteParams::default()).await {
-                    Ok(_) => {
-                        ctx.event(
-                            vm,
-                            false,
-                            "SuccessfulDelete",
-                            "Delete",
-                            format!("Stopped virtual machine instance {name}"),
-                        )
-                        .await
-                    }
-                    Err(e) if is_not_found(&e) => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        VmAction::WaitUntil(t) => {
-            requeue = Action::requeue(std::time::Duration::from_secs((t - now).max(1) as u64));
-        }
-    }
-
-    if deleting && current.is_none() {
-        let p = finalizer_patch(vm, api::labels::VM_FINALIZER, false);
-        vms.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-        return Ok(Action::await_change());
-    }
-
-    let mut view = vm.clone();
-    view.status = Some(status.clone());
-    let printable = match (&current, &data_volumes) {
-        (None, DataVolumes::Provisioning(_)) if !deleting => "Provisioning",
-        (None, DataVolumes::Failed(_)) if !deleting => "DataVolumeError",
-        _ => printable_status(&view, current.as_ref(), retry_after(&view), now),
-    };
-    status.printable_status = Some(printable.to_string());
-    let vmi_ready = current
-        .as_ref()
-        .and_then(|v| v.status.as_ref())
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
-        .is_some_and(|c| c.status == "True");
-    status.ready = Some(vmi_ready);
-    status.created = Some(current.is_some());
-    status.run_strategy = Some(run_strategy(vm));
-    let reason = if vmi_ready {
-        None
-    } else if current.is_none() {
-        Some("VMINotExists")
-    } else {
-        Some("VMINotReady")
-    };
-    set_condition(&mut status.conditions, "Ready", vmi_ready, reason, None);
-    write_status(&vms, vm, status).await?;
-    Ok(requeue)
 }
 
 #[cfg(test)]

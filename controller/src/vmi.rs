@@ -136,15 +136,93 @@ fn termination_reason(pod: &Pod) -> String {
     }
 }
 
+/// One reconcile of one VMI: the object, where to write, and the status and labels being built.
+struct Pass<'a> {
+    vmi: &'a VirtualMachineInstance,
+    ctx: &'a Context,
+    vmis: Api<VirtualMachineInstance>,
+    pods: Api<Pod>,
+    status: VirtualMachineInstanceStatus,
+    labels: BTreeMap<String, String>,
+}
+
 async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<Action> {
     let ns = vmi.namespace().unwrap_or_default();
-    let name = vmi.name_any();
-    let vmis: Api<VirtualMachineInstance> = Api::namespaced(ctx.client.clone(), &ns);
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-
+    let mut pass = Pass {
+        vmi,
+        ctx,
+        vmis: Api::namespaced(ctx.client.clone(), &ns),
+        pods: Api::namespaced(ctx.client.clone(), &ns),
+        status: vmi.status.clone().unwrap_or_default(),
+        labels: vmi.labels().clone(),
+    };
     if vmi.metadata.deletion_timestamp.is_some() {
-        let all = pods_of(&pods, vmi, ctx).await?;
-        let grace = vmi
+        return pass.finalize().await;
+    }
+    if !has_finalizer(vmi, api::labels::VMI_FINALIZER) {
+        return pass.set_finalizer(true).await;
+    }
+    let phase = pass.status.phase;
+    if matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed)) {
+        return Ok(Action::await_change());
+    }
+    let admitted = api::validation::validate_vmi(vmi).and_then(|()| {
+        ctx.config
+            .pod
+            .host_disks
+            .check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
+    });
+    if let Err(e) = admitted {
+        return pass.refuse(e.to_string()).await;
+    }
+    // Only the controller's own verdict goes: virt-handler reports its sync with launchers
+    // in the same condition type, with reasons of its own.
+    pass.status.conditions.retain(|c| {
+        !(c.type_ == api::conditions::SYNCHRONIZED && c.reason.as_deref() == Some("FailedCreate"))
+    });
+    match (pass.launcher_pod().await?, phase) {
+        (None, None | Some(VmiPhase::Pending)) => pass.create_pod().await?,
+        (None, _) => pass.pod_vanished().await,
+        (Some(p), _) => pass.follow_pod(&p, phase),
+    }
+    let placed = matches!(
+        pass.status.phase,
+        Some(VmiPhase::Scheduled | VmiPhase::Running)
+    );
+    if placed {
+        pass.publish_migratability().await?;
+    }
+    pass.protect(placed).await?;
+    let mut action = Action::await_change();
+    if pass.status.phase == Some(VmiPhase::Running) {
+        if let Some(pause) = evacuation::evacuate(vmi, &pass.status, ctx).await? {
+            action = Action::requeue(pause);
+        }
+    }
+    let labels = (&pass.labels != vmi.labels()).then_some(pass.labels);
+    write(&pass.vmis, vmi, labels, pass.status).await?;
+    Ok(action)
+}
+
+impl Pass<'_> {
+    async fn set_finalizer(&self, present: bool) -> Result<Action> {
+        let p = finalizer_patch(self.vmi, api::labels::VMI_FINALIZER, present);
+        self.vmis
+            .patch(
+                &self.vmi.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&p),
+            )
+            .await?;
+        Ok(Action::await_change())
+    }
+
+    /// Deleted: its Pods are deleted with the VMI's grace period; once they are gone the
+    /// finalizer lets the VMI go.
+    async fn finalize(&self) -> Result<Action> {
+        let all = pods_of(&self.pods, self.vmi, self.ctx).await?;
+        let grace = self
+            .vmi
             .spec
             .termination_grace_period_seconds
             .unwrap_or(30)
@@ -157,199 +235,153 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
         {
-            delete_if_present(&pods, &p.name_any(), &dp).await?;
+            delete_if_present(&self.pods, &p.name_any(), &dp).await?;
         }
-        if all.is_empty() && has_finalizer(vmi, api::labels::VMI_FINALIZER) {
-            let p = finalizer_patch(vmi, api::labels::VMI_FINALIZER, false);
-            vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-                .await?;
+        if all.is_empty() && has_finalizer(self.vmi, api::labels::VMI_FINALIZER) {
+            self.set_finalizer(false).await?;
         }
-        return Ok(Action::await_change());
-    }
-    if !has_finalizer(vmi, api::labels::VMI_FINALIZER) {
-        let p = finalizer_patch(vmi, api::labels::VMI_FINALIZER, true);
-        vmis.patch(&name, &PatchParams::default(), &Patch::Merge(&p))
-            .await?;
-        return Ok(Action::await_change());
+        Ok(Action::await_change())
     }
 
-    let mut status = vmi.status.clone().unwrap_or_default();
-    let phase = status.phase;
-    if matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed)) {
-        return Ok(Action::await_change());
-    }
-    let admitted = api::validation::validate_vmi(vmi).and_then(|()| {
-        ctx.config
-            .pod
-            .host_disks
-            .check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
-    });
-    if let Err(e) = admitted {
-        let msg = e.to_string();
-        let known = status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "Synchronized" && c.message.as_ref() == Some(&msg));
+    /// A spec the controller refuses: Pending, `Synchronized` False with the reason, an Event
+    /// the first time the message is seen, and no Pod.
+    async fn refuse(mut self, msg: String) -> Result<Action> {
+        let known =
+            self.status.conditions.iter().any(|c| {
+                c.type_ == api::conditions::SYNCHRONIZED && c.message.as_ref() == Some(&msg)
+            });
         if !known {
-            ctx.event(vmi, true, "FailedCreate", "Validate", msg.clone())
+            self.ctx
+                .event(self.vmi, true, "FailedCreate", "Validate", msg.clone())
                 .await;
         }
-        status.phase = Some(VmiPhase::Pending);
+        self.status.phase = Some(VmiPhase::Pending);
         set_condition(
-            &mut status.conditions,
-            "Synchronized",
+            &mut self.status.conditions,
+            api::conditions::SYNCHRONIZED,
             false,
             Some("FailedCreate"),
             Some(msg),
         );
-        write(&vmis, vmi, None, status).await?;
-        return Ok(Action::await_change());
+        write(&self.vmis, self.vmi, None, self.status).await?;
+        Ok(Action::await_change())
     }
-    // Only the controller's own verdict goes: virt-handler reports its sync with launchers
-    // in the same condition type, with reasons of its own.
-    status
-        .conditions
-        .retain(|c| !(c.type_ == "Synchronized" && c.reason.as_deref() == Some("FailedCreate")));
 
-    let all = pods_of(&pods, vmi, ctx).await?;
-    let active_uids: Vec<String> = status
-        .active_pods
-        .as_ref()
-        .map(|m| m.keys().cloned().collect())
-        .unwrap_or_default();
-    let mut pod = all
-        .iter()
-        .find(|p| p.uid().is_some_and(|u| active_uids.contains(&u)))
-        .cloned();
-    if pod.is_none() && active_uids.is_empty() {
-        // A launcher Pod created by an earlier round whose status write was lost is adopted.
-        pod = all
+    /// The VMI's launcher Pod: the active one, or (before any is recorded) one an earlier
+    /// round created whose status write was lost, adopted.
+    async fn launcher_pod(&self) -> Result<Option<Pod>> {
+        let all = pods_of(&self.pods, self.vmi, self.ctx).await?;
+        let active = self.status.active_pods.clone().unwrap_or_default();
+        let pod = all
             .iter()
-            .find(|p| !p.labels().contains_key(api::labels::MIGRATION_JOB))
-            .cloned();
+            .find(|p| p.uid().is_some_and(|u| active.contains_key(&u)))
+            .or_else(|| {
+                all.iter()
+                    .filter(|_| active.is_empty())
+                    .find(|p| !p.labels().contains_key(api::labels::MIGRATION_JOB))
+            });
+        Ok(pod.cloned())
     }
-    let mut labels = vmi.labels().clone();
 
-    match (&pod, phase) {
-        (None, None | Some(VmiPhase::Pending)) => {
-            let rendered = crate::pod::render(vmi, &ctx.config.pod)?;
-            let created = pods.create(&PostParams::default(), &rendered).await?;
-            ctx.event(
-                vmi,
-                false,
-                "SuccessfulCreate",
-                "Create",
-                format!("Created virtual machine pod {}", created.name_any()),
-            )
+    async fn create_pod(&mut self) -> Result<()> {
+        let rendered = crate::pod::render(self.vmi, &self.ctx.config.pod)?;
+        let created = self.pods.create(&PostParams::default(), &rendered).await?;
+        let note = format!("Created virtual machine pod {}", created.name_any());
+        self.ctx
+            .event(self.vmi, false, "SuccessfulCreate", "Create", note)
             .await;
-            status.phase = Some(VmiPhase::Scheduling);
-            status.active_pods = Some(BTreeMap::from([(
-                created.uid().unwrap_or_default(),
-                String::new(),
-            )]));
-        }
-        (None, _) => {
-            status.phase = Some(VmiPhase::Failed);
-            status.reason = Some("PodVanished".into());
-            ctx.event(
-                vmi,
-                true,
-                "PodVanished",
-                "Sync",
-                "the launcher Pod disappeared".into(),
-            )
+        self.status.phase = Some(VmiPhase::Scheduling);
+        self.status.active_pods = Some(BTreeMap::from([(
+            created.uid().unwrap_or_default(),
+            String::new(),
+        )]));
+        Ok(())
+    }
+
+    async fn pod_vanished(&mut self) {
+        self.status.phase = Some(VmiPhase::Failed);
+        self.status.reason = Some("PodVanished".into());
+        let note = "the launcher Pod disappeared".to_string();
+        self.ctx
+            .event(self.vmi, true, "PodVanished", "Sync", note)
             .await;
-        }
-        (Some(p), _) => {
-            let node = pod_node(p);
-            status.active_pods = Some(BTreeMap::from([(
-                p.uid().unwrap_or_default(),
-                node.clone().unwrap_or_default(),
-            )]));
-            let unschedulable = pod_condition(p, "PodScheduled")
-                .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"));
-            match unschedulable {
-                Some(c) => set_condition(
-                    &mut status.conditions,
-                    "PodScheduled",
-                    false,
-                    Some("Unschedulable"),
-                    c.message.clone(),
-                ),
-                None => remove_condition(&mut status.conditions, "PodScheduled"),
-            }
-            match pod_phase(p) {
-                "Succeeded" => status.phase = Some(VmiPhase::Succeeded),
-                "Failed" => {
-                    status.phase = Some(VmiPhase::Failed);
-                    status.reason = Some(termination_reason(p));
-                }
-                "Running"
-                    if matches!(phase, None | Some(VmiPhase::Pending | VmiPhase::Scheduling)) =>
-                {
-                    if let Some(n) = &node {
-                        status.phase = Some(VmiPhase::Scheduled);
-                        status.node_name = Some(n.clone());
-                    }
-                }
-                _ if phase.is_none() || phase == Some(VmiPhase::Pending) => {
-                    status.phase = Some(VmiPhase::Scheduling)
-                }
-                _ => {}
-            }
-            if let Some(n) = &status.node_name {
-                labels.insert(api::labels::NODE_NAME.into(), n.clone());
-            }
-            let ready = status.phase == Some(VmiPhase::Running)
-                && pod_condition(p, "Ready").is_some_and(|c| c.status == "True");
-            set_condition(
-                &mut status.conditions,
-                "Ready",
-                ready,
-                (!ready).then_some("PodNotReady"),
-                None,
-            );
-        }
     }
-    let placed = matches!(status.phase, Some(VmiPhase::Scheduled | VmiPhase::Running));
-    if placed {
-        match evacuation::migration_blocker(&ctx.client, vmi).await? {
-            None => set_condition(
-                &mut status.conditions,
-                api::conditions::LIVE_MIGRATABLE,
-                true,
-                None,
-                None,
-            ),
-            Some(b) => set_condition(
-                &mut status.conditions,
-                api::conditions::LIVE_MIGRATABLE,
+
+    /// The VMI follows its launcher Pod: node, scheduling trouble, phase, readiness.
+    fn follow_pod(&mut self, p: &Pod, phase: Option<VmiPhase>) {
+        let s = &mut self.status;
+        let node = pod_node(p);
+        s.active_pods = Some(BTreeMap::from([(
+            p.uid().unwrap_or_default(),
+            node.clone().unwrap_or_default(),
+        )]));
+        let unschedulable = pod_condition(p, "PodScheduled")
+            .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"));
+        let scheduled = api::conditions::POD_SCHEDULED;
+        match unschedulable {
+            Some(c) => set_condition(
+                &mut s.conditions,
+                scheduled,
                 false,
-                Some(b.reason),
-                Some(b.message),
+                Some("Unschedulable"),
+                c.message.clone(),
             ),
+            None => remove_condition(&mut s.conditions, scheduled),
         }
-    }
-    let strategy = EvictionStrategy::of(&vmi.spec, ctx.config.default_eviction_strategy);
-    if strategy != EvictionStrategy::None {
-        // Strategy None never has a budget, so those VMIs cost no request here.
-        let outcome = api::migratability::eviction_outcome(
-            &vmi.spec,
-            &status,
-            ctx.config.default_eviction_strategy,
+        match pod_phase(p) {
+            "Succeeded" => s.phase = Some(VmiPhase::Succeeded),
+            "Failed" => {
+                s.phase = Some(VmiPhase::Failed);
+                s.reason = Some(termination_reason(p));
+            }
+            "Running" if matches!(phase, None | Some(VmiPhase::Pending | VmiPhase::Scheduling)) => {
+                if let Some(n) = &node {
+                    s.phase = Some(VmiPhase::Scheduled);
+                    s.node_name = Some(n.clone());
+                }
+            }
+            _ if phase.is_none() || phase == Some(VmiPhase::Pending) => {
+                s.phase = Some(VmiPhase::Scheduling)
+            }
+            _ => {}
+        }
+        if let Some(n) = &s.node_name {
+            self.labels.insert(api::labels::NODE_NAME.into(), n.clone());
+        }
+        let ready = s.phase == Some(VmiPhase::Running)
+            && pod_condition(p, "Ready").is_some_and(|c| c.status == "True");
+        let reason = (!ready).then_some("PodNotReady");
+        set_condition(
+            &mut s.conditions,
+            api::conditions::READY,
+            ready,
+            reason,
+            None,
         );
-        let protect = placed && outcome.protects_pod();
-        crate::disruption::sync(&ctx.client, vmi, &status, protect).await?;
     }
-    let mut action = Action::await_change();
-    if status.phase == Some(VmiPhase::Running) {
-        if let Some(pause) = evacuation::evacuate(vmi, &status, ctx).await? {
-            action = Action::requeue(pause);
+
+    /// `LiveMigratable`, decided from the spec and the claims as they are now.
+    async fn publish_migratability(&mut self) -> Result<()> {
+        let c = &mut self.status.conditions;
+        let migratable = api::conditions::LIVE_MIGRATABLE;
+        match evacuation::migration_blocker(&self.ctx.client, self.vmi).await? {
+            None => set_condition(c, migratable, true, None, None),
+            Some(b) => set_condition(c, migratable, false, Some(b.reason), Some(b.message)),
         }
+        Ok(())
     }
-    let labels = (&labels != vmi.labels()).then_some(labels);
-    write(&vmis, vmi, labels, status).await?;
-    Ok(action)
+
+    /// The launcher Pod's PodDisruptionBudget, present while eviction must not take the Pod.
+    async fn protect(&self, placed: bool) -> Result<()> {
+        let default = self.ctx.config.default_eviction_strategy;
+        if EvictionStrategy::of(&self.vmi.spec, default) == EvictionStrategy::None {
+            // Strategy None never has a budget, so those VMIs cost no request here.
+            return Ok(());
+        }
+        let outcome = api::migratability::eviction_outcome(&self.vmi.spec, &self.status, default);
+        let protect = placed && outcome.protects_pod();
+        crate::disruption::sync(&self.ctx.client, self.vmi, &self.status, protect).await
+    }
 }
 
 /// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed.
