@@ -14,7 +14,7 @@ use api::launcher_pod::{
 };
 use api::quantity::parse_bytes;
 use api::validation::{guest_memory, vcpus};
-use api::VirtualMachineInstance;
+use api::{VirtualMachineInstance, VirtualMachineInstanceSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, EmptyDirVolumeSource, HostPathVolumeSource,
     PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
@@ -94,12 +94,15 @@ fn mount(name: &str, path: &str) -> VolumeMount {
     }
 }
 
-/// Renders the launcher Pod of a (defaulted, validated) VMI.
-pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, RenderError> {
-    let err = |path: &str, reason: String| RenderError {
+fn err(path: &str, reason: String) -> RenderError {
+    RenderError {
         path: path.into(),
         reason,
-    };
+    }
+}
+
+/// Renders the launcher Pod of a (defaulted, validated) VMI.
+pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, RenderError> {
     let name = vmi
         .metadata
         .name
@@ -111,11 +114,106 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
         .clone()
         .ok_or_else(|| err("metadata.uid", "is required (the VMI must exist)".into()))?;
     let spec = &vmi.spec;
+    let resources = resources(spec)?;
+    let mut storage = Storage::new();
+    for (i, v) in spec.volumes.iter().enumerate() {
+        storage.add(vmi, cfg, i, v)?;
+    }
+    if let Some(c) = kernel_boot_container(spec) {
+        storage.init_containers.push(c);
+    }
+    let grace = spec.termination_grace_period_seconds.unwrap_or(30);
+    let Storage {
+        volumes,
+        mounts,
+        init_containers,
+    } = storage;
+    Ok(Pod {
+        metadata: metadata(vmi, name, uid),
+        spec: Some(PodSpec {
+            init_containers: (!init_containers.is_empty()).then_some(init_containers),
+            containers: vec![compute_container(cfg, resources, mounts)],
+            security_context: Some(pod_security()),
+            volumes: Some(volumes),
+            node_selector: spec.node_selector.clone(),
+            affinity: spec.affinity.clone(),
+            tolerations: spec.tolerations.clone(),
+            priority_class_name: spec.priority_class_name.clone(),
+            // The launcher needs the guest's grace period plus a moment to tear down.
+            termination_grace_period_seconds: Some(grace + 15),
+            hostname: spec.hostname.clone(),
+            subdomain: spec.subdomain.clone(),
+            automount_service_account_token: Some(false),
+            restart_policy: Some("Never".into()),
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
+/// The Pod's name, labels, annotations and the VMI as its controller.
+fn metadata(vmi: &VirtualMachineInstance, name: String, uid: String) -> ObjectMeta {
+    let labels = BTreeMap::from([
+        (
+            api::labels::APP.to_string(),
+            api::labels::APP_LAUNCHER.to_string(),
+        ),
+        (api::labels::CREATED_BY.to_string(), uid.clone()),
+        (api::labels::VM_NAME.to_string(), name.clone()),
+    ]);
+    let annotations = BTreeMap::from([(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone())]);
+    ObjectMeta {
+        generate_name: Some(format!("virt-launcher-{name}-")),
+        namespace: vmi.metadata.namespace.clone(),
+        labels: Some(labels),
+        annotations: Some(annotations),
+        owner_references: Some(vec![OwnerReference {
+            api_version: "kubevirt.io/v1".into(),
+            kind: "VirtualMachineInstance".into(),
+            name,
+            uid,
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]),
+        ..Default::default()
+    }
+}
+
+/// The launcher itself, serving its control socket with the Pod's directories.
+fn compute_container(
+    cfg: &PodConfig,
+    resources: ResourceRequirements,
+    mounts: Vec<VolumeMount>,
+) -> Container {
+    Container {
+        name: "compute".into(),
+        image: Some(cfg.launcher_image.clone()),
+        command: Some(vec![
+            "virt-launcher".into(),
+            "daemon".into(),
+            "--socket".into(),
+            control_socket_in_pod(),
+            "--image-dir".into(),
+            CONTAINER_DISKS.into(),
+            "--volume-dir".into(),
+            VOLUMES.into(),
+            "--state-dir".into(),
+            STATE.into(),
+        ]),
+        resources: Some(resources),
+        volume_mounts: Some(mounts),
+        security_context: Some(container_security()),
+        ..Default::default()
+    }
+}
+
+/// Requests and limits: guest memory plus microvirt's overhead, CPU (KubeVirt's default
+/// allocation ratio), and the KVM and TUN devices from virt-handler's device plugins.
+fn resources(spec: &VirtualMachineInstanceSpec) -> Result<ResourceRequirements, RenderError> {
     let guest = guest_memory(spec)
         .ok_or_else(|| err("spec.domain.memory.guest", "is required".into()))?
         .map_err(|r| err("spec.domain.memory.guest", r))?;
     let n = vcpus(spec);
-
     let mut requests = BTreeMap::new();
     requests.insert(
         "memory".to_string(),
@@ -152,37 +250,66 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
             mib_quantity(bytes + memory_overhead(guest, n)),
         );
     }
+    Ok(ResourceRequirements {
+        requests: Some(requests),
+        limits: Some(limits),
+        ..Default::default()
+    })
+}
 
-    let mut volumes = vec![
-        Volume {
-            name: SOCKETS_VOLUME.into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Default::default()
-        },
-        Volume {
-            name: "private".into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Default::default()
-        },
-        Volume {
-            name: "container-disks".into(),
-            empty_dir: Some(EmptyDirVolumeSource::default()),
-            ..Default::default()
-        },
-    ];
-    let mut mounts = vec![
-        mount(SOCKETS_VOLUME, SOCKETS),
-        mount("private", STATE),
-        mount("container-disks", CONTAINER_DISKS),
-    ];
-    let mut init_containers = Vec::new();
-    for (i, v) in spec.volumes.iter().enumerate() {
+/// The Pod's volumes, the launcher's mounts of them, and the init containers that fill the
+/// container-disks directory.
+struct Storage {
+    volumes: Vec<Volume>,
+    mounts: Vec<VolumeMount>,
+    init_containers: Vec<Container>,
+}
+
+fn empty_dir(name: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    }
+}
+
+/// Where the init containers copy an image's files: one directory per image reference.
+fn image_dir(image: &str) -> String {
+    format!("{CONTAINER_DISKS}/{}", image.replace(['/', ':'], "_"))
+}
+
+impl Storage {
+    /// The sockets, private state and container-disks directories every launcher has.
+    fn new() -> Storage {
+        Storage {
+            volumes: vec![
+                empty_dir(SOCKETS_VOLUME),
+                empty_dir("private"),
+                empty_dir("container-disks"),
+            ],
+            mounts: vec![
+                mount(SOCKETS_VOLUME, SOCKETS),
+                mount("private", STATE),
+                mount("container-disks", CONTAINER_DISKS),
+            ],
+            init_containers: Vec::new(),
+        }
+    }
+
+    /// What `spec.volumes[i]` needs in the Pod.
+    fn add(
+        &mut self,
+        vmi: &VirtualMachineInstance,
+        cfg: &PodConfig,
+        i: usize,
+        v: &api::Volume,
+    ) -> Result<(), RenderError> {
         let vname = format!("volume-{}", v.name);
         if let Some(c) = &v.container_disk {
             // An init container from the containerDisk image copies its disk where the launcher
             // looks for images (`--image-dir`, one directory per image reference).
-            let dir = format!("{CONTAINER_DISKS}/{}", c.image.replace(['/', ':'], "_"));
-            init_containers.push(Container {
+            let dir = image_dir(&c.image);
+            self.init_containers.push(Container {
                 name: format!("container-disk-{}", v.name),
                 image: Some(c.image.clone()),
                 image_pull_policy: c.image_pull_policy.clone(),
@@ -195,53 +322,24 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
                 security_context: Some(container_security()),
                 ..Default::default()
             });
-        } else if let Some(claim) = v
+        } else if let Some((claim, read_only)) = v
             .persistent_volume_claim
             .as_ref()
             .map(|p| (p.claim_name.clone(), p.read_only))
             .or_else(|| v.data_volume.as_ref().map(|d| (d.name.clone(), None)))
         {
-            volumes.push(Volume {
+            self.volumes.push(Volume {
                 name: vname.clone(),
                 persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-                    claim_name: claim.0.clone(),
-                    read_only: claim.1,
+                    claim_name: claim.clone(),
+                    read_only,
                 }),
                 ..Default::default()
             });
-            mounts.push(mount(&vname, &format!("{VOLUMES}/{}", claim.0)));
+            self.mounts
+                .push(mount(&vname, &format!("{VOLUMES}/{claim}")));
         } else if let Some(h) = &v.host_disk {
-            // Checked here as well as at admission: a webhook can be bypassed, and this is
-            // the point where a host directory is handed to a tenant.
-            let ns = vmi.metadata.namespace.as_deref().unwrap_or("default");
-            if let Some(refused) = cfg
-                .host_disks
-                .refusals(spec, "spec", ns)
-                .into_iter()
-                .find(|f| f.path.starts_with(&format!("spec.volumes[{i}].")))
-            {
-                return Err(err(&refused.path, refused.reason));
-            }
-            let parent = std::path::Path::new(&h.path)
-                .parent()
-                .map(|p| p.display().to_string())
-                .unwrap_or_else(|| "/".into());
-            // The kubelet creates the directory only for DiskOrCreate, and then only below an
-            // allowed prefix (checked above).
-            let host_type = if h.type_ == "DiskOrCreate" {
-                "DirectoryOrCreate"
-            } else {
-                "Directory"
-            };
-            volumes.push(Volume {
-                name: vname.clone(),
-                host_path: Some(HostPathVolumeSource {
-                    path: parent.clone(),
-                    type_: Some(host_type.into()),
-                }),
-                ..Default::default()
-            });
-            mounts.push(mount(&vname, &parent));
+            self.add_host_disk(vmi, cfg, i, &vname, h)?;
         } else if v.empty_disk.is_none()
             && v.cloud_init_no_cloud.is_none()
             && v.cloud_init_config_drive.is_none()
@@ -251,108 +349,84 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
                 "has no source a launcher Pod can provide".into(),
             ));
         }
+        Ok(())
     }
 
-    if let Some(k) = spec
+    /// A hostDisk: its directory from the node, where the policy allows it.
+    fn add_host_disk(
+        &mut self,
+        vmi: &VirtualMachineInstance,
+        cfg: &PodConfig,
+        i: usize,
+        vname: &str,
+        h: &api::HostDiskSource,
+    ) -> Result<(), RenderError> {
+        // Checked here as well as at admission: a webhook can be bypassed, and this is
+        // the point where a host directory is handed to a tenant.
+        let ns = vmi.metadata.namespace.as_deref().unwrap_or("default");
+        if let Some(refused) = cfg
+            .host_disks
+            .refusals(&vmi.spec, "spec", ns)
+            .into_iter()
+            .find(|f| f.path.starts_with(&format!("spec.volumes[{i}].")))
+        {
+            return Err(err(&refused.path, refused.reason));
+        }
+        let parent = std::path::Path::new(&h.path)
+            .parent()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|| "/".into());
+        // The kubelet creates the directory only for DiskOrCreate, and then only below an
+        // allowed prefix (checked above).
+        let host_type = if h.type_ == "DiskOrCreate" {
+            "DirectoryOrCreate"
+        } else {
+            "Directory"
+        };
+        self.volumes.push(Volume {
+            name: vname.into(),
+            host_path: Some(HostPathVolumeSource {
+                path: parent.clone(),
+                type_: Some(host_type.into()),
+            }),
+            ..Default::default()
+        });
+        self.mounts.push(mount(vname, &parent));
+        Ok(())
+    }
+}
+
+/// The init container that copies a kernelBoot image's kernel and initrd where the launcher
+/// resolves `kernelPath`.
+fn kernel_boot_container(spec: &VirtualMachineInstanceSpec) -> Option<Container> {
+    let k = spec
         .domain
         .firmware
         .as_ref()
         .and_then(|f| f.kernel_boot.as_ref())
-        .and_then(|k| k.container.as_ref())
-    {
-        // The kernelBoot image's kernel and initrd go where the launcher resolves kernelPath.
-        let dir = format!("{CONTAINER_DISKS}/{}", k.image.replace(['/', ':'], "_"));
-        // The tenant's paths reach the shell as arguments, never as script text.
-        let mut command: Vec<String> = vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            r#"set -e; dir=$1; shift; for p; do mkdir -p "$dir$(dirname "$p")"; cp "$p" "$dir$p"; done"#.into(),
-            "kernel-boot".into(),
-            dir,
-        ];
-        command.extend(
-            [&k.kernel_path, &k.initrd_path]
-                .into_iter()
-                .flatten()
-                .cloned(),
-        );
-        init_containers.push(Container {
-            name: "kernel-boot".into(),
-            image: Some(k.image.clone()),
-            image_pull_policy: k.image_pull_policy.clone(),
-            command: Some(command),
-            volume_mounts: Some(vec![mount("container-disks", CONTAINER_DISKS)]),
-            security_context: Some(container_security()),
-            ..Default::default()
-        });
-    }
-    let grace = spec.termination_grace_period_seconds.unwrap_or(30);
-    let mut labels = BTreeMap::new();
-    labels.insert(
-        api::labels::APP.to_string(),
-        api::labels::APP_LAUNCHER.to_string(),
+        .and_then(|k| k.container.as_ref())?;
+    // The tenant's paths reach the shell as arguments, never as script text.
+    let mut command: Vec<String> = vec![
+        "/bin/sh".into(),
+        "-c".into(),
+        r#"set -e; dir=$1; shift; for p; do mkdir -p "$dir$(dirname "$p")"; cp "$p" "$dir$p"; done"#.into(),
+        "kernel-boot".into(),
+        image_dir(&k.image),
+    ];
+    command.extend(
+        [&k.kernel_path, &k.initrd_path]
+            .into_iter()
+            .flatten()
+            .cloned(),
     );
-    labels.insert(api::labels::CREATED_BY.to_string(), uid.clone());
-    labels.insert(api::labels::VM_NAME.to_string(), name.clone());
-    let mut annotations = BTreeMap::new();
-    annotations.insert(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone());
-    Ok(Pod {
-        metadata: ObjectMeta {
-            generate_name: Some(format!("virt-launcher-{name}-")),
-            namespace: vmi.metadata.namespace.clone(),
-            labels: Some(labels),
-            annotations: Some(annotations),
-            owner_references: Some(vec![OwnerReference {
-                api_version: "kubevirt.io/v1".into(),
-                kind: "VirtualMachineInstance".into(),
-                name: name.clone(),
-                uid,
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            init_containers: (!init_containers.is_empty()).then_some(init_containers),
-            containers: vec![Container {
-                name: "compute".into(),
-                image: Some(cfg.launcher_image.clone()),
-                command: Some(vec![
-                    "virt-launcher".into(),
-                    "daemon".into(),
-                    "--socket".into(),
-                    control_socket_in_pod(),
-                    "--image-dir".into(),
-                    CONTAINER_DISKS.into(),
-                    "--volume-dir".into(),
-                    VOLUMES.into(),
-                    "--state-dir".into(),
-                    STATE.into(),
-                ]),
-                resources: Some(ResourceRequirements {
-                    requests: Some(requests),
-                    limits: Some(limits),
-                    ..Default::default()
-                }),
-                volume_mounts: Some(mounts),
-                security_context: Some(container_security()),
-                ..Default::default()
-            }],
-            security_context: Some(pod_security()),
-            volumes: Some(volumes),
-            node_selector: spec.node_selector.clone(),
-            affinity: spec.affinity.clone(),
-            tolerations: spec.tolerations.clone(),
-            priority_class_name: spec.priority_class_name.clone(),
-            // The launcher needs the guest's grace period plus a moment to tear down.
-            termination_grace_period_seconds: Some(grace + 15),
-            hostname: spec.hostname.clone(),
-            subdomain: spec.subdomain.clone(),
-            automount_service_account_token: Some(false),
-            restart_policy: Some("Never".into()),
-            ..Default::default()
-        }),
-        status: None,
+    Some(Container {
+        name: "kernel-boot".into(),
+        image: Some(k.image.clone()),
+        image_pull_policy: k.image_pull_policy.clone(),
+        command: Some(command),
+        volume_mounts: Some(vec![mount("container-disks", CONTAINER_DISKS)]),
+        security_context: Some(container_security()),
+        ..Default::default()
     })
 }
 
