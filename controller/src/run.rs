@@ -19,93 +19,131 @@ use crate::context::{Context, ControllerConfig};
 use crate::leader::{LeaderElector, LeaseConfig};
 use crate::metrics::Metrics;
 
-/// Runs the VM, VMI, ReplicaSet, Migration and drain-taint controllers until `shutdown`
-/// resolves.
+/// Resolves when the controllers are told to stop.
+type Stop = std::pin::Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
+
+fn launcher_pods() -> watcher::Config {
+    watcher::Config::default().labels(&api::labels::selector(
+        api::labels::APP,
+        api::labels::APP_LAUNCHER,
+    ))
+}
+
+/// Runs the VM, VMI, ReplicaSet, pool, Migration and drain-taint controllers until
+/// `shutdown` resolves.
 pub async fn run_controllers(
     ctx: Arc<Context>,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let client = ctx.client.clone();
-    let wc = watcher::Config::default;
     let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
+    let stop = || -> Stop {
         let mut rx = tx.subscribe();
-        async move {
+        Box::pin(async move {
             let _ = rx.recv().await;
+        })
+    };
+    let all = futures::future::join_all([
+        vms(&ctx, stop()),
+        vmis(&ctx, stop()),
+        replica_sets(&ctx, stop()),
+        pools(&ctx, stop()),
+        migrations(&ctx, stop()),
+        drains(&ctx, stop()),
+    ]);
+    ctx.metrics.set_ready(true);
+    tokio::select! {
+        _ = all => {}
+        _ = shutdown => {
+            let _ = tx.send(());
         }
-    };
-    let launcher_pods = || {
-        wc().labels(&api::labels::selector(
-            api::labels::APP,
-            api::labels::APP_LAUNCHER,
-        ))
-    };
+    }
+    ctx.metrics.set_ready(false);
+}
 
-    let vm = Controller::new(Api::<VirtualMachine>::all(client.clone()), wc())
-        .owns(Api::<VirtualMachineInstance>::all(client.clone()), wc())
-        .graceful_shutdown_on(stop(&tx))
-        .run(crate::vm::reconcile, crate::vm::error_policy, ctx.clone())
-        .for_each(|_| async {});
+type Running = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
-    let vmi_controller = Controller::new(Api::<VirtualMachineInstance>::all(client.clone()), wc())
-        .owns(Api::<Pod>::all(client.clone()), launcher_pods())
+fn all<K>(ctx: &Context) -> Api<K>
+where
+    K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+{
+    Api::all(ctx.client.clone())
+}
+
+fn vms(ctx: &Arc<Context>, stop: Stop) -> Running {
+    let wc = watcher::Config::default;
+    Box::pin(
+        Controller::new(all::<VirtualMachine>(ctx), wc())
+            .owns(all::<VirtualMachineInstance>(ctx), wc())
+            .graceful_shutdown_on(stop)
+            .run(crate::vm::reconcile, crate::vm::error_policy, ctx.clone())
+            .for_each(|_| async {}),
+    )
+}
+
+fn vmis(ctx: &Arc<Context>, stop: Stop) -> Running {
+    let wc = watcher::Config::default;
+    let controller = Controller::new(all::<VirtualMachineInstance>(ctx), wc())
+        .owns(all::<Pod>(ctx), launcher_pods())
         // A failed evacuation migration is retried by its VMI (after a pause).
-        .watches(
-            Api::<VirtualMachineInstanceMigration>::all(client.clone()),
-            wc(),
-            |m| {
-                m.annotations()
-                    .contains_key(api::labels::ANNOTATION_EVACUATION)
-                    .then(|| {
-                        ObjectRef::<VirtualMachineInstance>::new(&m.spec.vmi_name)
-                            .within(&m.namespace().unwrap_or_default())
-                    })
-            },
-        );
+        .watches(all::<VirtualMachineInstanceMigration>(ctx), wc(), |m| {
+            m.annotations()
+                .contains_key(api::labels::ANNOTATION_EVACUATION)
+                .then(|| {
+                    ObjectRef::<VirtualMachineInstance>::new(&m.spec.vmi_name)
+                        .within(&m.namespace().unwrap_or_default())
+                })
+        });
     ctx.metrics
-        .watch_vmis(vmi_controller.store(), ctx.config.default_eviction_strategy);
-    let vmi = vmi_controller
-        .graceful_shutdown_on(stop(&tx))
-        .run(crate::vmi::reconcile, crate::vmi::error_policy, ctx.clone())
-        .for_each(|_| async {});
-
-    let rs = Controller::new(
-        Api::<VirtualMachineInstanceReplicaSet>::all(client.clone()),
-        wc(),
+        .watch_vmis(controller.store(), ctx.config.default_eviction_strategy);
+    Box::pin(
+        controller
+            .graceful_shutdown_on(stop)
+            .run(crate::vmi::reconcile, crate::vmi::error_policy, ctx.clone())
+            .for_each(|_| async {}),
     )
-    .owns(Api::<VirtualMachineInstance>::all(client.clone()), wc())
-    .graceful_shutdown_on(stop(&tx))
-    .run(
-        crate::replicaset::reconcile,
-        crate::replicaset::error_policy,
-        ctx.clone(),
+}
+
+fn replica_sets(ctx: &Arc<Context>, stop: Stop) -> Running {
+    let wc = watcher::Config::default;
+    Box::pin(
+        Controller::new(all::<VirtualMachineInstanceReplicaSet>(ctx), wc())
+            .owns(all::<VirtualMachineInstance>(ctx), wc())
+            .graceful_shutdown_on(stop)
+            .run(
+                crate::replicaset::reconcile,
+                crate::replicaset::error_policy,
+                ctx.clone(),
+            )
+            .for_each(|_| async {}),
     )
-    .for_each(|_| async {});
+}
 
-    let pool = Controller::new(Api::<VirtualMachinePool>::all(client.clone()), wc())
-        .owns(Api::<VirtualMachine>::all(client.clone()), wc())
-        .graceful_shutdown_on(stop(&tx))
-        .run(
-            crate::pool::reconcile,
-            crate::pool::error_policy,
-            ctx.clone(),
-        )
-        .for_each(|_| async {});
+fn pools(ctx: &Arc<Context>, stop: Stop) -> Running {
+    let wc = watcher::Config::default;
+    Box::pin(
+        Controller::new(all::<VirtualMachinePool>(ctx), wc())
+            .owns(all::<VirtualMachine>(ctx), wc())
+            .graceful_shutdown_on(stop)
+            .run(
+                crate::pool::reconcile,
+                crate::pool::error_policy,
+                ctx.clone(),
+            )
+            .for_each(|_| async {}),
+    )
+}
 
-    let mig_controller = Controller::new(
-        Api::<VirtualMachineInstanceMigration>::all(client.clone()),
-        wc(),
-    );
-    let store = mig_controller.store();
+fn migrations(ctx: &Arc<Context>, stop: Stop) -> Running {
+    let wc = watcher::Config::default;
+    let controller = Controller::new(all::<VirtualMachineInstanceMigration>(ctx), wc());
+    let store = controller.store();
     ctx.metrics.watch_migrations(store.clone());
     let by_vmi = store.clone();
     let by_pod = store;
-    let migration = mig_controller
-        // A VMI's hand-off progress (set by virt-handler) drives its migrations.
-        .watches(
-            Api::<VirtualMachineInstance>::all(client.clone()),
-            wc(),
-            move |vmi| {
+    Box::pin(
+        controller
+            // A VMI's hand-off progress (set by virt-handler) drives its migrations.
+            .watches(all::<VirtualMachineInstance>(ctx), wc(), move |vmi| {
                 by_vmi
                     .state()
                     .into_iter()
@@ -114,52 +152,47 @@ pub async fn run_controllers(
                     })
                     .map(|m| ObjectRef::from_obj(m.as_ref()))
                     .collect::<Vec<_>>()
-            },
-        )
-        // Target Pods carry the migration's uid.
-        .watches(
-            Api::<Pod>::all(client.clone()),
-            wc().labels(api::labels::MIGRATION_JOB),
-            move |pod| {
-                let uid = pod.labels().get(api::labels::MIGRATION_JOB).cloned();
-                by_pod
-                    .state()
-                    .into_iter()
-                    .filter(|m| m.uid() == uid)
-                    .map(|m| ObjectRef::from_obj(m.as_ref()))
-                    .collect::<Vec<_>>()
-            },
-        )
-        .graceful_shutdown_on(stop(&tx))
-        .run(
-            crate::migration::reconcile,
-            crate::migration::error_policy,
-            ctx.clone(),
-        )
-        .for_each(|_| async {});
+            })
+            // Target Pods carry the migration's uid.
+            .watches(
+                all::<Pod>(ctx),
+                wc().labels(api::labels::MIGRATION_JOB),
+                move |pod| {
+                    let uid = pod.labels().get(api::labels::MIGRATION_JOB).cloned();
+                    by_pod
+                        .state()
+                        .into_iter()
+                        .filter(|m| m.uid() == uid)
+                        .map(|m| ObjectRef::from_obj(m.as_ref()))
+                        .collect::<Vec<_>>()
+                },
+            )
+            .graceful_shutdown_on(stop)
+            .run(
+                crate::migration::reconcile,
+                crate::migration::error_policy,
+                ctx.clone(),
+            )
+            .for_each(|_| async {}),
+    )
+}
 
-    // Only tainted nodes matter, but a taint cannot be selected on, so every node is watched
-    // (node objects are few next to Pods and VMIs).
-    let drain = Controller::new(Api::<Node>::all(client.clone()), wc())
-        .graceful_shutdown_on(stop(&tx))
+/// Only tainted nodes matter, but a taint cannot be selected on, so every node is watched
+/// (node objects are few next to Pods and VMIs).
+fn drains(ctx: &Arc<Context>, stop: Stop) -> Running {
+    Box::pin(
+        Controller::new(
+            Api::<Node>::all(ctx.client.clone()),
+            watcher::Config::default(),
+        )
+        .graceful_shutdown_on(stop)
         .run(
             crate::evacuation::reconcile_node,
             crate::evacuation::node_error_policy,
             ctx.clone(),
         )
-        .for_each(|_| async {});
-
-    ctx.metrics.set_ready(true);
-    let all = async {
-        tokio::join!(vm, vmi, rs, pool, migration, drain);
-    };
-    tokio::select! {
-        _ = all => {}
-        _ = shutdown => {
-            let _ = tx.send(());
-        }
-    }
-    ctx.metrics.set_ready(false);
+        .for_each(|_| async {}),
+    )
 }
 
 /// virt-controller: waits for the leader Lease (when configured), then reconciles until
