@@ -297,9 +297,20 @@ const DEVICE_FEATURES_UNSUPPORTED: &[&str] = &[
     "video",
 ];
 
+/// A VMI spec, section by section, every error collected into `e` with its path under `p`.
 fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    validate_memory(spec, p, e);
+    validate_cpu(spec, p, e);
+    validate_firmware(spec, p, e);
+    validate_devices(spec, p, e);
+    validate_volumes(spec, p, e);
+    validate_interfaces(spec, p, e);
+    validate_networks(spec, p, e);
+    validate_lifecycle(spec, p, e);
+}
+
+fn validate_memory(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     let d = &spec.domain;
-    // Memory.
     match guest_memory(spec) {
         None => e.add(
             format!("{p}.domain.memory.guest"),
@@ -319,7 +330,10 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             "remove it",
         );
     }
-    // CPU.
+}
+
+fn validate_cpu(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let d = &spec.domain;
     if let Some(c) = &d.cpu {
         for (f, v) in [
             ("sockets", c.sockets),
@@ -361,7 +375,10 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             format!("sockets × cores × threads = {n}; at most {MAX_VCPUS} vCPUs are accepted"),
         );
     }
-    // Firmware.
+}
+
+fn validate_firmware(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let d = &spec.domain;
     if let Some(fw) = &d.firmware {
         if fw.bootloader.as_ref().is_some_and(|b| b.efi.is_some()) {
             e.unsupported(
@@ -407,8 +424,11 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             );
         }
     }
-    // Devices.
-    let dev = &d.devices;
+}
+
+/// Device classes microvirt refuses, graphics, the disks, and the device count.
+fn validate_devices(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let dev = &spec.domain.devices;
     for k in dev.extra.keys() {
         if DEVICE_FEATURES_UNSUPPORTED.contains(&k.as_str()) {
             e.unsupported(format!("{p}.domain.devices.{k}"), k, "remove it");
@@ -440,58 +460,7 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
                 ),
             );
         }
-        let targets = [
-            disk.disk.is_some(),
-            disk.cdrom.is_some(),
-            disk.lun.is_some(),
-        ]
-        .iter()
-        .filter(|t| **t)
-        .count();
-        if targets > 1 {
-            e.add(dp.clone(), "set at most one of disk, cdrom, lun");
-        }
-        if disk.lun.is_some() {
-            e.unsupported(format!("{dp}.lun"), "a LUN (SCSI passthrough)", "use disk");
-        }
-        let bus = disk
-            .disk
-            .as_ref()
-            .and_then(|t| t.bus.clone())
-            .or_else(|| disk.cdrom.as_ref().and_then(|t| t.bus.clone()));
-        if let Some(b) = bus {
-            if b != "virtio" {
-                let which = if disk.cdrom.is_some() {
-                    "cdrom"
-                } else {
-                    "disk"
-                };
-                e.unsupported(
-                    format!("{dp}.{which}.bus"),
-                    &format!("bus {b:?}"),
-                    "accepted: virtio",
-                );
-            }
-        }
-        if let Some(c) = &disk.cache {
-            if c != "none" && c != "writeback" {
-                e.unsupported(
-                    format!("{dp}.cache"),
-                    &format!("cache mode {c:?}"),
-                    "accepted: none, writeback",
-                );
-            }
-        }
-        if disk
-            .serial
-            .as_ref()
-            .is_some_and(|s| s.len() > 20 || !s.bytes().all(|b| b.is_ascii_graphic()))
-        {
-            e.add(
-                format!("{dp}.serial"),
-                "at most 20 printable ASCII characters are accepted",
-            );
-        }
+        validate_disk(disk, &dp, e);
     }
     if dev.disks.len() + dev.interfaces.len() > MAX_DEVICES {
         e.add(
@@ -502,121 +471,192 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             ),
         );
     }
-    // Volumes.
+}
+
+/// One disk's target, bus, cache and serial.
+fn validate_disk(disk: &crate::types::Disk, dp: &str, e: &mut Errors) {
+    let targets = [
+        disk.disk.is_some(),
+        disk.cdrom.is_some(),
+        disk.lun.is_some(),
+    ]
+    .iter()
+    .filter(|t| **t)
+    .count();
+    if targets > 1 {
+        e.add(dp.to_string(), "set at most one of disk, cdrom, lun");
+    }
+    if disk.lun.is_some() {
+        e.unsupported(format!("{dp}.lun"), "a LUN (SCSI passthrough)", "use disk");
+    }
+    let bus = disk
+        .disk
+        .as_ref()
+        .and_then(|t| t.bus.clone())
+        .or_else(|| disk.cdrom.as_ref().and_then(|t| t.bus.clone()));
+    if let Some(b) = bus {
+        if b != "virtio" {
+            let which = if disk.cdrom.is_some() {
+                "cdrom"
+            } else {
+                "disk"
+            };
+            e.unsupported(
+                format!("{dp}.{which}.bus"),
+                &format!("bus {b:?}"),
+                "accepted: virtio",
+            );
+        }
+    }
+    if let Some(c) = &disk.cache {
+        if c != "none" && c != "writeback" {
+            e.unsupported(
+                format!("{dp}.cache"),
+                &format!("cache mode {c:?}"),
+                "accepted: none, writeback",
+            );
+        }
+    }
+    if disk
+        .serial
+        .as_ref()
+        .is_some_and(|s| s.len() > 20 || !s.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        e.add(
+            format!("{dp}.serial"),
+            "at most 20 printable ASCII characters are accepted",
+        );
+    }
+}
+
+fn validate_volumes(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     let mut seen = BTreeSet::new();
     for (i, v) in spec.volumes.iter().enumerate() {
         let vp = format!("{p}.volumes[{i}]");
-        plain_name(e, format!("{vp}.name"), &v.name);
-        if let Some(c) = &v.persistent_volume_claim {
-            plain_name(
-                e,
-                format!("{vp}.persistentVolumeClaim.claimName"),
-                &c.claim_name,
-            );
-        }
-        if let Some(d) = &v.data_volume {
-            plain_name(e, format!("{vp}.dataVolume.name"), &d.name);
-        }
-        if let Some(path) = v.container_disk.as_ref().and_then(|c| c.path.as_ref()) {
-            confined_path(
-                e,
-                format!("{vp}.containerDisk.path"),
-                path,
-                "the containerDisk image",
-            );
-        }
+        volume_names(v, &vp, e);
         if !seen.insert(v.name.as_str()) {
             e.add(
                 format!("{vp}.name"),
                 format!("duplicate volume name {:?}", v.name),
             );
         }
-        let sources = [
-            v.container_disk.is_some(),
-            v.persistent_volume_claim.is_some(),
-            v.data_volume.is_some(),
-            v.empty_disk.is_some(),
-            v.host_disk.is_some(),
-            v.cloud_init_no_cloud.is_some(),
-            v.cloud_init_config_drive.is_some(),
-            v.config_map.is_some(),
-            v.secret.is_some(),
-            v.ephemeral.is_some(),
-        ]
-        .iter()
-        .filter(|s| **s)
-        .count()
-            + v.extra.len();
-        if sources != 1 {
-            e.add(vp.clone(), format!("exactly one volume source is required, found {sources}; accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive"));
-        }
-        for k in v.extra.keys() {
-            e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
-        }
-        for (set, name) in [
-            (v.config_map.is_some(), "configMap"),
-            (v.secret.is_some(), "secret"),
-            (v.ephemeral.is_some(), "ephemeral"),
-        ] {
-            if set {
-                e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
-            }
-        }
-        if let Some(ed) = &v.empty_disk {
-            if let Err(why) = parse_bytes(&ed.capacity.0) {
-                e.add(format!("{vp}.emptyDisk.capacity"), why);
-            }
-        }
-        if let Some(h) = &v.host_disk {
-            match h.type_.as_str() {
-                "Disk" => {}
-                "DiskOrCreate" => match &h.capacity {
-                    None => e.add(
-                        format!("{vp}.hostDisk.capacity"),
-                        "is required for type DiskOrCreate",
-                    ),
-                    Some(c) => {
-                        if let Err(why) = parse_bytes(&c.0) {
-                            e.add(format!("{vp}.hostDisk.capacity"), why);
-                        }
-                    }
-                },
-                t => e.add(
-                    format!("{vp}.hostDisk.type"),
-                    format!("{t:?} is not a hostDisk type; accepted: Disk, DiskOrCreate"),
-                ),
-            }
-            if !h.path.starts_with('/') {
-                e.add(format!("{vp}.hostDisk.path"), "must be an absolute path");
-            } else {
-                confined_path(
-                    e,
-                    format!("{vp}.hostDisk.path"),
-                    &h.path,
-                    "the host directories the cluster allows",
-                );
-            }
-        }
-        if let Some(c) = &v.container_disk {
-            if c.image.is_empty() {
-                e.add(format!("{vp}.containerDisk.image"), "is required");
-            }
-        }
-        for (ci, field) in [
-            (&v.cloud_init_no_cloud, "cloudInitNoCloud"),
-            (&v.cloud_init_config_drive, "cloudInitConfigDrive"),
-        ] {
-            let Some(ci) = ci else { continue };
-            if ci.user_data_secret_ref.is_some() || ci.network_data_secret_ref.is_some() {
-                e.unsupported(
-                    format!("{vp}.{field}"),
-                    "secret references",
-                    "inline userData/networkData (or their base64 forms)",
-                );
-            }
+        volume_source(v, &vp, e);
+    }
+}
+
+/// The names and paths a volume gives microvirt to open.
+fn volume_names(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
+    plain_name(e, format!("{vp}.name"), &v.name);
+    if let Some(c) = &v.persistent_volume_claim {
+        plain_name(
+            e,
+            format!("{vp}.persistentVolumeClaim.claimName"),
+            &c.claim_name,
+        );
+    }
+    if let Some(d) = &v.data_volume {
+        plain_name(e, format!("{vp}.dataVolume.name"), &d.name);
+    }
+    if let Some(path) = v.container_disk.as_ref().and_then(|c| c.path.as_ref()) {
+        confined_path(
+            e,
+            format!("{vp}.containerDisk.path"),
+            path,
+            "the containerDisk image",
+        );
+    }
+}
+
+/// Exactly one supported source, and that source's fields.
+fn volume_source(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
+    let sources = [
+        v.container_disk.is_some(),
+        v.persistent_volume_claim.is_some(),
+        v.data_volume.is_some(),
+        v.empty_disk.is_some(),
+        v.host_disk.is_some(),
+        v.cloud_init_no_cloud.is_some(),
+        v.cloud_init_config_drive.is_some(),
+        v.config_map.is_some(),
+        v.secret.is_some(),
+        v.ephemeral.is_some(),
+    ]
+    .iter()
+    .filter(|s| **s)
+    .count()
+        + v.extra.len();
+    if sources != 1 {
+        e.add(vp.to_string(), format!("exactly one volume source is required, found {sources}; accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive"));
+    }
+    for k in v.extra.keys() {
+        e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
+    }
+    for (set, name) in [
+        (v.config_map.is_some(), "configMap"),
+        (v.secret.is_some(), "secret"),
+        (v.ephemeral.is_some(), "ephemeral"),
+    ] {
+        if set {
+            e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
         }
     }
-    // Interfaces and networks.
+    if let Some(ed) = &v.empty_disk {
+        if let Err(why) = parse_bytes(&ed.capacity.0) {
+            e.add(format!("{vp}.emptyDisk.capacity"), why);
+        }
+    }
+    if let Some(h) = &v.host_disk {
+        match h.type_.as_str() {
+            "Disk" => {}
+            "DiskOrCreate" => match &h.capacity {
+                None => e.add(
+                    format!("{vp}.hostDisk.capacity"),
+                    "is required for type DiskOrCreate",
+                ),
+                Some(c) => {
+                    if let Err(why) = parse_bytes(&c.0) {
+                        e.add(format!("{vp}.hostDisk.capacity"), why);
+                    }
+                }
+            },
+            t => e.add(
+                format!("{vp}.hostDisk.type"),
+                format!("{t:?} is not a hostDisk type; accepted: Disk, DiskOrCreate"),
+            ),
+        }
+        if !h.path.starts_with('/') {
+            e.add(format!("{vp}.hostDisk.path"), "must be an absolute path");
+        } else {
+            confined_path(
+                e,
+                format!("{vp}.hostDisk.path"),
+                &h.path,
+                "the host directories the cluster allows",
+            );
+        }
+    }
+    if let Some(c) = &v.container_disk {
+        if c.image.is_empty() {
+            e.add(format!("{vp}.containerDisk.image"), "is required");
+        }
+    }
+    for (ci, field) in [
+        (&v.cloud_init_no_cloud, "cloudInitNoCloud"),
+        (&v.cloud_init_config_drive, "cloudInitConfigDrive"),
+    ] {
+        let Some(ci) = ci else { continue };
+        if ci.user_data_secret_ref.is_some() || ci.network_data_secret_ref.is_some() {
+            e.unsupported(
+                format!("{vp}.{field}"),
+                "secret references",
+                "inline userData/networkData (or their base64 forms)",
+            );
+        }
+    }
+}
+
+fn validate_interfaces(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let dev = &spec.domain.devices;
     let networks: BTreeSet<&str> = spec.networks.iter().map(|n| n.name.as_str()).collect();
     let mut seen = BTreeSet::new();
     for (i, iface) in dev.interfaces.iter().enumerate() {
@@ -636,50 +676,59 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
                 ),
             );
         }
-        if iface.sriov.is_some() {
+        validate_interface(iface, &ip, e);
+    }
+}
+
+/// One interface's binding, model and MAC address.
+fn validate_interface(iface: &crate::types::Interface, ip: &str, e: &mut Errors) {
+    if iface.sriov.is_some() {
+        e.unsupported(
+            format!("{ip}.sriov"),
+            "SR-IOV",
+            "accepted bindings: masquerade, bridge",
+        );
+    }
+    if iface.slirp.is_some() {
+        e.unsupported(
+            format!("{ip}.slirp"),
+            "slirp",
+            "accepted bindings: masquerade, bridge",
+        );
+    }
+    let bindings = [
+        iface.masquerade.is_some(),
+        iface.bridge.is_some(),
+        iface.sriov.is_some(),
+        iface.slirp.is_some(),
+    ]
+    .iter()
+    .filter(|b| **b)
+    .count();
+    if bindings > 1 {
+        e.add(
+            ip.to_string(),
+            "set exactly one binding method (masquerade or bridge)",
+        );
+    }
+    if let Some(m) = &iface.model {
+        if m != "virtio" {
             e.unsupported(
-                format!("{ip}.sriov"),
-                "SR-IOV",
-                "accepted bindings: masquerade, bridge",
+                format!("{ip}.model"),
+                &format!("NIC model {m:?}"),
+                "accepted: virtio",
             );
-        }
-        if iface.slirp.is_some() {
-            e.unsupported(
-                format!("{ip}.slirp"),
-                "slirp",
-                "accepted bindings: masquerade, bridge",
-            );
-        }
-        let bindings = [
-            iface.masquerade.is_some(),
-            iface.bridge.is_some(),
-            iface.sriov.is_some(),
-            iface.slirp.is_some(),
-        ]
-        .iter()
-        .filter(|b| **b)
-        .count();
-        if bindings > 1 {
-            e.add(
-                ip.clone(),
-                "set exactly one binding method (masquerade or bridge)",
-            );
-        }
-        if let Some(m) = &iface.model {
-            if m != "virtio" {
-                e.unsupported(
-                    format!("{ip}.model"),
-                    &format!("NIC model {m:?}"),
-                    "accepted: virtio",
-                );
-            }
-        }
-        if let Some(mac) = &iface.mac_address {
-            if let Err(why) = check_mac(mac) {
-                e.add(format!("{ip}.macAddress"), why);
-            }
         }
     }
+    if let Some(mac) = &iface.mac_address {
+        if let Err(why) = check_mac(mac) {
+            e.add(format!("{ip}.macAddress"), why);
+        }
+    }
+}
+
+fn validate_networks(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
+    let dev = &spec.domain.devices;
     let mut seen = BTreeSet::new();
     let mut pods = 0;
     for (i, n) in spec.networks.iter().enumerate() {
@@ -708,6 +757,9 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             "at most one pod network is accepted",
         );
     }
+}
+
+fn validate_lifecycle(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     if spec.termination_grace_period_seconds.is_some_and(|t| t < 0) {
         e.add(
             format!("{p}.terminationGracePeriodSeconds"),
@@ -724,7 +776,6 @@ fn validate_spec(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     }
 }
 
-/// A unicast MAC in `aa:bb:cc:dd:ee:ff` form.
 /// A path inside a directory microvirt provides (an image's files, an allowed host
 /// directory): a `..` component would leave it, and NUL ends it early in every system call.
 fn confined_path(e: &mut Errors, field: String, path: &str, inside: &str) {
@@ -756,6 +807,7 @@ fn plain_name(e: &mut Errors, field: String, name: &str) {
     }
 }
 
+/// A unicast MAC in `aa:bb:cc:dd:ee:ff` form.
 pub fn check_mac(mac: &str) -> Result<[u8; 6], String> {
     let parts: Vec<&str> = mac.split(':').collect();
     let bad = || format!("{mac:?} is not a MAC address like 02:00:00:00:00:01");
