@@ -495,6 +495,73 @@ fn displaced_mac(mac: &[u8]) -> Vec<u8> {
     m
 }
 
+/// The names of one NIC's links and tables in the Pod.
+struct NicNames {
+    bridge: String,
+    tap: String,
+    /// The masquerade NAT table.
+    nat: String,
+    /// The source guard's table.
+    guard: String,
+}
+
+impl NicNames {
+    fn of(naming: &Naming, i: usize, req: &NicRequest) -> Result<NicNames, String> {
+        let names = match naming {
+            Naming::Pod => {
+                let base = req
+                    .pod_interface
+                    .clone()
+                    .unwrap_or_else(|| format!("eth{i}"));
+                NicNames {
+                    bridge: format!("k6t-{base}"),
+                    tap: format!("tap{i}"),
+                    nat: format!("microvirt-{base}"),
+                    guard: format!("{}{}", antispoof::TABLE_PREFIX, req.interface),
+                }
+            }
+            Naming::Unique(tag) => NicNames {
+                bridge: format!("mvbr{tag}{i}"),
+                tap: format!("mvtap{tag}{i}"),
+                nat: format!("microvirt-{tag}{i}"),
+                guard: format!("{}{tag}{i}", antispoof::TABLE_PREFIX),
+            },
+        };
+        if names.bridge.len() >= libc::IFNAMSIZ {
+            return Err(format!(
+                "bridge name {} is longer than 15 characters (the Pod interface name is too long)",
+                names.bridge
+            ));
+        }
+        Ok(names)
+    }
+}
+
+/// What the guest is given on its side of the bridge.
+struct GuestSide {
+    mac: [u8; 6],
+    lease: Option<DhcpLease>,
+    v6: Option<Ipv6Addr>,
+    /// What the VMI's status reports for the interface.
+    ip_addresses: Vec<String>,
+}
+
+/// One NIC being wired: the Pod's interface (if any) and its addresses, the bridge made for
+/// the guest, and everything made so far (undone by the caller if a step fails).
+struct NicWiring<'a> {
+    handle: &'a Handle,
+    req: &'a NicRequest,
+    options: &'a WireOptions,
+    dns: &'a ResolvConf,
+    made: &'a mut Vec<Made>,
+    names: NicNames,
+    pod: Option<LinkMessage>,
+    pod_addrs: Vec<(AddressMessage, IpAddr)>,
+    mtu: u32,
+    /// The bridge's link index.
+    br: u32,
+}
+
 async fn wire_nic(
     handle: &Handle,
     i: usize,
@@ -503,31 +570,7 @@ async fn wire_nic(
     dns: &ResolvConf,
     made: &mut Vec<Made>,
 ) -> Result<WiredNic, String> {
-    let (bridge, tap_name, table, guard) = match &options.naming {
-        Naming::Pod => {
-            let base = req
-                .pod_interface
-                .clone()
-                .unwrap_or_else(|| format!("eth{i}"));
-            (
-                format!("k6t-{base}"),
-                format!("tap{i}"),
-                format!("microvirt-{base}"),
-                format!("{}{}", antispoof::TABLE_PREFIX, req.interface),
-            )
-        }
-        Naming::Unique(tag) => (
-            format!("mvbr{tag}{i}"),
-            format!("mvtap{tag}{i}"),
-            format!("microvirt-{tag}{i}"),
-            format!("{}{tag}{i}", antispoof::TABLE_PREFIX),
-        ),
-    };
-    if bridge.len() >= libc::IFNAMSIZ {
-        return Err(format!(
-            "bridge name {bridge} is longer than 15 characters (the Pod interface name is too long)"
-        ));
-    }
+    let names = NicNames::of(&options.naming, i, req)?;
     let pod = match &req.pod_interface {
         Some(p) => Some(link(handle, p).await?.ok_or_else(|| {
             format!("the Pod has no interface {p} (for Multus networks: did Multus attach it?)")
@@ -537,195 +580,33 @@ async fn wire_nic(
     if req.binding == Binding::Bridge && pod.is_none() {
         return Err("a bridge binding needs a Pod interface".into());
     }
-    if link(handle, &bridge).await?.is_some() {
-        return Err(format!("{bridge} already exists in the Pod"));
+    if link(handle, &names.bridge).await?.is_some() {
+        return Err(format!("{} already exists in the Pod", names.bridge));
     }
-    let mtu = pod.as_ref().and_then(link_mtu).unwrap_or(1500);
     let pod_addrs = match &pod {
         Some(l) => addresses(handle, l.header.index).await?,
         None => Vec::new(),
     };
-    let mut bridge_link = LinkBridge::new(&bridge).mtu(mtu);
-    if req.binding == Binding::Masquerade {
-        // The guest's gateway has the same MAC in every Pod, so after a live migration the
-        // guest's ARP entry for it is still right (KubeVirt fixes it the same way).
-        bridge_link = bridge_link.address(MASQUERADE_GATEWAY_MAC.to_vec());
-    }
-    handle
-        .link()
-        .add(bridge_link.build())
-        .execute()
-        .await
-        .map_err(nl(&format!("creating bridge {bridge}")))?;
-    made.push(Made::Link(bridge.clone()));
-    let br = link(handle, &bridge)
-        .await?
-        .ok_or(format!("{bridge} vanished"))?
-        .header
-        .index;
-
-    let mut lease = None;
-    let mut mac = req.guest_mac;
-    let mut guest_v6 = None;
-    let mut ip_addresses: Vec<String> = pod_addrs.iter().map(|(_, a)| a.to_string()).collect();
-    match req.binding {
-        Binding::Masquerade => {
-            // The guest's side must not overlap the Pod's own network, or replies to the guest
-            // would be routed out of the Pod instead.
-            if let Some((_, a)) = pod_addrs.iter().find(|(m, a)| match a {
-                IpAddr::V4(v4) => {
-                    let p = m.header.prefix_len.min(MASQUERADE_PREFIX_V4);
-                    let mask = dhcp::netmask(p);
-                    u32::from(*v4) & u32::from(mask) == u32::from(GATEWAY_V4) & u32::from(mask)
-                }
-                IpAddr::V6(_) => false,
-            }) {
-                return Err(format!(
-                    "the Pod's address {a} overlaps the masquerade network 10.0.2.0/24 the guest is given"
-                ));
-            }
-            let has_v6 = pod_addrs.iter().any(|(_, a)| a.is_ipv6());
-            handle
-                .address()
-                .add(br, IpAddr::V4(GATEWAY_V4), MASQUERADE_PREFIX_V4)
-                .execute()
-                .await
-                .map_err(|e| format!("gateway {GATEWAY_V4}/24 on {bridge}: {e} (does the Pod's network overlap 10.0.2.0/24?)"))?;
-            if has_v6 {
-                handle
-                    .address()
-                    .add(br, IpAddr::V6(GATEWAY_V6), MASQUERADE_PREFIX_V6)
-                    .execute()
-                    .await
-                    .map_err(nl(&format!("gateway {GATEWAY_V6} on {bridge}")))?;
-            }
-            sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
-            if has_v6 {
-                sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
-                guest_v6 = Some(GUEST_V6);
-            }
-            let n = nat::MasqueradeNat {
-                table: table.clone(),
-                bridge: bridge.clone(),
-                guest_v4: GUEST_V4,
-                guest_v6: has_v6.then_some(GUEST_V6),
-                pod_interface: req.pod_interface.clone(),
-                ports: req.ports.clone(),
-                excluded_tcp_ports: options.excluded_tcp_ports.clone(),
-            };
-            made.push(Made::NatTable(table.clone()));
-            n.apply()?;
-            lease = Some(DhcpLease {
-                address: GUEST_V4,
-                prefix_len: MASQUERADE_PREFIX_V4,
-                router: Some(GATEWAY_V4),
-                server: GATEWAY_V4,
-                dns: dns.servers.clone(),
-                search: dns.search.clone(),
-                mtu: u16::try_from(mtu).ok(),
-                hostname: options.hostname.clone(),
-            });
-            if pod.is_none() {
-                ip_addresses = vec![GUEST_V4.to_string()];
-            }
-        }
-        Binding::Bridge => {
-            let pod = pod.as_ref().expect("checked above");
-            let name = req.pod_interface.clone().unwrap_or_default();
-            let idx = pod.header.index;
-            let pod_mac = link_mac(pod).ok_or(format!("{name} has no MAC address"))?;
-            let v4 = pod_addrs.iter().find_map(|(m, a)| match a {
-                IpAddr::V4(a) => Some((m.clone(), *a, m.header.prefix_len)),
-                _ => None,
-            });
-            let gateway = default_gateway(handle, idx).await?;
-            made.push(Made::PodInterface {
-                name: name.clone(),
-                mac: pod_mac.clone(),
-                address: v4.as_ref().map(|(_, a, p)| (*a, *p)),
-                gateway,
-            });
-            if let Some((m, _, _)) = &v4 {
-                handle
-                    .address()
-                    .del(m.clone())
-                    .execute()
-                    .await
-                    .map_err(nl(&format!("taking the address off {name}")))?;
-            }
-            set_link(
-                handle,
-                LinkUnspec::new_with_index(idx).down().build(),
-                &name,
-            )
-            .await?;
-            set_link(
-                handle,
-                LinkUnspec::new_with_index(idx)
-                    .address(displaced_mac(&pod_mac))
-                    .controller(br)
-                    .up()
-                    .build(),
-                &name,
-            )
-            .await?;
-            if let Some((_, a, p)) = v4 {
-                handle
-                    .address()
-                    .add(br, IpAddr::V4(BRIDGE_DHCP_SERVER), 32)
-                    .execute()
-                    .await
-                    .map_err(nl(&format!("DHCP server address on {bridge}")))?;
-                lease = Some(DhcpLease {
-                    address: a,
-                    prefix_len: p,
-                    router: gateway,
-                    server: BRIDGE_DHCP_SERVER,
-                    dns: dns.servers.clone(),
-                    search: dns.search.clone(),
-                    mtu: u16::try_from(mtu).ok(),
-                    hostname: options.hostname.clone(),
-                });
-            }
-            mac = <[u8; 6]>::try_from(pod_mac.as_slice())
-                .map_err(|_| format!("{name}'s MAC {pod_mac:02x?} is not six bytes"))?;
-            guest_v6 = pod_addrs.iter().find_map(|(_, a)| match a {
-                IpAddr::V6(a) => Some(*a),
-                _ => None,
-            });
-        }
-    }
-
-    let tap = create_tap(&tap_name)?;
-    made.push(Made::Link(tap_name.clone()));
-    let t = link(handle, &tap_name)
-        .await?
-        .ok_or(format!("{tap_name} vanished"))?
-        .header
-        .index;
-    // The guard is in place before the TAP joins the bridge and comes up: no frame of the
-    // guest's reaches the Pod's network unchecked.
-    made.push(Made::GuardTable(guard.clone()));
-    antispoof::GuestSource {
-        table: guard,
-        tap: tap_name.clone(),
-        mac,
-        v4: lease.as_ref().map(|l: &DhcpLease| l.address),
-        v6: guest_v6,
-    }
-    .apply()?;
-    set_link(
+    let mut w = NicWiring {
         handle,
-        LinkUnspec::new_with_index(t)
-            .mtu(mtu)
-            .controller(br)
-            .up()
-            .build(),
-        &tap_name,
-    )
-    .await?;
-    set_link(handle, LinkUnspec::new_with_index(br).up().build(), &bridge).await?;
-    let dhcp_socket = match &lease {
+        req,
+        options,
+        dns,
+        made,
+        mtu: pod.as_ref().and_then(link_mtu).unwrap_or(1500),
+        names,
+        pod,
+        pod_addrs,
+        br: 0,
+    };
+    w.create_bridge().await?;
+    let guest = match req.binding {
+        Binding::Masquerade => w.masquerade().await?,
+        Binding::Bridge => w.bridge_pod_interface().await?,
+    };
+    let tap = w.attach_tap(&guest).await?;
+    let bridge = w.names.bridge;
+    let dhcp_socket = match &guest.lease {
         Some(_) => Some(
             dhcp::server_socket(&bridge).map_err(|e| format!("DHCP socket on {bridge}: {e}"))?,
         ),
@@ -733,15 +614,229 @@ async fn wire_nic(
     };
     Ok(WiredNic {
         interface: req.interface.clone(),
-        tap_name,
+        tap_name: w.names.tap,
         bridge,
         tap,
-        mac,
-        lease,
+        mac: guest.mac,
+        lease: guest.lease,
         dhcp_socket,
-        ip_addresses,
+        ip_addresses: guest.ip_addresses,
         pod_interface: req.pod_interface.clone(),
     })
+}
+
+impl NicWiring<'_> {
+    fn lease(
+        &self,
+        address: Ipv4Addr,
+        prefix_len: u8,
+        router: Option<Ipv4Addr>,
+        server: Ipv4Addr,
+    ) -> DhcpLease {
+        DhcpLease {
+            address,
+            prefix_len,
+            router,
+            server,
+            dns: self.dns.servers.clone(),
+            search: self.dns.search.clone(),
+            mtu: u16::try_from(self.mtu).ok(),
+            hostname: self.options.hostname.clone(),
+        }
+    }
+
+    async fn create_bridge(&mut self) -> Result<(), String> {
+        let bridge = &self.names.bridge;
+        let mut bridge_link = LinkBridge::new(bridge).mtu(self.mtu);
+        if self.req.binding == Binding::Masquerade {
+            // The guest's gateway has the same MAC in every Pod, so after a live migration the
+            // guest's ARP entry for it is still right (KubeVirt fixes it the same way).
+            bridge_link = bridge_link.address(MASQUERADE_GATEWAY_MAC.to_vec());
+        }
+        self.handle
+            .link()
+            .add(bridge_link.build())
+            .execute()
+            .await
+            .map_err(nl(&format!("creating bridge {bridge}")))?;
+        self.made.push(Made::Link(bridge.clone()));
+        self.br = link(self.handle, bridge)
+            .await?
+            .ok_or(format!("{bridge} vanished"))?
+            .header
+            .index;
+        Ok(())
+    }
+
+    /// Masquerade: the guest gets 10.0.2.2 (and fd10:0:2::2 when the Pod has IPv6) behind a
+    /// gateway on the bridge, and the Pod NATs its traffic.
+    async fn masquerade(&mut self) -> Result<GuestSide, String> {
+        let (handle, br, bridge) = (self.handle, self.br, self.names.bridge.clone());
+        // The guest's side must not overlap the Pod's own network, or replies to the guest
+        // would be routed out of the Pod instead.
+        if let Some((_, a)) = self.pod_addrs.iter().find(|(m, a)| match a {
+            IpAddr::V4(v4) => {
+                let p = m.header.prefix_len.min(MASQUERADE_PREFIX_V4);
+                let mask = dhcp::netmask(p);
+                u32::from(*v4) & u32::from(mask) == u32::from(GATEWAY_V4) & u32::from(mask)
+            }
+            IpAddr::V6(_) => false,
+        }) {
+            return Err(format!(
+                "the Pod's address {a} overlaps the masquerade network 10.0.2.0/24 the guest is given"
+            ));
+        }
+        let has_v6 = self.pod_addrs.iter().any(|(_, a)| a.is_ipv6());
+        handle
+            .address()
+            .add(br, IpAddr::V4(GATEWAY_V4), MASQUERADE_PREFIX_V4)
+            .execute()
+            .await
+            .map_err(|e| format!("gateway {GATEWAY_V4}/24 on {bridge}: {e} (does the Pod's network overlap 10.0.2.0/24?)"))?;
+        if has_v6 {
+            handle
+                .address()
+                .add(br, IpAddr::V6(GATEWAY_V6), MASQUERADE_PREFIX_V6)
+                .execute()
+                .await
+                .map_err(nl(&format!("gateway {GATEWAY_V6} on {bridge}")))?;
+        }
+        sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
+        if has_v6 {
+            sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
+        }
+        let n = nat::MasqueradeNat {
+            table: self.names.nat.clone(),
+            bridge,
+            guest_v4: GUEST_V4,
+            guest_v6: has_v6.then_some(GUEST_V6),
+            pod_interface: self.req.pod_interface.clone(),
+            ports: self.req.ports.clone(),
+            excluded_tcp_ports: self.options.excluded_tcp_ports.clone(),
+        };
+        self.made.push(Made::NatTable(self.names.nat.clone()));
+        n.apply()?;
+        let ip_addresses = if self.pod.is_none() {
+            vec![GUEST_V4.to_string()]
+        } else {
+            self.pod_addrs.iter().map(|(_, a)| a.to_string()).collect()
+        };
+        Ok(GuestSide {
+            mac: self.req.guest_mac,
+            lease: Some(self.lease(GUEST_V4, MASQUERADE_PREFIX_V4, Some(GATEWAY_V4), GATEWAY_V4)),
+            v6: has_v6.then_some(GUEST_V6),
+            ip_addresses,
+        })
+    }
+
+    /// Bridge: the Pod interface joins the bridge under a displaced MAC and hands the guest
+    /// its MAC, its address (by DHCP) and its default gateway.
+    async fn bridge_pod_interface(&mut self) -> Result<GuestSide, String> {
+        let handle = self.handle;
+        let pod = self.pod.as_ref().expect("checked by wire_nic");
+        let name = self.req.pod_interface.clone().unwrap_or_default();
+        let idx = pod.header.index;
+        let pod_mac = link_mac(pod).ok_or(format!("{name} has no MAC address"))?;
+        let v4 = self.pod_addrs.iter().find_map(|(m, a)| match a {
+            IpAddr::V4(a) => Some((m.clone(), *a, m.header.prefix_len)),
+            _ => None,
+        });
+        let gateway = default_gateway(handle, idx).await?;
+        self.made.push(Made::PodInterface {
+            name: name.clone(),
+            mac: pod_mac.clone(),
+            address: v4.as_ref().map(|(_, a, p)| (*a, *p)),
+            gateway,
+        });
+        if let Some((m, _, _)) = &v4 {
+            handle
+                .address()
+                .del(m.clone())
+                .execute()
+                .await
+                .map_err(nl(&format!("taking the address off {name}")))?;
+        }
+        set_link(
+            handle,
+            LinkUnspec::new_with_index(idx).down().build(),
+            &name,
+        )
+        .await?;
+        set_link(
+            handle,
+            LinkUnspec::new_with_index(idx)
+                .address(displaced_mac(&pod_mac))
+                .controller(self.br)
+                .up()
+                .build(),
+            &name,
+        )
+        .await?;
+        let mut lease = None;
+        if let Some((_, a, p)) = v4 {
+            let bridge = &self.names.bridge;
+            handle
+                .address()
+                .add(self.br, IpAddr::V4(BRIDGE_DHCP_SERVER), 32)
+                .execute()
+                .await
+                .map_err(nl(&format!("DHCP server address on {bridge}")))?;
+            lease = Some(self.lease(a, p, gateway, BRIDGE_DHCP_SERVER));
+        }
+        let mac = <[u8; 6]>::try_from(pod_mac.as_slice())
+            .map_err(|_| format!("{name}'s MAC {pod_mac:02x?} is not six bytes"))?;
+        let v6 = self.pod_addrs.iter().find_map(|(_, a)| match a {
+            IpAddr::V6(a) => Some(*a),
+            _ => None,
+        });
+        Ok(GuestSide {
+            mac,
+            lease,
+            v6,
+            ip_addresses: self.pod_addrs.iter().map(|(_, a)| a.to_string()).collect(),
+        })
+    }
+
+    /// The guest's TAP: guarded, then on the bridge and up (and the bridge up).
+    async fn attach_tap(&mut self, guest: &GuestSide) -> Result<OwnedFd, String> {
+        let (handle, tap_name) = (self.handle, self.names.tap.clone());
+        let tap = create_tap(&tap_name)?;
+        self.made.push(Made::Link(tap_name.clone()));
+        let t = link(handle, &tap_name)
+            .await?
+            .ok_or(format!("{tap_name} vanished"))?
+            .header
+            .index;
+        // The guard is in place before the TAP joins the bridge and comes up: no frame of the
+        // guest's reaches the Pod's network unchecked.
+        self.made.push(Made::GuardTable(self.names.guard.clone()));
+        antispoof::GuestSource {
+            table: self.names.guard.clone(),
+            tap: tap_name.clone(),
+            mac: guest.mac,
+            v4: guest.lease.as_ref().map(|l| l.address),
+            v6: guest.v6,
+        }
+        .apply()?;
+        set_link(
+            handle,
+            LinkUnspec::new_with_index(t)
+                .mtu(self.mtu)
+                .controller(self.br)
+                .up()
+                .build(),
+            &tap_name,
+        )
+        .await?;
+        let bridge = &self.names.bridge;
+        set_link(
+            handle,
+            LinkUnspec::new_with_index(self.br).up().build(),
+            bridge,
+        )
+        .await?;
+        Ok(tap)
+    }
 }
 
 #[cfg(test)]
