@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use api::protocol::StatusReport;
+use api::protocol::{DiskCounters, NicCounters, StatusReport};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -107,172 +107,161 @@ struct FamilyOut {
     samples: Vec<(Labels, u64)>,
 }
 
-impl Collector for NodeMetrics {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let vmis = self.vmis.lock().unwrap();
-        let mut families: Vec<FamilyOut> = Vec::new();
-        let mut add = |name, help, counter, labels: Labels, value: u64| match families
-            .iter_mut()
-            .find(|f| f.name == name)
-        {
-            Some(f) => f.samples.push((labels, value)),
-            None => families.push(FamilyOut {
-                name,
-                help,
-                counter,
-                samples: vec![(labels, value)],
+/// One family whose samples each read one field of a kind of record (a NIC's counters, a
+/// disk's, a migration's).
+struct Field<T> {
+    name: &'static str,
+    help: &'static str,
+    counter: bool,
+    value: fn(&T) -> u64,
+}
+
+const fn counter<T>(name: &'static str, help: &'static str, value: fn(&T) -> u64) -> Field<T> {
+    Field {
+        name,
+        help,
+        counter: true,
+        value,
+    }
+}
+
+const fn gauge<T>(name: &'static str, help: &'static str, value: fn(&T) -> u64) -> Field<T> {
+    Field {
+        name,
+        help,
+        counter: false,
+        value,
+    }
+}
+
+const VMI_FIELDS: &[Field<StatusReport>] = &[
+    gauge(
+        "kubevirt_vmi_memory_domain_bytes",
+        "Guest memory of the VMI",
+        |r| r.memory_mib << 20,
+    ),
+    gauge("kubevirt_vmi_node_vcpus", "vCPUs of the VMI", |r| {
+        r.vcpus as u64
+    }),
+];
+
+const NIC_FIELDS: &[Field<NicCounters>] = &[
+    counter(
+        "kubevirt_vmi_network_receive_bytes",
+        "Bytes the guest received",
+        |n| n.rx_bytes,
+    ),
+    counter(
+        "kubevirt_vmi_network_transmit_bytes",
+        "Bytes the guest sent",
+        |n| n.tx_bytes,
+    ),
+    counter(
+        "kubevirt_vmi_network_receive_packets",
+        "Frames the guest received",
+        |n| n.rx_frames,
+    ),
+    counter(
+        "kubevirt_vmi_network_transmit_packets",
+        "Frames the guest sent",
+        |n| n.tx_frames,
+    ),
+    counter(
+        "kubevirt_vmi_network_receive_errors",
+        "Frames that could not be delivered to the guest",
+        |n| n.rx_errors,
+    ),
+    counter(
+        "kubevirt_vmi_network_transmit_errors",
+        "Guest frames that could not be sent",
+        |n| n.tx_errors,
+    ),
+];
+
+const DISK_FIELDS: &[Field<DiskCounters>] = &[
+    counter(
+        "kubevirt_vmi_storage_read_traffic_bytes",
+        "Bytes the guest read from the disk",
+        |d| d.read_bytes,
+    ),
+    counter(
+        "kubevirt_vmi_storage_write_traffic_bytes",
+        "Bytes the guest wrote to the disk",
+        |d| d.write_bytes,
+    ),
+    counter(
+        "kubevirt_vmi_storage_iops_read",
+        "Read requests completed",
+        |d| d.reads,
+    ),
+    counter(
+        "kubevirt_vmi_storage_iops_write",
+        "Write requests completed",
+        |d| d.writes,
+    ),
+    counter(
+        "kubevirt_vmi_storage_flush_requests",
+        "Flush requests completed",
+        |d| d.flushes,
+    ),
+];
+
+const MIGRATION_FIELDS: &[Field<MigrationSample>] = &[
+    gauge(
+        "kubevirt_vmi_migration_data_processed_bytes",
+        "Bytes this migration has sent",
+        |m| m.data_processed_bytes,
+    ),
+    gauge(
+        "kubevirt_vmi_migration_data_remaining_bytes",
+        "Dirty bytes this migration still has to send",
+        |m| m.data_remaining_bytes,
+    ),
+    gauge(
+        "kubevirt_vmi_migration_dirty_memory_rate_bytes",
+        "Bytes per second the guest dirties",
+        |m| m.dirty_memory_rate_bytes,
+    ),
+    gauge(
+        "kubevirt_vmi_migration_memory_transfer_rate_bytes",
+        "Bytes per second this migration sends",
+        |m| m.memory_transfer_rate_bytes,
+    ),
+];
+
+const SPOOFED: Field<u64> = counter(
+    "microvirt_vmi_network_spoofed_packets_dropped",
+    "Frames from the guest with another source MAC or address than its own, dropped at its TAP",
+    |n| *n,
+);
+
+/// The families being encoded, in the order their first sample came.
+#[derive(Default)]
+struct Families(Vec<FamilyOut>);
+
+impl Families {
+    fn add<T>(&mut self, field: &Field<T>, labels: &Labels, record: &T) {
+        let value = (field.value)(record);
+        match self.0.iter_mut().find(|f| f.name == field.name) {
+            Some(f) => f.samples.push((labels.clone(), value)),
+            None => self.0.push(FamilyOut {
+                name: field.name,
+                help: field.help,
+                counter: field.counter,
+                samples: vec![(labels.clone(), value)],
             }),
-        };
-        for ((ns, name), s) in vmis.iter() {
-            let base = vec![
-                ("node".to_string(), self.node.clone()),
-                ("namespace".to_string(), ns.clone()),
-                ("name".to_string(), name.clone()),
-            ];
-            for (interface, dropped) in &s.spoofed {
-                let mut l = base.clone();
-                l.push(("interface".into(), interface.clone()));
-                add(
-                    "microvirt_vmi_network_spoofed_packets_dropped",
-                    "Frames from the guest with another source MAC or address than its own, dropped at its TAP",
-                    true,
-                    l,
-                    *dropped,
-                );
-            }
-            if let Some(r) = &s.report {
-                add(
-                    "kubevirt_vmi_memory_domain_bytes",
-                    "Guest memory of the VMI",
-                    false,
-                    base.clone(),
-                    r.memory_mib << 20,
-                );
-                add(
-                    "kubevirt_vmi_node_vcpus",
-                    "vCPUs of the VMI",
-                    false,
-                    base.clone(),
-                    r.vcpus as u64,
-                );
-                for n in &r.nics {
-                    let mut l = base.clone();
-                    l.push(("interface".into(), n.name.clone()));
-                    add(
-                        "kubevirt_vmi_network_receive_bytes",
-                        "Bytes the guest received",
-                        true,
-                        l.clone(),
-                        n.rx_bytes,
-                    );
-                    add(
-                        "kubevirt_vmi_network_transmit_bytes",
-                        "Bytes the guest sent",
-                        true,
-                        l.clone(),
-                        n.tx_bytes,
-                    );
-                    add(
-                        "kubevirt_vmi_network_receive_packets",
-                        "Frames the guest received",
-                        true,
-                        l.clone(),
-                        n.rx_frames,
-                    );
-                    add(
-                        "kubevirt_vmi_network_transmit_packets",
-                        "Frames the guest sent",
-                        true,
-                        l.clone(),
-                        n.tx_frames,
-                    );
-                    add(
-                        "kubevirt_vmi_network_receive_errors",
-                        "Frames that could not be delivered to the guest",
-                        true,
-                        l.clone(),
-                        n.rx_errors,
-                    );
-                    add(
-                        "kubevirt_vmi_network_transmit_errors",
-                        "Guest frames that could not be sent",
-                        true,
-                        l,
-                        n.tx_errors,
-                    );
-                }
-                for d in &r.disks {
-                    let mut l = base.clone();
-                    l.push(("drive".into(), d.name.clone()));
-                    add(
-                        "kubevirt_vmi_storage_read_traffic_bytes",
-                        "Bytes the guest read from the disk",
-                        true,
-                        l.clone(),
-                        d.read_bytes,
-                    );
-                    add(
-                        "kubevirt_vmi_storage_write_traffic_bytes",
-                        "Bytes the guest wrote to the disk",
-                        true,
-                        l.clone(),
-                        d.write_bytes,
-                    );
-                    add(
-                        "kubevirt_vmi_storage_iops_read",
-                        "Read requests completed",
-                        true,
-                        l.clone(),
-                        d.reads,
-                    );
-                    add(
-                        "kubevirt_vmi_storage_iops_write",
-                        "Write requests completed",
-                        true,
-                        l.clone(),
-                        d.writes,
-                    );
-                    add(
-                        "kubevirt_vmi_storage_flush_requests",
-                        "Flush requests completed",
-                        true,
-                        l,
-                        d.flushes,
-                    );
-                }
-            }
-            if let Some(m) = &s.migration {
-                add(
-                    "kubevirt_vmi_migration_data_processed_bytes",
-                    "Bytes this migration has sent",
-                    false,
-                    base.clone(),
-                    m.data_processed_bytes,
-                );
-                add(
-                    "kubevirt_vmi_migration_data_remaining_bytes",
-                    "Dirty bytes this migration still has to send",
-                    false,
-                    base.clone(),
-                    m.data_remaining_bytes,
-                );
-                add(
-                    "kubevirt_vmi_migration_dirty_memory_rate_bytes",
-                    "Bytes per second the guest dirties",
-                    false,
-                    base.clone(),
-                    m.dirty_memory_rate_bytes,
-                );
-                add(
-                    "kubevirt_vmi_migration_memory_transfer_rate_bytes",
-                    "Bytes per second this migration sends",
-                    false,
-                    base.clone(),
-                    m.memory_transfer_rate_bytes,
-                );
-            }
         }
-        for f in &families {
+    }
+
+    /// Every field of `fields` for one record.
+    fn add_all<T>(&mut self, fields: &[Field<T>], labels: &Labels, record: &T) {
+        for f in fields {
+            self.add(f, labels, record);
+        }
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for f in &self.0 {
             let t = if f.counter {
                 MetricType::Counter
             } else {
@@ -289,6 +278,42 @@ impl Collector for NodeMetrics {
             }
         }
         Ok(())
+    }
+}
+
+fn with(base: &Labels, key: &str, value: &str) -> Labels {
+    let mut l = base.clone();
+    l.push((key.into(), value.into()));
+    l
+}
+
+impl Collector for NodeMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let vmis = self.vmis.lock().unwrap();
+        let mut families = Families::default();
+        for ((ns, name), s) in vmis.iter() {
+            let base = vec![
+                ("node".to_string(), self.node.clone()),
+                ("namespace".to_string(), ns.clone()),
+                ("name".to_string(), name.clone()),
+            ];
+            for (interface, dropped) in &s.spoofed {
+                families.add(&SPOOFED, &with(&base, "interface", interface), dropped);
+            }
+            if let Some(r) = &s.report {
+                families.add_all(VMI_FIELDS, &base, r);
+                for n in &r.nics {
+                    families.add_all(NIC_FIELDS, &with(&base, "interface", &n.name), n);
+                }
+                for d in &r.disks {
+                    families.add_all(DISK_FIELDS, &with(&base, "drive", &d.name), d);
+                }
+            }
+            if let Some(m) = &s.migration {
+                families.add_all(MIGRATION_FIELDS, &base, m);
+            }
+        }
+        families.encode(&mut encoder)
     }
 }
 
