@@ -123,74 +123,17 @@ pub async fn reconcile_target(
     let known = ctx.legs.incoming.lock().unwrap().get(&muid).cloned();
     let address = match known {
         Some(a) => a,
-        None => {
-            let mut l = LauncherClient::connect_pod(
-                &ctx.config.pods_dir,
-                &uid,
-                ctx.config.launcher_timeout,
-            )
-            .await?;
-            // The target Pod's network is wired like any other before the VM arrives: the
-            // same MAC and guest address on a new node.
-            if !l.status().await?.network_attached {
-                if let Err(e) = crate::network::attach(&mut l, &vmi).await {
-                    let message = e.to_string();
-                    if let crate::network::NetworkError::Launcher(e) = e {
-                        return Err(e.into());
-                    }
-                    let why = format!("the target Pod's network cannot be wired: {message}");
-                    fail_target_leg(&ctx, &vmi, &muid, why).await?;
-                    return Ok(Action::await_change());
-                }
+        None => match prepare_target(&ctx, &vmi, &ms, &uid, &socket).await? {
+            Ok(a) => {
+                let mut incoming = ctx.legs.incoming.lock().unwrap();
+                incoming.insert(muid.clone(), a.clone());
+                a
             }
-            // The launcher receives on a socket in its own Pod; this handler listens on the
-            // node for the source node's handler and carries the stream to it.
-            let listening = l
-                .call(&Request::PrepareMigrationTarget {
-                    vmi: Box::new((*vmi).clone()),
-                    listen: format!("unix:{MIGRATION_IN_SOCKET}"),
-                    tls: None,
-                })
-                .await?;
-            match listening {
-                Response::MigrationListening { .. } => {}
-                Response::Error { message } => {
-                    let why = format!("the target launcher cannot receive: {message}");
-                    fail_target_leg(&ctx, &vmi, &muid, why).await?;
-                    return Ok(Action::await_change());
-                }
-                other => {
-                    return Err(
-                        crate::launcher::LauncherError::Garbage(format!("{other:?}")).into(),
-                    )
-                }
-            };
-            let source_node = ms.source_node.clone().unwrap_or_default();
-            let vmi_name = vmi.name_any();
-            let served = crate::migration_proxy::serve_target(
-                ctx.config.migration_ip,
-                ctx.node_tls().map_err(crate::launcher::LauncherError::Refused)?,
-                source_node,
-                ctx.config.pods_dir.clone(),
-                socket.with_file_name(MIGRATION_IN_SOCKET),
-                TARGET_WAIT,
-                move |outcome| match outcome {
-                    Ok((sent, received)) => {
-                        tracing::info!(vmi = %vmi_name, sent, received, "migration stream carried in")
-                    }
-                    Err(e) => tracing::warn!(vmi = %vmi_name, "incoming migration stream: {e}"),
-                },
-            )
-            .await
-            .map_err(crate::launcher::LauncherError::Refused)?;
-            let a = served.to_string();
-            ctx.legs
-                .incoming
-                .lock()
-                .unwrap()
-                .insert(muid.clone(), a.clone());
-            a
-        }
+            Err(why) => {
+                fail_target_leg(&ctx, &vmi, &muid, why).await?;
+                return Ok(Action::await_change());
+            }
+        },
     };
     let api = Api::namespaced(ctx.client.clone(), &ns);
     edit_state(&api, &vmi.name_any(), &muid, |m| {
@@ -199,6 +142,73 @@ pub async fn reconcile_target(
     .await?;
     tracing::info!(vmi = %vmi.name_any(), %address, "migration target ready");
     Ok(Action::await_change())
+}
+
+/// Readies the target Pod (uid `pod_uid`, control socket `socket`): its network wired, its
+/// launcher receiving on its own Pod's socket, and this handler listening on the node for the
+/// source node's handler, to carry the stream in. The inner result is the address the source
+/// connects to, or why the target leg fails.
+async fn prepare_target(
+    ctx: &Context,
+    vmi: &Arc<VirtualMachineInstance>,
+    ms: &MigrationState,
+    pod_uid: &str,
+    socket: &std::path::Path,
+) -> Result<Result<String, String>, Error> {
+    let mut l =
+        LauncherClient::connect_pod(&ctx.config.pods_dir, pod_uid, ctx.config.launcher_timeout)
+            .await?;
+    // The target Pod's network is wired like any other before the VM arrives: the
+    // same MAC and guest address on a new node.
+    if !l.status().await?.network_attached {
+        if let Err(e) = crate::network::attach(&mut l, vmi).await {
+            let message = e.to_string();
+            if let crate::network::NetworkError::Launcher(e) = e {
+                return Err(e.into());
+            }
+            return Ok(Err(format!(
+                "the target Pod's network cannot be wired: {message}"
+            )));
+        }
+    }
+    // The launcher receives on a socket in its own Pod; this handler listens on the
+    // node for the source node's handler and carries the stream to it.
+    let listening = l
+        .call(&Request::PrepareMigrationTarget {
+            vmi: Box::new((**vmi).clone()),
+            listen: format!("unix:{MIGRATION_IN_SOCKET}"),
+            tls: None,
+        })
+        .await?;
+    match listening {
+        Response::MigrationListening { .. } => {}
+        Response::Error { message } => {
+            return Ok(Err(format!(
+                "the target launcher cannot receive: {message}"
+            )))
+        }
+        other => return Err(crate::launcher::LauncherError::Garbage(format!("{other:?}")).into()),
+    };
+    let source_node = ms.source_node.clone().unwrap_or_default();
+    let vmi_name = vmi.name_any();
+    let served = crate::migration_proxy::serve_target(
+        ctx.config.migration_ip,
+        ctx.node_tls()
+            .map_err(crate::launcher::LauncherError::Refused)?,
+        source_node,
+        ctx.config.pods_dir.clone(),
+        socket.with_file_name(MIGRATION_IN_SOCKET),
+        TARGET_WAIT,
+        move |outcome| match outcome {
+            Ok((sent, received)) => {
+                tracing::info!(vmi = %vmi_name, sent, received, "migration stream carried in")
+            }
+            Err(e) => tracing::warn!(vmi = %vmi_name, "incoming migration stream: {e}"),
+        },
+    )
+    .await
+    .map_err(crate::launcher::LauncherError::Refused)?;
+    Ok(Ok(served.to_string()))
 }
 
 /// The source leg, from the VMI reconciler of this node: starts MigrateOut once the target is

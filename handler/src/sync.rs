@@ -131,7 +131,7 @@ pub async fn reconcile(
             let mut s = status.clone();
             set_condition(
                 &mut s.conditions,
-                "Synchronized",
+                api::conditions::SYNCHRONIZED,
                 false,
                 Some("LauncherUnreachable"),
                 Some(e.to_string()),
@@ -143,54 +143,65 @@ pub async fn reconcile(
     let mut report = launcher.status().await?;
     let migrating = crate::migration::source_leg(&vmi, &ctx, &socket).await?;
     if report.state == VmState::NoVm && !migrating {
-        if !report.network_attached {
-            match crate::network::attach(&mut launcher, &vmi).await {
-                Ok(()) => {}
-                Err(crate::network::NetworkError::Unwirable(message)) => {
-                    // Nothing of the wiring is left behind; the VMI cannot run here.
-                    let mut s = status.clone();
-                    s.phase = Some(VmiPhase::Failed);
-                    s.reason = Some(format!("NetworkSetupFailed: {message}"));
-                    set_condition(
-                        &mut s.conditions,
-                        "Synchronized",
-                        false,
-                        Some("NetworkSetupFailed"),
-                        Some(message.clone()),
-                    );
-                    write_status(&api, &vmi, s).await?;
-                    ctx.event(&vmi, true, "NetworkSetupFailed", message).await;
-                    return Ok(Action::await_change());
-                }
-                Err(crate::network::NetworkError::Launcher(e)) => return Err(e.into()),
-            }
-        }
-        match launcher.sync(&vmi).await {
-            Ok(()) => {
-                ctx.event(&vmi, false, "Started", format!("VMI started on {node}"))
-                    .await;
-                report = launcher.status().await?;
-            }
-            Err(LauncherError::Refused(message)) => {
-                // The launcher cannot run this VMI (bad input, a missing disk): it fails
-                // with the launcher's reason, and stays failed.
+        match start(&ctx, &vmi, &mut launcher, report.network_attached).await? {
+            Ok(()) => report = launcher.status().await?,
+            Err((reason, message)) => {
+                // The VMI cannot run here, and stays failed with the reason.
                 let mut s = status.clone();
                 s.phase = Some(VmiPhase::Failed);
-                s.reason = Some(format!("SyncFailed: {message}"));
-                set_condition(
-                    &mut s.conditions,
-                    "Synchronized",
-                    false,
-                    Some("SyncFailed"),
-                    Some(message.clone()),
-                );
+                s.reason = Some(format!("{reason}: {message}"));
+                let c = &mut s.conditions;
+                let synced = api::conditions::SYNCHRONIZED;
+                set_condition(c, synced, false, Some(reason), Some(message.clone()));
                 write_status(&api, &vmi, s).await?;
-                ctx.event(&vmi, true, "SyncFailed", message).await;
+                ctx.event(&vmi, true, reason, message).await;
                 return Ok(Action::await_change());
             }
-            Err(e) => return Err(e.into()),
         }
     }
+    publish(&ctx, &vmi, &api, &status, report, &launcher).await
+}
+
+/// Wires the Pod network (once) and Syncs the VMI into its launcher. The inner Err is why
+/// the VMI cannot run here at all (a Failed reason and its message); nothing of the
+/// network's wiring is left behind then.
+async fn start(
+    ctx: &Context,
+    vmi: &VirtualMachineInstance,
+    launcher: &mut LauncherClient,
+    network_attached: bool,
+) -> Result<Result<(), (&'static str, String)>, Error> {
+    if !network_attached {
+        match crate::network::attach(launcher, vmi).await {
+            Ok(()) => {}
+            Err(crate::network::NetworkError::Unwirable(message)) => {
+                return Ok(Err(("NetworkSetupFailed", message)))
+            }
+            Err(crate::network::NetworkError::Launcher(e)) => return Err(e.into()),
+        }
+    }
+    match launcher.sync(vmi).await {
+        Ok(()) => {
+            let note = format!("VMI started on {}", ctx.config.node);
+            ctx.event(vmi, false, "Started", note).await;
+            Ok(Ok(()))
+        }
+        // The launcher cannot run this VMI (bad input, a missing disk).
+        Err(LauncherError::Refused(message)) => Ok(Err(("SyncFailed", message))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What the launcher reports, into the node's metrics and the VMI's status.
+async fn publish(
+    ctx: &Context,
+    vmi: &VirtualMachineInstance,
+    api: &Api<VirtualMachineInstance>,
+    status: &VirtualMachineInstanceStatus,
+    report: StatusReport,
+    launcher: &LauncherClient,
+) -> Result<Action, Error> {
+    let node = ctx.config.node.as_str();
     let ns = vmi.namespace().unwrap_or_default();
     ctx.metrics.record(&ns, &vmi.name_any(), report.clone());
     if let Some(pid) = launcher.pid.filter(|_| report.network_attached) {
@@ -201,7 +212,7 @@ pub async fn reconcile(
             }
         }
     }
-    let mut new = observed_status(&status, &report, node, &launcher.launcher_version);
+    let mut new = observed_status(status, &report, node, &launcher.launcher_version);
     if let Some(m) = new.memory.as_mut() {
         m.guest_requested = vmi
             .spec
@@ -212,24 +223,20 @@ pub async fn reconcile(
             .map(|q| q.0.clone());
     }
     if !report.nics.is_empty() {
-        new.interfaces = crate::network::interface_status(&vmi, &report);
+        new.interfaces = crate::network::interface_status(vmi, &report);
     }
-    let was = status.phase;
-    write_status(&api, &vmi, new.clone()).await?;
-    if was != new.phase {
+    write_status(api, vmi, new.clone()).await?;
+    if status.phase != new.phase {
         if let Some(p) = new.phase {
-            ctx.event(
-                &vmi,
-                p == VmiPhase::Failed,
-                &format!("{p:?}"),
-                new.reason
-                    .clone()
-                    .unwrap_or_else(|| format!("the VMI is {p:?} on {node}")),
-            )
-            .await;
+            let note = new
+                .reason
+                .clone()
+                .unwrap_or_else(|| format!("the VMI is {p:?} on {node}"));
+            ctx.event(vmi, p == VmiPhase::Failed, &format!("{p:?}"), note)
+                .await;
         }
     }
-    ctx.backoff.reset(&key(&vmi));
+    ctx.backoff.reset(&key(vmi));
     Ok(if is_finished(new.phase) {
         Action::await_change()
     } else {
