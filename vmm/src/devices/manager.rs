@@ -297,22 +297,70 @@ fn irqfd(vm_fd: &VmFd, gsi: u32, what: &str) -> Result<EventFd, String> {
     Ok(fd)
 }
 
-impl DeviceManager {
-    /// Creates every device, fresh (`state` None) or as `state` recorded them, and the event
-    /// manager that will run them; returns both plus the eventfd that wakes the event loop.
-    pub fn build(
+/// The recorded virtio devices of a snapshot, split by kind in bus order, checked against
+/// the configuration's disks and NICs.
+type Recorded<'a> = (Vec<&'a VirtioDeviceState>, Vec<&'a VirtioDeviceState>);
+
+fn recorded_virtio<'a>(
+    state: Option<&'a DevicesState>,
+    backends: &Backends,
+) -> Result<Recorded<'a>, String> {
+    let (mut blocks, mut nets) = (Vec::new(), Vec::new());
+    let Some(s) = state else {
+        return Ok((blocks, nets));
+    };
+    for d in &s.virtio {
+        match &d.kind {
+            VirtioKindState::Block { .. } => blocks.push(d),
+            VirtioKindState::Net { .. } => nets.push(d),
+        }
+    }
+    if blocks.len() != backends.disks.len() || nets.len() != backends.taps.len() {
+        return Err(format!(
+            "the snapshot has {} disk(s) and {} NIC(s), the configuration {} and {}",
+            blocks.len(),
+            nets.len(),
+            backends.disks.len(),
+            backends.taps.len()
+        ));
+    }
+    Ok((blocks, nets))
+}
+
+/// Where the serial console's input comes from.
+fn serial_input(
+    cfg: &SerialConfig,
+) -> Result<Option<Box<dyn crate::devices::serial::InputSource>>, String> {
+    Ok(match &cfg.input {
+        SerialInput::None => None,
+        SerialInput::Stdin => Some(Box::new(std::io::stdin())),
+        SerialInput::UnixSocket(p) => Some(Box::new(
+            std::os::unix::net::UnixStream::connect(p).map_err(dev_err("serial input socket"))?,
+        )),
+        // SAFETY: the config hands the descriptor's ownership to the VM.
+        SerialInput::Fd(fd) => Some(Box::new(std::fs::File::from(unsafe {
+            <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(*fd)
+        }))),
+    })
+}
+
+/// The legacy devices on the port bus (COM1, i8042, the power port), the event handlers of
+/// their host side, and the eventfd that wakes the event loop.
+struct Legacy {
+    serial: Arc<Mutex<SerialDevice>>,
+    i8042: Arc<Mutex<I8042>>,
+    wake: EventFd,
+}
+
+impl Legacy {
+    fn build(
         vm_fd: &VmFd,
-        memory: &GuestMemory,
         serial_cfg: &SerialConfig,
         end: &VmEndSignal,
-        backends: Backends,
         state: Option<&DevicesState>,
-    ) -> Result<(DeviceManager, Subscribers, EventFd), String> {
-        let mut pio = Bus::new();
-        let mut mmio = Bus::new();
-        let mut em: Subscribers =
-            EventManager::new().map_err(|e| format!("event manager: {e:?}"))?;
-
+        pio: &mut Bus,
+        em: &mut Subscribers,
+    ) -> Result<Legacy, String> {
         let serial_irq = EventFdTrigger(irqfd(vm_fd, SERIAL_COM1_IRQ, "serial")?);
         let drained = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
         let out = open_output(&serial_cfg.output).map_err(dev_err("serial output"))?;
@@ -357,53 +405,46 @@ impl DeviceManager {
             wake: wake.try_clone().map_err(dev_err("eventfd"))?,
             end: end.clone(),
         })));
-        let input: Option<Box<dyn crate::devices::serial::InputSource>> = match &serial_cfg.input {
-            SerialInput::None => None,
-            SerialInput::Stdin => Some(Box::new(std::io::stdin())),
-            SerialInput::UnixSocket(p) => Some(Box::new(
-                std::os::unix::net::UnixStream::connect(p)
-                    .map_err(dev_err("serial input socket"))?,
-            )),
-            // SAFETY: the config hands the descriptor's ownership to the VM.
-            SerialInput::Fd(fd) => Some(Box::new(std::fs::File::from(unsafe {
-                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(*fd)
-            }))),
-        };
-        if let Some(input) = input {
+        if let Some(input) = serial_input(serial_cfg)? {
             em.add_subscriber(Arc::new(Mutex::new(SerialInputHandler::new(
                 serial.clone(),
                 input,
                 drained,
             ))));
         }
+        Ok(Legacy {
+            serial,
+            i8042,
+            wake,
+        })
+    }
+}
 
+impl DeviceManager {
+    /// Creates every device, fresh (`state` None) or as `state` recorded them, and the event
+    /// manager that will run them; returns both plus the eventfd that wakes the event loop.
+    pub fn build(
+        vm_fd: &VmFd,
+        memory: &GuestMemory,
+        serial_cfg: &SerialConfig,
+        end: &VmEndSignal,
+        backends: Backends,
+        state: Option<&DevicesState>,
+    ) -> Result<(DeviceManager, Subscribers, EventFd), String> {
+        let mut pio = Bus::new();
+        let mut mmio = Bus::new();
+        let mut em: Subscribers =
+            EventManager::new().map_err(|e| format!("event manager: {e:?}"))?;
+        let legacy = Legacy::build(vm_fd, serial_cfg, end, state, &mut pio, &mut em)?;
         let mut dm = DeviceManager {
             pio: Arc::new(Bus::new()),
             mmio: Arc::new(Bus::new()),
-            serial,
-            i8042,
+            serial: legacy.serial,
+            i8042: legacy.i8042,
             virtio: Vec::new(),
             cmdline_entries: String::new(),
         };
-        let recorded = state.map(|s| s.virtio.as_slice());
-        let (mut blocks, mut nets) = (Vec::new(), Vec::new());
-        if let Some(r) = recorded {
-            for d in r {
-                match &d.kind {
-                    VirtioKindState::Block { .. } => blocks.push(d),
-                    VirtioKindState::Net { .. } => nets.push(d),
-                }
-            }
-            if blocks.len() != backends.disks.len() || nets.len() != backends.taps.len() {
-                return Err(format!(
-                    "the snapshot has {} disk(s) and {} NIC(s), the configuration {} and {}",
-                    blocks.len(),
-                    nets.len(),
-                    backends.disks.len(),
-                    backends.taps.len()
-                ));
-            }
-        }
+        let (blocks, nets) = recorded_virtio(state, &backends)?;
         let mut place = VirtioPlacer {
             vm_fd,
             memory,
@@ -411,66 +452,14 @@ impl DeviceManager {
             em: &mut em,
         };
         for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
-            let id = crate::config::disk_name(i);
-            let record = DiskRecord {
-                path: dcfg.path.clone(),
-                read_only: dcfg.read_only,
-                serial: dcfg.serial.clone(),
-                cache: dcfg.cache,
-            };
-            let args = BlockArgs {
-                id: id.clone(),
-                disk,
-                serial: dcfg.serial.clone(),
-            };
-            let (block, saved) = match blocks.get(i) {
-                None => (
-                    Block::new(args.id, args.disk, args.serial.as_deref())
-                        .map_err(dev_err("virtio-blk"))?,
-                    None,
-                ),
-                Some(d) => {
-                    let VirtioKindState::Block { state, .. } = &d.kind else {
-                        unreachable!("sorted above")
-                    };
-                    (Block::restore(args, state)?, Some(*d))
-                }
-            };
-            place.attach(&mut dm, id, block, saved, |device| VirtioKind::Block {
-                device,
-                record,
-            })?;
+            place.attach_disk(&mut dm, i, disk, dcfg, blocks.get(i).copied())?;
         }
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
-            let id = format!("eth{i}");
-            let tap_name = match &ncfg.tap {
-                TapSource::Name(n) => Some(n.clone()),
-                TapSource::Fd(_) => None,
-            };
-            let saved = nets.get(i).copied();
-            let mac = match saved.map(|d| &d.kind) {
-                Some(VirtioKindState::Net { mac, .. }) => *mac,
-                _ => ncfg
-                    .mac
-                    .unwrap_or_else(|| derived_mac(&format!("{}/{id}", tap.name))),
-            };
-            let args = NetArgs {
-                id: id.clone(),
-                tap,
-                mac,
-            };
-            let net = match saved.map(|d| &d.kind) {
-                Some(VirtioKindState::Net { state, .. }) => Net::restore(args, state)?,
-                _ => Net::new(args.id, args.tap, args.mac).map_err(dev_err("virtio-net"))?,
-            };
-            place.attach(&mut dm, id, net, saved, |device| VirtioKind::Net {
-                device,
-                tap: tap_name,
-            })?;
+            place.attach_nic(&mut dm, i, tap, ncfg, nets.get(i).copied())?;
         }
         dm.pio = Arc::new(pio);
         dm.mmio = Arc::new(mmio);
-        Ok((dm, em, wake))
+        Ok((dm, em, legacy.wake))
     }
 
     pub fn blocks(&self) -> Vec<Arc<Mutex<Block>>> {
@@ -576,6 +565,75 @@ impl VirtioPlacer<'_> {
             kind: kind(device),
         });
         Ok(())
+    }
+}
+
+impl VirtioPlacer<'_> {
+    /// The `i`th disk, fresh or as `saved` recorded it.
+    fn attach_disk(
+        &mut self,
+        dm: &mut DeviceManager,
+        i: usize,
+        disk: Disk,
+        dcfg: DiskConfig,
+        saved: Option<&VirtioDeviceState>,
+    ) -> Result<(), String> {
+        let id = crate::config::disk_name(i);
+        let record = DiskRecord {
+            path: dcfg.path.clone(),
+            read_only: dcfg.read_only,
+            serial: dcfg.serial.clone(),
+            cache: dcfg.cache,
+        };
+        let args = BlockArgs {
+            id: id.clone(),
+            disk,
+            serial: dcfg.serial.clone(),
+        };
+        let block = match saved.map(|d| &d.kind) {
+            Some(VirtioKindState::Block { state, .. }) => Block::restore(args, state)?,
+            _ => Block::new(args.id, args.disk, args.serial.as_deref())
+                .map_err(dev_err("virtio-blk"))?,
+        };
+        self.attach(dm, id, block, saved, |device| VirtioKind::Block {
+            device,
+            record,
+        })
+    }
+
+    /// The `i`th NIC, fresh or as `saved` recorded it (its MAC included).
+    fn attach_nic(
+        &mut self,
+        dm: &mut DeviceManager,
+        i: usize,
+        tap: Tap,
+        ncfg: NetConfig,
+        saved: Option<&VirtioDeviceState>,
+    ) -> Result<(), String> {
+        let id = format!("eth{i}");
+        let tap_name = match &ncfg.tap {
+            TapSource::Name(n) => Some(n.clone()),
+            TapSource::Fd(_) => None,
+        };
+        let mac = match saved.map(|d| &d.kind) {
+            Some(VirtioKindState::Net { mac, .. }) => *mac,
+            _ => ncfg
+                .mac
+                .unwrap_or_else(|| derived_mac(&format!("{}/{id}", tap.name))),
+        };
+        let args = NetArgs {
+            id: id.clone(),
+            tap,
+            mac,
+        };
+        let net = match saved.map(|d| &d.kind) {
+            Some(VirtioKindState::Net { state, .. }) => Net::restore(args, state)?,
+            _ => Net::new(args.id, args.tap, args.mac).map_err(dev_err("virtio-net"))?,
+        };
+        self.attach(dm, id, net, saved, |device| VirtioKind::Net {
+            device,
+            tap: tap_name,
+        })
     }
 }
 
