@@ -87,7 +87,8 @@ pub enum WireError {
     #[error("frame of {0} bytes (at most {MAX_FRAME})")]
     TooLarge(u32),
     #[error("expected {expected:?}, got {got:?}")]
-    Unexpected { expected: &'static str, got: Kind },
+    Unexpected { expected: String, got: Kind },
+
     #[error("page run at {gpa:#x} of {pages} pages is not inside guest RAM")]
     OutOfRange { gpa: u64, pages: u32 },
     #[error("{0:?} frame fails its checksum (corrupted on the way)")]
