@@ -1,0 +1,380 @@
+//! `virt-launcher run`, `restore` and `run --incoming` on one machine, no cluster: the VM's
+//! config from a manifest (`-f`), from flags, or from a snapshot's record, then the VM with
+//! its console on this terminal (`foreground`). The binary only turns arguments into
+//! [`RunOptions`]; what it prints and how it exits is [`Failure`]'s.
+
+use std::path::{Path, PathBuf};
+
+use vmm::config::{CacheMode, DiskConfig, MacAddr, NetConfig, TapSource};
+use vmm::VmConfig;
+
+/// Why a command could not do what it was asked; the process exits with [`Failure::exit_code`].
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    /// The user must fix the configuration; nothing was started (exit 2).
+    #[error("{0}")]
+    BadConfig(String),
+    /// The host failed (KVM unavailable, out of memory, a peer gone, ...) (exit 1).
+    #[error("{0}")]
+    Host(String),
+}
+
+/// Exit status for a configuration the user must fix; nothing was started.
+pub const EXIT_BAD_CONFIG: u8 = 2;
+/// Exit status for a host failure (KVM unavailable, out of memory, ...).
+pub const EXIT_HOST_ERROR: u8 = 1;
+
+impl Failure {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Failure::BadConfig(_) => EXIT_BAD_CONFIG,
+            Failure::Host(_) => EXIT_HOST_ERROR,
+        }
+    }
+}
+
+pub fn bad_config(msg: impl std::fmt::Display) -> Failure {
+    Failure::BadConfig(msg.to_string())
+}
+
+pub fn host_error(msg: impl std::fmt::Display) -> Failure {
+    Failure::Host(msg.to_string())
+}
+
+/// How a manifest's pod network is attached (`--network`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NetworkMode {
+    /// Attach no NICs.
+    None,
+    /// A pod network gets a TAP on a NAT'd bridge in this network namespace.
+    Nat,
+}
+
+/// What `run` / `restore` / `run --incoming` were asked for.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    pub manifest: Option<PathBuf>,
+    pub kernel: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    pub vcpus: Option<u64>,
+    pub memory: Option<u64>,
+    pub console_log: Option<PathBuf>,
+    /// Feed stdin to the guest's console.
+    pub console_input: bool,
+    /// `--disk` and `--net` specs (see [`parse_disk`], [`parse_net`]).
+    pub disks: Vec<String>,
+    pub nets: Vec<String>,
+    pub environment: crate::translate::Environment,
+    pub instancetype_dir: Option<PathBuf>,
+    pub seccomp: bool,
+    pub network: NetworkMode,
+    pub socket: Option<PathBuf>,
+    pub boot_timer: bool,
+}
+
+/// `validate -f` and `run --dry-run`: the plan as text, or the errors.
+pub fn validate(
+    path: &Path,
+    environment: &crate::translate::Environment,
+    instancetype_dir: Option<&Path>,
+) -> Result<String, Failure> {
+    let manifest = crate::manifest::read_with(&path.display().to_string(), instancetype_dir)
+        .map_err(bad_config)?;
+    for w in manifest.warnings() {
+        eprintln!("virt-launcher: warning: {w}");
+    }
+    crate::translate::translate(&manifest.name(), manifest.vmi_spec(), environment)
+        .map(|plan| plan.describe())
+        .map_err(|e| bad_config(format!("{}: {e}", path.display())))
+}
+
+/// `--tls-dir`: the migration certificates in DIR, if given.
+pub fn tls_from(dir: Option<&Path>) -> Result<Option<api::protocol::MigrationTls>, Failure> {
+    dir.map(api::protocol::MigrationTls::from_dir)
+        .transpose()
+        .map_err(|e| bad_config(format!("--tls-dir: {e}")))
+}
+
+/// A config ready to boot or restore, and what must live as long as the VM.
+struct Prepared {
+    config: VmConfig,
+    name: String,
+    _network: Option<crate::network::PodNetwork>,
+    ephemeral: Vec<PathBuf>,
+}
+
+/// `-f`: manifest → defaults and validation → translation → files. On a restore the disk
+/// files are the snapshot's: they are used as they are, never created afresh.
+fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Prepared, Failure> {
+    let manifest = crate::manifest::read_with(
+        &path.display().to_string(),
+        opts.instancetype_dir.as_deref(),
+    )
+    .map_err(bad_config)?;
+    for w in manifest.warnings() {
+        eprintln!("virt-launcher: warning: {w}");
+    }
+    let env = opts.environment.clone();
+    let name = manifest.name();
+    let mut plan = crate::translate::translate(&name, manifest.vmi_spec(), &env)
+        .map_err(|e| bad_config(format!("{}: {e}", path.display())))?;
+    let mut network = None;
+    if !plan.nics.is_empty() {
+        match opts.network {
+            NetworkMode::None => {
+                let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+                eprintln!("virt-launcher: --network none: interfaces {names:?} are not attached");
+            }
+            NetworkMode::Nat => {
+                let (net, nics, ip) = crate::network::PodNetwork::setup(&name, &plan.nics)
+                    .map_err(|e| bad_config(format!("{}: network: {e}", path.display())))?;
+                eprintln!(
+                    "virt-launcher: {} on bridge {} (NAT), guest {}",
+                    plan.nics[0].interface,
+                    net.bridge(),
+                    crate::network::GUEST
+                );
+                plan.config.nets = nics;
+                if !plan.config.cmdline.contains("ip=") {
+                    plan.config.cmdline.push(' ');
+                    plan.config.cmdline.push_str(&ip);
+                }
+                network = Some(net);
+            }
+        }
+    }
+    let ephemeral = if restoring {
+        Vec::new()
+    } else {
+        plan.prepare().map_err(bad_config)?
+    };
+    Ok(Prepared {
+        config: plan.config,
+        name,
+        _network: network,
+        ephemeral,
+    })
+}
+
+/// `--kernel ...`: the VM from flags.
+fn flags_config(kernel: PathBuf, opts: &RunOptions) -> Result<VmConfig, Failure> {
+    let mut config = VmConfig::new(kernel);
+    config.disks = parse_specs(&opts.disks, parse_disk)?;
+    config.nets = parse_specs(&opts.nets, parse_net)?;
+    config.initrd = opts.initrd.clone();
+    config.cmdline = opts.cmdline.clone();
+    config.vcpus = vcpus_arg(opts.vcpus.unwrap_or(1))?;
+    config.memory_mib = opts.memory.unwrap_or(128);
+    Ok(config)
+}
+
+fn parse_specs<T>(specs: &[String], f: fn(&str) -> Result<T, String>) -> Result<Vec<T>, Failure> {
+    specs.iter().map(|s| f(s).map_err(bad_config)).collect()
+}
+
+fn vcpus_arg(v: u64) -> Result<u8, Failure> {
+    u8::try_from(v).map_err(|_| {
+        bad_config(vmm::ConfigError::Vcpus {
+            given: v,
+            max: vmm::config::MAX_VCPUS as u64,
+        })
+    })
+}
+
+/// A restore without -f or --kernel: the machine the snapshot recorded, with the disks and
+/// TAPs it used (or those --disk / --net give), checked against --vcpus / --memory if given.
+fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmConfig, Failure> {
+    let state = vmm::persist::read_state_file(&paths.state).map_err(bad_config)?;
+    let mut config = VmConfig::new(PathBuf::new());
+    config.vcpus = match opts.vcpus {
+        Some(v) => vcpus_arg(v)?,
+        None => state.vcpus,
+    };
+    config.memory_mib = opts.memory.unwrap_or(state.memory_mib);
+    config.cmdline = state.cmdline.clone();
+    let mut disks = Vec::new();
+    let mut nets = Vec::new();
+    for d in &state.devices.virtio {
+        match &d.kind {
+            vmm::persist::VirtioKindState::Block { disk, .. } => disks.push(DiskConfig {
+                path: disk.path.clone(),
+                read_only: disk.read_only,
+                serial: disk.serial.clone(),
+                cache: disk.cache,
+            }),
+            vmm::persist::VirtioKindState::Net { tap, mac, .. } => match tap {
+                Some(name) => nets.push(NetConfig {
+                    tap: TapSource::Name(name.clone()),
+                    mac: Some(*mac),
+                }),
+                None if opts.nets.is_empty() => {
+                    return Err(bad_config(format!(
+                        "restore: the snapshot's {} was attached by file descriptor; give --net tap=NAME for it",
+                        d.id
+                    )))
+                }
+                None => {}
+            },
+        }
+    }
+    config.disks = if opts.disks.is_empty() {
+        disks
+    } else {
+        parse_specs(&opts.disks, parse_disk)?
+    };
+    config.nets = if opts.nets.is_empty() {
+        nets
+    } else {
+        parse_specs(&opts.nets, parse_net)?
+    };
+    Ok(config)
+}
+
+/// How the VM comes to be.
+pub enum Start {
+    Boot,
+    Restore(vmm::SnapshotPaths),
+    /// Live migration from a source connecting to this address (over mutual TLS when given).
+    Receive(String, Option<api::protocol::MigrationTls>),
+}
+
+/// `run`, `restore` and `receive`: the config from -f, from flags or (restore only) from the
+/// snapshot, then the VM with its console on this terminal.
+pub fn launch(opts: &RunOptions, start: Start) -> Result<u8, Failure> {
+    let restoring = !matches!(start, Start::Boot);
+    let snapshot = match &start {
+        Start::Restore(p) => Some(p.clone()),
+        _ => None,
+    };
+    let prepared = if let Some(path) = &opts.manifest {
+        manifest_config(path, opts, restoring)?
+    } else {
+        let config = match (&opts.kernel, &snapshot) {
+            (Some(kernel), _) => flags_config(kernel.clone(), opts),
+            (None, Some(paths)) => recorded_config(paths, opts),
+            (None, None) => return Err(bad_config("give -f MANIFEST or --kernel PATH")),
+        };
+        Prepared {
+            config: config?,
+            name: "vm".into(),
+            _network: None,
+            ephemeral: Vec::new(),
+        }
+    };
+    let mut config = prepared.config.clone();
+    config.boot_timer = opts.boot_timer;
+    config.seccomp = opts.seccomp;
+    let console = crate::foreground::Console {
+        log: opts.console_log.clone(),
+        input: opts.console_input,
+        socket: opts.socket.clone(),
+        host: opts.environment.clone(),
+        name: prepared.name.clone(),
+    };
+    let code = crate::foreground::boot_with_console(config, console, &start);
+    for f in &prepared.ephemeral {
+        let _ = std::fs::remove_file(f);
+    }
+    code
+}
+
+/// Parses `PATH[,readonly][,serial=S][,cache=none|writeback]`.
+pub fn parse_disk(spec: &str) -> Result<DiskConfig, String> {
+    let mut parts = spec.split(',');
+    let path = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| format!("--disk {spec:?}: the image path is missing"))?;
+    let mut d = DiskConfig::new(path);
+    for opt in parts {
+        match opt.split_once('=') {
+            None if opt == "readonly" || opt == "ro" => d.read_only = true,
+            Some(("serial", s)) => d.serial = Some(s.to_string()),
+            Some(("cache", "none")) => d.cache = CacheMode::None,
+            Some(("cache", "writeback")) => d.cache = CacheMode::Writeback,
+            Some(("cache", other)) => {
+                return Err(format!("--disk {path}: cache={other} is not accepted; use cache=none or cache=writeback"))
+            }
+            _ => {
+                return Err(format!(
+                    "--disk {path}: unknown option {opt:?}; accepted: readonly, serial=S, cache=none|writeback"
+                ))
+            }
+        }
+    }
+    Ok(d)
+}
+
+/// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]`.
+pub fn parse_net(spec: &str) -> Result<NetConfig, String> {
+    let mut tap = None;
+    let mut mac = None;
+    for opt in spec.split(',') {
+        match opt.split_once('=') {
+            Some(("tap", name)) if !name.is_empty() => {
+                tap = Some(TapSource::Name(name.to_string()))
+            }
+            Some(("fd", n)) => {
+                let fd = n.parse::<i32>().ok().filter(|f| *f >= 0).ok_or_else(|| {
+                    format!("--net {spec}: fd={n} is not a file descriptor number")
+                })?;
+                tap = Some(TapSource::Fd(fd));
+            }
+            Some(("mac", m)) => {
+                mac = Some(
+                    m.parse::<MacAddr>()
+                        .map_err(|e| format!("--net {spec}: {e}"))?,
+                )
+            }
+            _ => {
+                return Err(format!(
+                    "--net {spec}: unknown option {opt:?}; accepted: tap=NAME or fd=N, mac=MAC"
+                ))
+            }
+        }
+    }
+    let tap = tap.ok_or_else(|| format!("--net {spec}: tap=NAME (or fd=N) is required"))?;
+    Ok(NetConfig { tap, mac })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_specs() {
+        let n = parse_net("tap=tap0,mac=52:54:00:00:00:01").unwrap();
+        assert_eq!(n.tap, TapSource::Name("tap0".into()));
+        assert_eq!(n.mac.unwrap().to_string(), "52:54:00:00:00:01");
+        assert_eq!(parse_net("fd=5").unwrap().tap, TapSource::Fd(5));
+        assert!(parse_net("mac=52:54:00:00:00:01")
+            .unwrap_err()
+            .contains("tap=NAME (or fd=N) is required"));
+        assert!(parse_net("tap=t,mac=01:00:00:00:00:01")
+            .unwrap_err()
+            .contains("multicast"));
+        assert!(parse_net("tap=t,speed=10")
+            .unwrap_err()
+            .contains("unknown option"));
+    }
+
+    #[test]
+    fn disk_specs() {
+        let d = parse_disk("/a.img,readonly,serial=abc,cache=none").unwrap();
+        assert_eq!(
+            (d.read_only, d.serial.as_deref(), d.cache),
+            (true, Some("abc"), CacheMode::None)
+        );
+        assert_eq!(parse_disk("/a.img").unwrap(), DiskConfig::new("/a.img"));
+        assert!(parse_disk("/a.img,cache=unsafe")
+            .unwrap_err()
+            .contains("cache=unsafe is not accepted"));
+        assert!(parse_disk("/a.img,bogus")
+            .unwrap_err()
+            .contains("unknown option \"bogus\""));
+        assert!(parse_disk(",readonly")
+            .unwrap_err()
+            .contains("path is missing"));
+    }
+}
