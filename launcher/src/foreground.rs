@@ -10,7 +10,15 @@ use std::time::Duration;
 use vmm::{SerialInput, SerialOutput, Vm, VmConfig};
 
 use crate::daemon::{ConsoleHub, Daemon};
-use crate::standalone::{bad_config, host_error, Failure, Start};
+use crate::failure::{bad_config, host_error, Failure};
+
+/// How the VM comes to be.
+pub enum Start {
+    Boot,
+    Restore(vmm::SnapshotPaths),
+    /// Live migration from a source connecting to this address (over mutual TLS when given).
+    Receive(String, Option<api::protocol::MigrationTls>),
+}
 
 /// Ctrl-]: detach from the console and stop the VM.
 const DETACH_KEY: u8 = 0x1d;

@@ -5,6 +5,7 @@ pub mod beneath;
 pub mod client;
 pub mod cloudinit;
 pub mod daemon;
+pub mod failure;
 pub mod foreground;
 pub mod manifest;
 pub mod migration_link;

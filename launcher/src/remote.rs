@@ -3,7 +3,8 @@
 
 use std::path::PathBuf;
 
-use crate::standalone::{bad_config, host_error, tls_from, Failure};
+use crate::failure::{bad_config, host_error, Failure};
+use crate::standalone::tls_from;
 
 /// `virt-launcher snapshot`.
 #[derive(Clone, Debug)]

@@ -8,38 +8,8 @@ use std::path::{Path, PathBuf};
 use vmm::config::{CacheMode, DiskConfig, MacAddr, NetConfig, TapSource};
 use vmm::VmConfig;
 
-/// Why a command could not do what it was asked; the process exits with [`Failure::exit_code`].
-#[derive(Debug, thiserror::Error)]
-pub enum Failure {
-    /// The user must fix the configuration; nothing was started (exit 2).
-    #[error("{0}")]
-    BadConfig(String),
-    /// The host failed (KVM unavailable, out of memory, a peer gone, ...) (exit 1).
-    #[error("{0}")]
-    Host(String),
-}
-
-/// Exit status for a configuration the user must fix; nothing was started.
-pub const EXIT_BAD_CONFIG: u8 = 2;
-/// Exit status for a host failure (KVM unavailable, out of memory, ...).
-pub const EXIT_HOST_ERROR: u8 = 1;
-
-impl Failure {
-    pub fn exit_code(&self) -> u8 {
-        match self {
-            Failure::BadConfig(_) => EXIT_BAD_CONFIG,
-            Failure::Host(_) => EXIT_HOST_ERROR,
-        }
-    }
-}
-
-pub fn bad_config(msg: impl std::fmt::Display) -> Failure {
-    Failure::BadConfig(msg.to_string())
-}
-
-pub fn host_error(msg: impl std::fmt::Display) -> Failure {
-    Failure::Host(msg.to_string())
-}
+pub use crate::failure::{bad_config, host_error, Failure, EXIT_BAD_CONFIG, EXIT_HOST_ERROR};
+pub use crate::foreground::Start;
 
 /// How a manifest's pod network is attached (`--network`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -229,14 +199,6 @@ fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmCo
         parse_specs(&opts.nets, parse_net)?
     };
     Ok(config)
-}
-
-/// How the VM comes to be.
-pub enum Start {
-    Boot,
-    Restore(vmm::SnapshotPaths),
-    /// Live migration from a source connecting to this address (over mutual TLS when given).
-    Receive(String, Option<api::protocol::MigrationTls>),
 }
 
 /// `run`, `restore` and `receive`: the config from -f, from flags or (restore only) from the
