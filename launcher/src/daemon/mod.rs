@@ -7,7 +7,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -16,8 +16,12 @@ use api::validation::{default_vmi_spec, validate_vmi};
 use api::VirtualMachineInstance;
 use vmm::{SerialInput, SerialOutput, Vm, VmEnd};
 
+mod connection;
+mod lifecycle;
+
 use crate::translate::{translate, Environment};
 use crate::unix_socket::peer_uid;
+use lifecycle::Lifecycle;
 
 /// Console output fan-out to every attached client, with recent history for late attachers.
 ///
@@ -176,23 +180,17 @@ impl Write for ConsoleHub {
 
 #[derive(Default)]
 struct Inner {
-    vm: Option<Arc<Vm>>,
+    life: Lifecycle<Arc<Vm>>,
     name: Option<String>,
     started: Option<Instant>,
-    end: Option<VmEnd>,
-    paused: bool,
     vcpus: u32,
     memory_mib: u64,
     software_emulated: bool,
     grace_seconds: u64,
     console_input: Option<std::fs::File>,
     ephemeral: Vec<PathBuf>,
-    /// A PrepareMigrationTarget listener is waiting for its source.
-    awaiting_migration: bool,
     /// Set to abort the MigrateOut in progress.
     migration_abort: Option<Arc<std::sync::atomic::AtomicBool>>,
-    /// Where the VM went, once it has migrated away.
-    migrated_to: Option<String>,
     /// The Pod network virt-handler wired (AttachNetwork), by VMI interface name.
     network: Vec<AttachedNic>,
     /// What the status reports per NIC, in the VM's NIC order.
@@ -404,12 +402,7 @@ impl Daemon {
     }
 
     fn vm(&self) -> Result<Arc<Vm>, String> {
-        let g = self.inner.lock().unwrap();
-        match (&g.vm, &g.end) {
-            (Some(vm), None) => Ok(vm.clone()),
-            (_, Some(end)) => Err(format!("the VM has ended ({end})")),
-            (None, None) => Err("no VM: send Sync first".into()),
-        }
+        self.inner.lock().unwrap().life.vm()
     }
 
     /// A VMI turned into a VM config with the console wired to this daemon.
@@ -511,7 +504,7 @@ impl Daemon {
         }
         let mut got: Vec<Option<OwnedFd>> = fds.drain(..count).map(Some).collect();
         let mut g = self.inner.lock().unwrap();
-        if g.vm.is_some() || g.awaiting_migration {
+        if !g.life.is_empty() {
             return Err("the VM already exists: its network cannot be changed".into());
         }
         let mut attached = Vec::new();
@@ -542,8 +535,13 @@ impl Daemon {
     }
 
     fn sync(self: &Arc<Self>, vmi: VirtualMachineInstance) -> Result<(), String> {
-        if self.inner.lock().unwrap().vm.is_some() {
-            return Ok(());
+        match self.inner.lock().unwrap().life {
+            Lifecycle::Empty => {}
+            Lifecycle::AwaitingMigration => {
+                return Err("this launcher awaits an incoming migration of its VM".into())
+            }
+            // Sync is idempotent: the VM exists (or existed).
+            _ => return Ok(()),
         }
         let p = self.prepare(vmi)?;
         match Vm::build(&p.config) {
@@ -570,11 +568,8 @@ impl Daemon {
         tls: Option<MigrationTls>,
         requester: Option<u32>,
     ) -> Result<String, String> {
-        {
-            let g = self.inner.lock().unwrap();
-            if g.vm.is_some() || g.awaiting_migration {
-                return Err("this launcher already has a VM (or awaits one)".into());
-            }
+        if !self.inner.lock().unwrap().life.is_empty() {
+            return Err("this launcher already has a VM (or awaits one)".into());
         }
         let (listen, only_uid) = match self.pod_endpoint(listen) {
             Some(path) => (format!("unix:{}", path?.display()), requester),
@@ -590,20 +585,23 @@ impl Daemon {
             }
         };
         let address = listener.address();
-        self.inner.lock().unwrap().awaiting_migration = true;
+        if let Err(e) = self.inner.lock().unwrap().life.await_migration() {
+            p.discard();
+            return Err(e);
+        }
         let me = self.clone();
         std::thread::spawn(move || {
             let arrived = listener
                 .accept_from(tls.as_ref(), only_uid)
                 .and_then(|mut s| Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string()));
             drop(listener);
-            me.inner.lock().unwrap().awaiting_migration = false;
             match arrived {
                 Ok(vm) => {
                     me.install(Arc::new(vm), p.name, p.grace, Some(p.input), p.ephemeral);
                     me.emit(Event::MigratedIn);
                 }
                 Err(reason) => {
+                    me.inner.lock().unwrap().life.migration_failed();
                     p.discard();
                     tracing::warn!("incoming migration failed: {reason}");
                     me.emit(Event::MigrationFailed { reason });
@@ -675,12 +673,16 @@ impl Daemon {
             })
         })();
         if paused_on_source {
-            self.inner.lock().unwrap().paused = true;
+            self.inner.lock().unwrap().life.set_paused(true);
         }
         self.inner.lock().unwrap().migration_abort = None;
         match result {
             Ok(s) => Ok({
-                self.inner.lock().unwrap().migrated_to = Some(address.to_string());
+                self.inner
+                    .lock()
+                    .unwrap()
+                    .life
+                    .handed_over(address.to_string());
                 MigrationReport {
                     passes: s.passes,
                     bytes_sent: s.bytes_sent,
@@ -722,7 +724,13 @@ impl Daemon {
             g.grace_seconds = grace_seconds;
             g.console_input = console_input;
             g.ephemeral = ephemeral;
-            g.vm = Some(vm.clone());
+            if let Err(e) = g.life.start(vm.clone()) {
+                // Only one VM per launcher: callers check first, so this is a race lost.
+                tracing::error!("{e}; the new VM is stopped");
+                drop(g);
+                vm.stop();
+                return;
+            }
         }
         self.emit(Event::Started);
         let me = self.clone();
@@ -757,7 +765,7 @@ impl Daemon {
             })
             .map_err(|e| e.to_string())?;
         if stop {
-            self.inner.lock().unwrap().paused = true;
+            self.inner.lock().unwrap().life.set_paused(true);
             self.emit(Event::Paused);
         }
         Ok(SnapshotReport {
@@ -773,7 +781,7 @@ impl Daemon {
         let end = vm.end_signal().wait();
         let ephemeral = {
             let mut g = self.inner.lock().unwrap();
-            g.end = Some(end.clone());
+            g.life.finish(end.clone());
             g.console_input = None;
             std::mem::take(&mut g.ephemeral)
         };
@@ -792,16 +800,8 @@ impl Daemon {
 
     fn status(&self) -> StatusReport {
         let g = self.inner.lock().unwrap();
-        let state = match (&g.vm, &g.end) {
-            (None, _) if g.awaiting_migration => VmState::WaitingForMigration,
-            (None, _) => VmState::NoVm,
-            (_, Some(VmEnd::Migrated)) => VmState::Migrated,
-            (_, Some(VmEnd::PoweredOff | VmEnd::Reset | VmEnd::Stopped)) => VmState::ShutDown,
-            (_, Some(_)) => VmState::Crashed,
-            _ if g.paused => VmState::Paused,
-            _ => VmState::Running,
-        };
-        let (disks, nics) = match &g.vm {
+        let state = g.life.state();
+        let (disks, nics) = match g.life.any_vm() {
             Some(vm) => (
                 vm.blocks()
                     .iter()
@@ -851,7 +851,7 @@ impl Daemon {
             memory_mib: g.memory_mib,
             uptime_seconds: g.started.map_or(0.0, |s| s.elapsed().as_secs_f64()),
             software_emulated_kvm: g.software_emulated,
-            end: g.end.as_ref().map(|e| e.to_string()),
+            end: g.life.end().map(|e| e.to_string()),
             disks,
             nics,
             network_attached: !g.network.is_empty(),
@@ -890,13 +890,13 @@ impl Daemon {
             Request::Sync { vmi } => ok(self.sync(*vmi)),
             Request::Pause => ok(self.vm().and_then(|vm| {
                 vm.pause().map_err(|e| e.to_string())?;
-                self.inner.lock().unwrap().paused = true;
+                self.inner.lock().unwrap().life.set_paused(true);
                 self.emit(Event::Paused);
                 Ok(())
             })),
             Request::Resume => ok(self.vm().map(|vm| {
                 vm.resume();
-                self.inner.lock().unwrap().paused = false;
+                self.inner.lock().unwrap().life.set_paused(false);
                 self.emit(Event::Resumed);
             })),
             Request::Kill => ok(self.vm().map(|vm| vm.stop())),
@@ -931,176 +931,15 @@ impl Daemon {
         }
     }
 
-    /// Serves one client connection.
-    pub fn serve_connection(self: &Arc<Self>, stream: UnixStream) -> std::io::Result<()> {
-        let requester = peer_uid(&stream).ok();
-        let mut out = stream.try_clone()?;
-        let mut reader = BufReader::new(FdReader {
-            stream,
-            fds: VecDeque::new(),
-            deadline: None,
-        });
-        let mut line = String::new();
-        let send = |out: &mut UnixStream, r: &Response| -> std::io::Result<()> {
-            let mut s = serde_json::to_string(r).expect("serializable");
-            s.push('\n');
-            out.write_all(s.as_bytes())
-        };
-        // Greeting: the client names its protocol version; every version this launcher
-        // speaks is answered in that version.
-        if !read_request(&mut reader, &mut line)? {
-            return Ok(());
-        }
-        let version = match serde_json::from_str::<Request>(&line) {
-            Ok(Request::Hello { version })
-                if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&version) =>
-            {
-                send(
-                    &mut out,
-                    &Response::Hello {
-                        version,
-                        launcher: env!("CARGO_PKG_VERSION").into(),
-                    },
-                )?;
-                version
-            }
-            Ok(Request::Hello { version }) => {
-                return send(&mut out, &Response::Error { message: format!("protocol version {version} is not supported; this launcher speaks versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}") });
-            }
-            _ => {
-                return send(
-                    &mut out,
-                    &Response::Error {
-                        message: format!("expected hello with a protocol version from {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"),
-                    },
-                )
-            }
-        };
-        loop {
-            if !read_request(&mut reader, &mut line)? {
-                return Ok(());
-            }
-            let req = match serde_json::from_str::<Request>(&line) {
-                Ok(r) => r,
-                Err(e) => {
-                    send(
-                        &mut out,
-                        &Response::Error {
-                            message: format!("bad request: {e}"),
-                        },
-                    )?;
-                    continue;
-                }
-            };
-            // Streams (console, events) last as long as their client: not counted.
-            let _busy = (!matches!(req, Request::Console | Request::Events))
-                .then(|| InFlight::enter(&self.in_flight));
-            match req {
-                Request::Console => {
-                    send(&mut out, &Response::Ok)?;
-                    ConsoleHub::attach(&self.console, out.try_clone()?);
-                    // From now on the client's bytes are console input.
-                    let mut buf = [0u8; 1024];
-                    loop {
-                        let n = reader.read(&mut buf)?;
-                        if n == 0 {
-                            return Ok(());
-                        }
-                        let mut g = self.inner.lock().unwrap();
-                        if let Some(input) = g.console_input.as_mut() {
-                            let _ = input.write_all(&buf[..n]);
-                        }
-                    }
-                }
-                Request::Events => {
-                    send(&mut out, &Response::Ok)?;
-                    let (tx, rx) = channel();
-                    self.events.lock().unwrap().push(tx);
-                    for e in rx {
-                        send(&mut out, &Response::Event(e))?;
-                    }
-                    return Ok(());
-                }
-                Request::Snapshot { .. } if version < SNAPSHOT_SINCE => {
-                    send(
-                        &mut out,
-                        &Response::Error {
-                            message: format!("snapshot needs protocol version {SNAPSHOT_SINCE}; this connection speaks version {version}"),
-                        },
-                    )?;
-                }
-                Request::PrepareMigrationTarget { .. }
-                | Request::MigrateOut { .. }
-                | Request::CancelMigration
-                    if version < MIGRATION_SINCE =>
-                {
-                    send(
-                        &mut out,
-                        &Response::Error {
-                            message: format!("migration needs protocol version {MIGRATION_SINCE}; this connection speaks version {version}"),
-                        },
-                    )?;
-                }
-                Request::AttachNetwork { .. } if version < NETWORK_SINCE => {
-                    send(
-                        &mut out,
-                        &Response::Error {
-                            message: format!("attachNetwork needs protocol version {NETWORK_SINCE}; this connection speaks version {version}"),
-                        },
-                    )?;
-                }
-                Request::AttachNetwork { nics, fds } => {
-                    let r = self.attach_network(nics, fds, &mut reader.get_mut().fds);
-                    send(
-                        &mut out,
-                        &r.map_or_else(|message| Response::Error { message }, |_| Response::Ok),
-                    )?;
-                }
-                Request::MigrateOut {
-                    target,
-                    options,
-                    tls,
-                } => {
-                    let mut sink = out.try_clone()?;
-                    let r =
-                        self.migrate_out(&target, &options, tls.as_ref(), requester, &mut |e| {
-                            let _ = send(&mut sink, &Response::Event(e));
-                        });
-                    send(
-                        &mut out,
-                        &r.map_or_else(|message| Response::Error { message }, Response::Migration),
-                    )?;
-                }
-                Request::Snapshot {
-                    memory_path,
-                    state_path,
-                    stop,
-                } => {
-                    let mut sink = out.try_clone()?;
-                    let r = self.snapshot(&memory_path, &state_path, stop, &mut |e| {
-                        let _ = send(&mut sink, &Response::Event(e));
-                    });
-                    send(
-                        &mut out,
-                        &r.map_or_else(|message| Response::Error { message }, Response::Snapshot),
-                    )?;
-                }
-                other => {
-                    let r = self.handle(other, requester);
-                    send(&mut out, &r)?;
-                }
-            }
-        }
-    }
-
     /// The target the VM migrated to, once it has.
     pub fn migrated_to(&self) -> Option<String> {
-        self.inner.lock().unwrap().migrated_to.clone()
+        let g = self.inner.lock().unwrap();
+        g.life.migrated_to().map(str::to_string)
     }
 
     /// The VM's end, once it has ended.
     pub fn ended(&self) -> Option<VmEnd> {
-        self.inner.lock().unwrap().end.clone()
+        self.inner.lock().unwrap().life.end().cloned()
     }
 }
 
