@@ -164,33 +164,20 @@ fn b64(s: &str, path: &str) -> Result<Vec<u8>, TranslateError> {
     Ok(out)
 }
 
-fn disk_plan(
+/// What a volume's source becomes on this host: `read_only` is raised where the source
+/// says so (a read-only claim, a cloud-init seed).
+fn disk_source(
     name: &str,
-    disk: &Disk,
     vol: &Volume,
     vp: &str,
     env: &Environment,
-) -> Result<DiskPlan, TranslateError> {
-    let mut read_only =
-        disk.disk.as_ref().and_then(|d| d.readonly).unwrap_or(false) || disk.cdrom.is_some();
+    read_only: &mut bool,
+) -> Result<DiskSource, TranslateError> {
     let state = env.state_dir.join(name);
-    let source = if let Some(c) = &vol.container_disk {
-        let dir = image_path(env, &c.image);
-        let field = if c.path.is_some() { "path" } else { "image" };
-        let base = match &c.path {
-            Some(p) => dir.join(p.trim_start_matches('/')),
-            None => dir.clone(),
-        };
-        let in_images = |p: &Path| crate::beneath::resolve(&env.image_dir, p, "image directory");
-        let image = in_images(&base)
-            .and_then(|b| image_disk(&b))
-            .and_then(|i| in_images(&i))
-            .map_err(|r| err(format!("{vp}.containerDisk.{field}"), r))?;
-        DiskSource::CopyOf {
-            image,
-            to: state.join(format!("{}.containerdisk.img", vol.name)),
-        }
-    } else if let Some(claim) = vol
+    if let Some(c) = &vol.container_disk {
+        return container_disk_source(c, &state, vol, vp, env);
+    }
+    if let Some(claim) = vol
         .persistent_volume_claim
         .as_ref()
         .map(|p| p.claim_name.clone())
@@ -202,65 +189,23 @@ fn disk_plan(
             .and_then(|p| p.read_only)
             == Some(true)
         {
-            read_only = true;
+            *read_only = true;
         }
-        let which = if vol.data_volume.is_some() {
-            "dataVolume.name"
-        } else {
-            "persistentVolumeClaim.claimName"
-        };
-        let p = env.volume_dir.join(&claim);
-        use std::os::unix::fs::FileTypeExt;
-        let in_volumes = |p: &Path| crate::beneath::resolve(&env.volume_dir, p, "volume directory");
-        let meta = std::fs::metadata(&p).map_err(|_| {
-            err(
-                format!("{vp}.{which}"),
-                format!("volume {claim:?} not found at {}", p.display()),
-            )
-        })?;
-        let p = in_volumes(&p).map_err(|r| err(format!("{vp}.{which}"), r))?;
-        if meta.file_type().is_block_device() {
-            DiskSource::Existing(p)
-        } else {
-            let img = p.join("disk.img");
-            if !img.is_file() {
-                return Err(err(
-                    format!("{vp}.{which}"),
-                    format!("{} has no disk.img", p.display()),
-                ));
-            }
-            DiskSource::Existing(in_volumes(&img).map_err(|r| err(format!("{vp}.{which}"), r))?)
-        }
-    } else if let Some(e) = &vol.empty_disk {
+        return claim_source(&claim, vol, vp, env);
+    }
+    if let Some(e) = &vol.empty_disk {
         let size =
             parse_bytes(&e.capacity.0).map_err(|r| err(format!("{vp}.emptyDisk.capacity"), r))?;
-        DiskSource::Sparse {
+        return Ok(DiskSource::Sparse {
             path: state.join(format!("{}.emptydisk.img", vol.name)),
             size,
             ephemeral: true,
-        }
-    } else if let Some(h) = &vol.host_disk {
-        let path = PathBuf::from(&h.path);
-        if h.type_ == "Disk" {
-            if !path.exists() {
-                return Err(err(format!("{vp}.hostDisk.path"), format!("{} does not exist (type Disk needs an existing image; DiskOrCreate creates one)", h.path)));
-            }
-            DiskSource::Existing(path)
-        } else {
-            let size = h
-                .capacity
-                .as_ref()
-                .map(|c| parse_bytes(&c.0))
-                .transpose()
-                .map_err(|r| err(format!("{vp}.hostDisk.capacity"), r))?
-                .unwrap_or(0);
-            DiskSource::Sparse {
-                path,
-                size,
-                ephemeral: false,
-            }
-        }
-    } else if let Some((ci, layout)) = vol
+        });
+    }
+    if let Some(h) = &vol.host_disk {
+        return host_disk_source(h, vp);
+    }
+    if let Some((ci, layout)) = vol
         .cloud_init_no_cloud
         .as_ref()
         .map(|c| (c, crate::cloudinit::Layout::NoCloud))
@@ -270,27 +215,134 @@ fn disk_plan(
                 .map(|c| (c, crate::cloudinit::Layout::ConfigDrive))
         })
     {
-        read_only = true;
-        let field = layout.field();
-        let user_data = match (&ci.user_data, &ci.user_data_base64) {
-            (Some(u), _) => u.clone().into_bytes(),
-            (None, Some(b)) => b64(b, &format!("{vp}.{field}.userDataBase64"))?,
-            (None, None) => Vec::new(),
-        };
-        let network_config = match (&ci.network_data, &ci.network_data_base64) {
-            (Some(n), _) => Some(n.clone().into_bytes()),
-            (None, Some(b)) => Some(b64(b, &format!("{vp}.{field}.networkDataBase64"))?),
-            (None, None) => None,
-        };
-        DiskSource::CloudInit {
-            path: state.join(format!("{}.{}.img", vol.name, layout.label())),
-            layout,
-            user_data,
-            network_config,
-        }
-    } else {
-        return Err(err(vp, "has no volume source microvirt can attach"));
+        *read_only = true;
+        return cloud_init_source(ci, layout, &state, vol, vp);
+    }
+    Err(err(vp, "has no volume source microvirt can attach"))
+}
+
+/// A containerDisk: its image (or `path` in it) copied to the VM's state directory.
+fn container_disk_source(
+    c: &api::ContainerDiskSource,
+    state: &Path,
+    vol: &Volume,
+    vp: &str,
+    env: &Environment,
+) -> Result<DiskSource, TranslateError> {
+    let dir = image_path(env, &c.image);
+    let field = if c.path.is_some() { "path" } else { "image" };
+    let base = match &c.path {
+        Some(p) => dir.join(p.trim_start_matches('/')),
+        None => dir.clone(),
     };
+    let in_images = |p: &Path| crate::beneath::resolve(&env.image_dir, p, "image directory");
+    let image = in_images(&base)
+        .and_then(|b| image_disk(&b))
+        .and_then(|i| in_images(&i))
+        .map_err(|r| err(format!("{vp}.containerDisk.{field}"), r))?;
+    Ok(DiskSource::CopyOf {
+        image,
+        to: state.join(format!("{}.containerdisk.img", vol.name)),
+    })
+}
+
+/// A claim (PVC or DataVolume): its block device, or `disk.img` in its directory.
+fn claim_source(
+    claim: &str,
+    vol: &Volume,
+    vp: &str,
+    env: &Environment,
+) -> Result<DiskSource, TranslateError> {
+    use std::os::unix::fs::FileTypeExt;
+    let which = if vol.data_volume.is_some() {
+        "dataVolume.name"
+    } else {
+        "persistentVolumeClaim.claimName"
+    };
+    let p = env.volume_dir.join(claim);
+    let in_volumes = |p: &Path| crate::beneath::resolve(&env.volume_dir, p, "volume directory");
+    let meta = std::fs::metadata(&p).map_err(|_| {
+        err(
+            format!("{vp}.{which}"),
+            format!("volume {claim:?} not found at {}", p.display()),
+        )
+    })?;
+    let p = in_volumes(&p).map_err(|r| err(format!("{vp}.{which}"), r))?;
+    if meta.file_type().is_block_device() {
+        return Ok(DiskSource::Existing(p));
+    }
+    let img = p.join("disk.img");
+    if !img.is_file() {
+        return Err(err(
+            format!("{vp}.{which}"),
+            format!("{} has no disk.img", p.display()),
+        ));
+    }
+    Ok(DiskSource::Existing(
+        in_volumes(&img).map_err(|r| err(format!("{vp}.{which}"), r))?,
+    ))
+}
+
+/// A hostDisk: the image at its path (made sparse for DiskOrCreate).
+fn host_disk_source(h: &api::HostDiskSource, vp: &str) -> Result<DiskSource, TranslateError> {
+    let path = PathBuf::from(&h.path);
+    if h.type_ == "Disk" {
+        if !path.exists() {
+            return Err(err(format!("{vp}.hostDisk.path"), format!("{} does not exist (type Disk needs an existing image; DiskOrCreate creates one)", h.path)));
+        }
+        return Ok(DiskSource::Existing(path));
+    }
+    let size = h
+        .capacity
+        .as_ref()
+        .map(|c| parse_bytes(&c.0))
+        .transpose()
+        .map_err(|r| err(format!("{vp}.hostDisk.capacity"), r))?
+        .unwrap_or(0);
+    Ok(DiskSource::Sparse {
+        path,
+        size,
+        ephemeral: false,
+    })
+}
+
+/// A cloud-init seed (NoCloud or ConfigDrive) with the user and network data.
+fn cloud_init_source(
+    ci: &api::CloudInitNoCloudSource,
+    layout: crate::cloudinit::Layout,
+    state: &Path,
+    vol: &Volume,
+    vp: &str,
+) -> Result<DiskSource, TranslateError> {
+    let field = layout.field();
+    let user_data = match (&ci.user_data, &ci.user_data_base64) {
+        (Some(u), _) => u.clone().into_bytes(),
+        (None, Some(b)) => b64(b, &format!("{vp}.{field}.userDataBase64"))?,
+        (None, None) => Vec::new(),
+    };
+    let network_config = match (&ci.network_data, &ci.network_data_base64) {
+        (Some(n), _) => Some(n.clone().into_bytes()),
+        (None, Some(b)) => Some(b64(b, &format!("{vp}.{field}.networkDataBase64"))?),
+        (None, None) => None,
+    };
+    Ok(DiskSource::CloudInit {
+        path: state.join(format!("{}.{}.img", vol.name, layout.label())),
+        layout,
+        user_data,
+        network_config,
+    })
+}
+
+fn disk_plan(
+    name: &str,
+    disk: &Disk,
+    vol: &Volume,
+    vp: &str,
+    env: &Environment,
+) -> Result<DiskPlan, TranslateError> {
+    let mut read_only =
+        disk.disk.as_ref().and_then(|d| d.readonly).unwrap_or(false) || disk.cdrom.is_some();
+    let source = disk_source(name, vol, vp, env, &mut read_only)?;
     Ok(DiskPlan {
         name: disk.name.clone(),
         config: DiskConfig {
@@ -327,43 +379,68 @@ pub fn translate(
     config.vcpus = vcpus(spec).min(254) as u8;
     config.seccomp = env.seccomp;
     config.initrd = env.default_initrd.clone();
-
     let kernel_boot = spec
         .domain
         .firmware
         .as_ref()
         .and_then(|f| f.kernel_boot.as_ref());
     if let Some(c) = kernel_boot.and_then(|k| k.container.as_ref()) {
-        let dir = image_path(env, &c.image);
-        let kp = "spec.domain.firmware.kernelBoot.container";
-        if !dir.is_dir() {
+        kernel_from_image(c, env, &mut config)?;
+    }
+    let disks = disk_plans(name, spec, env)?;
+    let nics = nic_plans(name, spec)?;
+    config.cmdline = command_line(spec, &config, &disks, env);
+    config.disks = disks.iter().map(|d| d.config.clone()).collect();
+    Ok(Plan {
+        name: name.to_string(),
+        config,
+        disks,
+        nics,
+    })
+}
+
+/// kernelBoot from a container image: its kernel and initrd, resolved inside the image.
+fn kernel_from_image(
+    c: &api::KernelBootContainer,
+    env: &Environment,
+    config: &mut VmConfig,
+) -> Result<(), TranslateError> {
+    let dir = image_path(env, &c.image);
+    let kp = "spec.domain.firmware.kernelBoot.container";
+    if !dir.is_dir() {
+        return Err(err(
+            format!("{kp}.image"),
+            format!("image not found at {}", dir.display()),
+        ));
+    }
+    // A file in the image, resolved without leaving the image directory.
+    let inside = |p: &str, field: &str| {
+        let path = dir.join(p.trim_start_matches('/'));
+        if !path.is_file() {
             return Err(err(
-                format!("{kp}.image"),
-                format!("image not found at {}", dir.display()),
+                format!("{kp}.{field}"),
+                format!("{p} not found in image {}", c.image),
             ));
         }
-        // A file in the image, resolved without leaving the image directory.
-        let inside = |p: &str, field: &str| {
-            let path = dir.join(p.trim_start_matches('/'));
-            if !path.is_file() {
-                return Err(err(
-                    format!("{kp}.{field}"),
-                    format!("{p} not found in image {}", c.image),
-                ));
-            }
-            crate::beneath::resolve(&env.image_dir, &path, "image directory")
-                .map_err(|r| err(format!("{kp}.{field}"), r))
-        };
-        if let Some(k) = &c.kernel_path {
-            config.kernel = inside(k, "kernelPath")?;
-        }
-        config.initrd = match &c.initrd_path {
-            Some(i) => Some(inside(i, "initrdPath")?),
-            None => None,
-        };
+        crate::beneath::resolve(&env.image_dir, &path, "image directory")
+            .map_err(|r| err(format!("{kp}.{field}"), r))
+    };
+    if let Some(k) = &c.kernel_path {
+        config.kernel = inside(k, "kernelPath")?;
     }
+    config.initrd = match &c.initrd_path {
+        Some(i) => Some(inside(i, "initrdPath")?),
+        None => None,
+    };
+    Ok(())
+}
 
-    // Disks in boot order: those with bootOrder first (ascending), then the rest as written.
+/// Disks in boot order: those with bootOrder first (ascending), then the rest as written.
+fn disk_plans(
+    name: &str,
+    spec: &VirtualMachineInstanceSpec,
+    env: &Environment,
+) -> Result<Vec<DiskPlan>, TranslateError> {
     let mut order: Vec<(usize, &Disk)> = spec.domain.devices.disks.iter().enumerate().collect();
     order.sort_by_key(|(i, d)| (d.boot_order.unwrap_or(u32::MAX), *i));
     let mut disks = Vec::new();
@@ -387,7 +464,13 @@ pub fn translate(
             env,
         )?);
     }
+    Ok(disks)
+}
 
+fn nic_plans(
+    name: &str,
+    spec: &VirtualMachineInstanceSpec,
+) -> Result<Vec<NicPlan>, TranslateError> {
     let mut nics = Vec::new();
     for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
         let net = spec.networks.iter().find(|n| n.name == iface.name);
@@ -408,9 +491,22 @@ pub fn translate(
             multus: net.and_then(|n| n.multus.as_ref().map(|m| m.network_name.clone())),
         });
     }
+    Ok(nics)
+}
 
-    // Command line: kernelArgs as given, else a microvirt default; the serial console, the root
-    // disk when booting from one, and the host's extra flags.
+/// Command line: kernelArgs as given, else a microvirt default; the serial console, the root
+/// disk when booting from one, and the host's extra flags.
+fn command_line(
+    spec: &VirtualMachineInstanceSpec,
+    config: &VmConfig,
+    disks: &[DiskPlan],
+    env: &Environment,
+) -> String {
+    let kernel_boot = spec
+        .domain
+        .firmware
+        .as_ref()
+        .and_then(|f| f.kernel_boot.as_ref());
     let mut cmdline = kernel_boot
         .and_then(|k| k.kernel_args.clone())
         .unwrap_or_else(|| "reboot=k panic=1".into());
@@ -430,14 +526,7 @@ pub fn translate(
         cmdline.push(' ');
         cmdline.push_str(&env.extra_cmdline);
     }
-    config.cmdline = cmdline;
-    config.disks = disks.iter().map(|d| d.config.clone()).collect();
-    Ok(Plan {
-        name: name.to_string(),
-        config,
-        disks,
-        nics,
-    })
+    cmdline
 }
 
 impl Plan {
