@@ -68,11 +68,14 @@ pub struct CpuPreference {
 #[serde(rename_all = "camelCase")]
 pub struct DevicePreference {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preferred_disk_bus: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub preferred_disk_bus: Option<crate::closed::DiskBus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preferred_cdrom_bus: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub preferred_cdrom_bus: Option<crate::closed::DiskBus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preferred_interface_model: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub preferred_interface_model: Option<crate::closed::NicModel>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preferred_autoattach_serial_console: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -293,6 +296,7 @@ pub fn expand(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::closed::{DiskBus, NicModel};
 
     fn vmi(yaml: &str) -> VirtualMachineInstanceSpec {
         serde_yaml::from_str(yaml).unwrap()
@@ -324,16 +328,13 @@ mod tests {
         assert_eq!((c.sockets, c.cores, c.threads), (Some(1), Some(4), Some(1)));
         assert_eq!(s.domain.memory.unwrap().guest.unwrap().0, "2Gi");
         let d = &s.domain.devices.disks;
-        assert_eq!(d[0].disk.as_ref().unwrap().bus.as_deref(), Some("virtio"));
+        assert_eq!(d[0].disk.as_ref().unwrap().bus, Some(DiskBus::Virtio));
         assert_eq!(
-            d[1].disk.as_ref().unwrap().bus.as_deref(),
-            Some("sata"),
+            d[1].disk.as_ref().unwrap().bus,
+            Some(DiskBus::Sata),
             "the VM's own wins"
         );
-        assert_eq!(
-            s.domain.devices.interfaces[0].model.as_deref(),
-            Some("virtio")
-        );
+        assert_eq!(s.domain.devices.interfaces[0].model, Some(NicModel::Virtio));
         assert_eq!(s.termination_grace_period_seconds, Some(5));
     }
 

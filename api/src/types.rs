@@ -10,6 +10,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub use crate::closed::{Binding, DiskBus, DiskCache, NicModel};
+
 /// Fields of a user-written object that microvirt does not model, kept verbatim.
 pub type Extra = BTreeMap<String, Value>;
 
@@ -350,7 +352,8 @@ pub struct Disk {
     pub serial: Option<String>,
     /// none, writethrough, writeback
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub cache: Option<DiskCache>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,
@@ -360,7 +363,8 @@ pub struct Disk {
 #[serde(rename_all = "camelCase")]
 pub struct DiskTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bus: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub bus: Option<DiskBus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub readonly: Option<bool>,
 }
@@ -369,7 +373,8 @@ pub struct DiskTarget {
 #[serde(rename_all = "camelCase")]
 pub struct CdromTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bus: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub bus: Option<DiskBus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub readonly: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -380,7 +385,8 @@ pub struct CdromTarget {
 #[serde(rename_all = "camelCase")]
 pub struct LunTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bus: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub bus: Option<DiskBus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub readonly: Option<bool>,
 }
@@ -405,13 +411,29 @@ pub struct Interface {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac_address: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
+    #[schemars(with = "Option<String>")]
+    pub model: Option<NicModel>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_objects")]
     pub ports: Option<Vec<Value>>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,
+}
+
+impl Interface {
+    /// The binding methods the interface sets (validation accepts exactly one).
+    pub fn bindings(&self) -> Vec<Binding> {
+        [
+            (self.masquerade.is_some(), Binding::Masquerade),
+            (self.bridge.is_some(), Binding::Bridge),
+            (self.sriov.is_some(), Binding::Sriov),
+            (self.slirp.is_some(), Binding::Slirp),
+        ]
+        .into_iter()
+        .filter_map(|(set, b)| set.then_some(b))
+        .collect()
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -495,7 +495,7 @@ fn validate_disk(disk: &crate::types::Disk, dp: &str, e: &mut Errors) {
         .and_then(|t| t.bus.clone())
         .or_else(|| disk.cdrom.as_ref().and_then(|t| t.bus.clone()));
     if let Some(b) = bus {
-        if b != "virtio" {
+        if b != DiskBus::Virtio {
             let which = if disk.cdrom.is_some() {
                 "cdrom"
             } else {
@@ -503,16 +503,16 @@ fn validate_disk(disk: &crate::types::Disk, dp: &str, e: &mut Errors) {
             };
             e.unsupported(
                 format!("{dp}.{which}.bus"),
-                &format!("bus {b:?}"),
+                &format!("bus {:?}", b.as_str()),
                 "accepted: virtio",
             );
         }
     }
     if let Some(c) = &disk.cache {
-        if c != "none" && c != "writeback" {
+        if !matches!(c, DiskCache::None | DiskCache::Writeback) {
             e.unsupported(
                 format!("{dp}.cache"),
-                &format!("cache mode {c:?}"),
+                &format!("cache mode {:?}", c.as_str()),
                 "accepted: none, writeback",
             );
         }
@@ -696,26 +696,17 @@ fn validate_interface(iface: &crate::types::Interface, ip: &str, e: &mut Errors)
             "accepted bindings: masquerade, bridge",
         );
     }
-    let bindings = [
-        iface.masquerade.is_some(),
-        iface.bridge.is_some(),
-        iface.sriov.is_some(),
-        iface.slirp.is_some(),
-    ]
-    .iter()
-    .filter(|b| **b)
-    .count();
-    if bindings > 1 {
+    if iface.bindings().len() > 1 {
         e.add(
             ip.to_string(),
             "set exactly one binding method (masquerade or bridge)",
         );
     }
     if let Some(m) = &iface.model {
-        if m != "virtio" {
+        if *m != NicModel::Virtio {
             e.unsupported(
                 format!("{ip}.model"),
-                &format!("NIC model {m:?}"),
+                &format!("NIC model {:?}", m.as_str()),
                 "accepted: virtio",
             );
         }
@@ -870,15 +861,15 @@ pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
     for disk in &mut d.devices.disks {
         if disk.disk.is_none() && disk.cdrom.is_none() && disk.lun.is_none() {
             disk.disk = Some(DiskTarget {
-                bus: Some("virtio".into()),
+                bus: Some(DiskBus::Virtio),
                 readonly: None,
             });
         }
         if let Some(t) = disk.disk.as_mut() {
-            t.bus.get_or_insert_with(|| "virtio".into());
+            t.bus.get_or_insert(DiskBus::Virtio);
         }
         if let Some(t) = disk.cdrom.as_mut() {
-            t.bus.get_or_insert_with(|| "virtio".into());
+            t.bus.get_or_insert(DiskBus::Virtio);
             t.readonly.get_or_insert(true);
         }
     }
@@ -903,7 +894,7 @@ pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
         if i.masquerade.is_none() && i.bridge.is_none() && i.sriov.is_none() && i.slirp.is_none() {
             i.bridge = Some(serde_json::json!({}));
         }
-        i.model.get_or_insert_with(|| "virtio".into());
+        i.model.get_or_insert(NicModel::Virtio);
     }
     d.devices.autoattach_serial_console.get_or_insert(true);
     d.devices.autoattach_graphics_device.get_or_insert(false);

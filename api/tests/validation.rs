@@ -141,13 +141,8 @@ spec:
         (Some(1), Some(1), Some(1))
     );
     assert_eq!(
-        s.domain.devices.disks[0]
-            .disk
-            .as_ref()
-            .unwrap()
-            .bus
-            .as_deref(),
-        Some("virtio")
+        s.domain.devices.disks[0].disk.as_ref().unwrap().bus,
+        Some(api::DiskBus::Virtio)
     );
     assert_eq!(s.networks[0].name, "default");
     assert!(s.networks[0].pod.is_some());
@@ -188,8 +183,8 @@ spec:
         .as_ref()
         .unwrap()
         .bus
-        .as_deref();
-    assert_eq!(bus, Some("virtio"));
+        .clone();
+    assert_eq!(bus, Some(api::DiskBus::Virtio));
     default_vmi_spec(&mut v.spec);
     assert_eq!(
         v.spec.domain.devices.disks.len(),

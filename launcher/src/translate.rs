@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 use api::quantity::parse_bytes;
 use api::validation::{guest_memory, vcpus};
-use api::{Disk, VirtualMachineInstanceSpec, Volume};
+use api::{Disk, DiskBus, DiskCache, NicModel, VirtualMachineInstanceSpec, Volume};
 use vmm::config::{CacheMode, DiskConfig, MacAddr};
 use vmm::VmConfig;
 
@@ -333,13 +333,52 @@ fn cloud_init_source(
     })
 }
 
+/// The host cache mode of a disk's `cache`; KubeVirt's default (none given) is writeback.
+/// Validation refuses the others; they are refused here too, never mapped to another mode.
+fn cache_mode(cache: Option<&DiskCache>, dp: &str) -> Result<CacheMode, TranslateError> {
+    match cache {
+        Some(DiskCache::None) => Ok(CacheMode::None),
+        None | Some(DiskCache::Writeback) => Ok(CacheMode::Writeback),
+        Some(c @ (DiskCache::Writethrough | DiskCache::Other(_))) => Err(err(
+            format!("{dp}.cache"),
+            format!(
+                "cache mode {:?} is not supported; accepted: none, writeback",
+                c.as_str()
+            ),
+        )),
+    }
+}
+
+/// The guest sees every disk on virtio-blk.
+fn check_bus(disk: &Disk, dp: &str) -> Result<(), TranslateError> {
+    let targets = [
+        ("disk", disk.disk.as_ref().and_then(|t| t.bus.as_ref())),
+        ("cdrom", disk.cdrom.as_ref().and_then(|t| t.bus.as_ref())),
+        ("lun", disk.lun.as_ref().and_then(|t| t.bus.as_ref())),
+    ];
+    for (which, bus) in targets {
+        match bus {
+            None | Some(DiskBus::Virtio) => {}
+            Some(b @ (DiskBus::Sata | DiskBus::Scsi | DiskBus::Usb | DiskBus::Other(_))) => {
+                return Err(err(
+                    format!("{dp}.{which}.bus"),
+                    format!("bus {:?} is not supported; accepted: virtio", b.as_str()),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 fn disk_plan(
     name: &str,
     disk: &Disk,
+    dp: &str,
     vol: &Volume,
     vp: &str,
     env: &Environment,
 ) -> Result<DiskPlan, TranslateError> {
+    check_bus(disk, dp)?;
     let mut read_only =
         disk.disk.as_ref().and_then(|d| d.readonly).unwrap_or(false) || disk.cdrom.is_some();
     let source = disk_source(name, vol, vp, env, &mut read_only)?;
@@ -355,10 +394,7 @@ fn disk_plan(
             },
             read_only,
             serial: disk.serial.clone(),
-            cache: match disk.cache.as_deref() {
-                Some("none") => CacheMode::None,
-                _ => CacheMode::Writeback,
-            },
+            cache: cache_mode(disk.cache.as_ref(), dp)?,
         },
         source,
     })
@@ -459,6 +495,7 @@ fn disk_plans(
         disks.push(disk_plan(
             name,
             disk,
+            &format!("spec.domain.devices.disks[{i}]"),
             vol,
             &format!("spec.volumes[{vi}]"),
             env,
@@ -480,13 +517,38 @@ fn nic_plans(
         let mac = Some(MacAddr(api::mac::of_interface(name, iface).map_err(
             |r| err(format!("spec.domain.devices.interfaces[{i}].macAddress"), r),
         )?));
+        let ip = format!("spec.domain.devices.interfaces[{i}]");
+        match &iface.model {
+            None | Some(NicModel::Virtio) => {}
+            Some(m) => {
+                return Err(err(
+                    format!("{ip}.model"),
+                    format!(
+                        "NIC model {:?} is not supported; accepted: virtio",
+                        m.as_str()
+                    ),
+                ))
+            }
+        }
+        let binding = match iface.bindings().as_slice() {
+            [api::Binding::Masquerade] => Binding::Masquerade,
+            [api::Binding::Bridge] => Binding::Bridge,
+            [b @ (api::Binding::Sriov | api::Binding::Slirp)] => {
+                return Err(err(
+                    format!("{ip}.{}", b.field()),
+                    "is not supported; accepted bindings: masquerade, bridge",
+                ))
+            }
+            _ => {
+                return Err(err(
+                    ip,
+                    "set exactly one binding method (masquerade or bridge)",
+                ))
+            }
+        };
         nics.push(NicPlan {
             interface: iface.name.clone(),
-            binding: if iface.bridge.is_some() {
-                Binding::Bridge
-            } else {
-                Binding::Masquerade
-            },
+            binding,
             mac,
             multus: net.and_then(|n| n.multus.as_ref().map(|m| m.network_name.clone())),
         });
@@ -648,5 +710,32 @@ impl Plan {
             );
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_cache_value_has_one_meaning() {
+        let dp = "spec.domain.devices.disks[0]";
+        assert_eq!(cache_mode(None, dp).unwrap(), CacheMode::Writeback);
+        assert_eq!(
+            cache_mode(Some(&DiskCache::None), dp).unwrap(),
+            CacheMode::None
+        );
+        assert_eq!(
+            cache_mode(Some(&DiskCache::Writeback), dp).unwrap(),
+            CacheMode::Writeback
+        );
+        // Never silently another mode.
+        for refused in [DiskCache::Writethrough, DiskCache::from("unsafe")] {
+            let e = cache_mode(Some(&refused), dp).unwrap_err().to_string();
+            assert!(
+                e.contains("disks[0].cache") && e.contains("accepted: none, writeback"),
+                "{e}"
+            );
+        }
     }
 }

@@ -78,13 +78,8 @@ spec:
     assert_eq!(size(&vmi), (Some(1), Some(4), Some(1), "2Gi".into()));
     assert_eq!(vmi.spec.termination_grace_period_seconds, Some(7));
     assert_eq!(
-        vmi.spec.domain.devices.disks[0]
-            .disk
-            .as_ref()
-            .unwrap()
-            .bus
-            .as_deref(),
-        Some("virtio")
+        vmi.spec.domain.devices.disks[0].disk.as_ref().unwrap().bus,
+        Some(api::DiskBus::Virtio)
     );
     // The spec used is captured, and the VM points at it.
     let vm = cluster.api::<VirtualMachine>().get("sized").await.unwrap();
