@@ -14,6 +14,7 @@ pub mod fields;
 pub mod instancetype;
 pub mod labels;
 pub mod launcher_pod;
+pub mod limits;
 pub mod mac;
 pub mod migratability;
 pub mod ownership;

@@ -8,13 +8,7 @@ use std::fmt;
 use crate::quantity::parse_bytes;
 use crate::types::*;
 
-/// Guest memory bounds the VMM accepts (vmm::config::{MIN,MAX}_MEMORY_MIB).
-pub const MIN_MEMORY: u64 = 8 << 20;
-pub const MAX_MEMORY: u64 = 1 << 40;
-/// vmm::config::MAX_VCPUS
-pub const MAX_VCPUS: u64 = 254;
-/// One legacy IRQ per virtio device (vmm::config::MAX_VIRTIO_DEVICES).
-pub const MAX_DEVICES: usize = 19;
+use crate::limits::{MAX_MEMORY_MIB, MAX_VCPUS, MAX_VIRTIO_DEVICES as MAX_DEVICES, MIN_MEMORY_MIB};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FieldError {
@@ -317,7 +311,7 @@ fn validate_memory(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
             "a memory size is required (domain.memory.guest or domain.resources.requests.memory)",
         ),
         Some(Err(why)) => e.add(format!("{p}.domain.memory.guest"), why),
-        Some(Ok(b)) if !(MIN_MEMORY..=MAX_MEMORY).contains(&b) => e.add(
+        Some(Ok(b)) if !(MIN_MEMORY_MIB << 20..=MAX_MEMORY_MIB << 20).contains(&b) => e.add(
             format!("{p}.domain.memory.guest"),
             format!("{b} bytes is out of range; accepted: 8Mi to 1Ti"),
         ),
@@ -369,7 +363,7 @@ fn validate_cpu(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
         }
     }
     let n = vcpus(spec);
-    if n > MAX_VCPUS {
+    if n > MAX_VCPUS as u64 {
         e.add(
             format!("{p}.domain.cpu"),
             format!("sockets × cores × threads = {n}; at most {MAX_VCPUS} vCPUs are accepted"),

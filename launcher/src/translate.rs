@@ -25,6 +25,14 @@ use api::{Disk, DiskBus, DiskCache, NicModel, VirtualMachineInstanceSpec, Volume
 use vmm::config::{CacheMode, DiskConfig, MacAddr};
 use vmm::VmConfig;
 
+// The limits validation applies are the VMM's (see `api::limits`): the build fails if they part.
+const _: () = {
+    assert!(api::limits::MAX_VCPUS == vmm::config::MAX_VCPUS);
+    assert!(api::limits::MIN_MEMORY_MIB == vmm::config::MIN_MEMORY_MIB);
+    assert!(api::limits::MAX_MEMORY_MIB == vmm::config::MAX_MEMORY_MIB);
+    assert!(api::limits::MAX_VIRTIO_DEVICES == vmm::config::MAX_VIRTIO_DEVICES);
+};
+
 #[derive(Clone, Debug)]
 pub struct Environment {
     pub image_dir: PathBuf,
