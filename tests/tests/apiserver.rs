@@ -288,3 +288,54 @@ async fn finalizers_graceful_pod_deletion_and_garbage_collection() {
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(pods.get_opt("child").await.unwrap().is_none());
 }
+
+/// Strict where a real API server is: a strategic merge patch of a custom resource is refused
+/// with 415 (custom resources carry no patch strategies), a Pod takes one; a Pod deleted
+/// gracefully carries the time it is due to be gone, now + its grace period.
+#[tokio::test]
+async fn strategic_merge_patch_only_for_built_in_kinds_and_deletion_due_after_grace() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let mut p = pod("g", json!({}));
+    p.spec.as_mut().unwrap().node_name = Some("node-1".into());
+    p.spec.as_mut().unwrap().termination_grace_period_seconds = Some(120);
+    pods.create(&PostParams::default(), &p).await.unwrap();
+    let label = json!({"metadata": {"labels": {"x": "1"}}});
+    pods.patch("g", &PatchParams::default(), &Patch::Strategic(&label))
+        .await
+        .unwrap();
+    let vms: Api<api::VirtualMachine> = Api::namespaced(s.client(), "default");
+    let vm: api::VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "v"}, "spec": {"template": {"spec": {"domain": {"devices": {}}}}}
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let err = vms
+        .patch("v", &PatchParams::default(), &Patch::Strategic(&label))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 415 && s.reason == "UnsupportedMediaType"),
+        "{err:?}"
+    );
+    vms.patch("v", &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+
+    let before = jiff::Timestamp::now();
+    pods.delete("g", &DeleteParams::default()).await.unwrap();
+    let gone_at = pods
+        .get("g")
+        .await
+        .unwrap()
+        .metadata
+        .deletion_timestamp
+        .unwrap()
+        .0;
+    let due = gone_at.duration_since(before).as_secs();
+    assert!(
+        (119..=121).contains(&due),
+        "deletionTimestamp {due} s after the delete"
+    );
+}

@@ -9,11 +9,13 @@
 //!   selector, BOOKMARK events (`allowWatchBookmarks`), `timeoutSeconds`, and 410 Gone once a
 //!   resourceVersion has been compacted away;
 //! - create (generateName, uid, creationTimestamp, generation), update and patch (JSON merge,
-//!   strategic merge as JSON merge, JSON patch) with 409 Conflict on a stale resourceVersion,
+//!   strategic merge as JSON merge for built-in kinds and 415 for custom resources, JSON patch)
+//!   with 409 Conflict on a stale resourceVersion,
 //!   no-op writes that do not bump the resourceVersion;
 //! - the status subresource (the main resource ignores status, `/status` ignores the rest) and
 //!   the scale subresource (autoscaling/v1 Scale);
-//! - deletion with finalizers (deletionTimestamp, removal once finalizers are gone), graceful
+//! - deletion with finalizers (deletionTimestamp at now + grace, removal once finalizers are
+//!   gone), graceful
 //!   deletion of Pods bound to a node (the kubelet completes it with gracePeriodSeconds=0), and
 //!   ownerReference garbage collection (background propagation);
 //! - fault injection for the error-handling tests: failing requests with a status code, and
@@ -169,6 +171,14 @@ fn now_rfc3339() -> String {
     jiff::Timestamp::now()
         .round(jiff::Unit::Second)
         .unwrap()
+        .to_string()
+}
+
+/// `seconds` from now, as a timestamp.
+fn rfc3339_in(seconds: i64) -> String {
+    let now = jiff::Timestamp::now().round(jiff::Unit::Second).unwrap();
+    now.checked_add(jiff::SignedDuration::from_secs(seconds))
+        .unwrap_or(now)
         .to_string()
 }
 
@@ -735,8 +745,16 @@ impl Inner {
             }
             (&Method::PATCH, Some(name), sub) => {
                 let patch = body_json()?;
-                let kind = if content_type.starts_with("application/merge-patch+json")
-                    || content_type.starts_with("application/strategic-merge-patch+json")
+                let strategic = content_type.starts_with("application/strategic-merge-patch+json");
+                if strategic && t.rtype.is_custom() {
+                    // Custom resources carry no patch strategies: the real server refuses.
+                    return Err(ApiError::new(
+                        415,
+                        "UnsupportedMediaType",
+                        format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (not {content_type:?} for {})", t.rtype.plural),
+                    ));
+                }
+                let kind = if content_type.starts_with("application/merge-patch+json") || strategic
                 {
                     Update::Merge(patch)
                 } else if content_type.starts_with("application/json-patch+json") {
@@ -1497,7 +1515,8 @@ impl Inner {
             0
         };
         if meta(&new).get("deletionTimestamp").is_none() {
-            new["metadata"]["deletionTimestamp"] = json!(now_rfc3339());
+            // As the real server: the time the object is due to be gone, now + its grace.
+            new["metadata"]["deletionTimestamp"] = json!(rfc3339_in(pod_grace));
         }
         // A shorter grace period may replace a longer one, never the other way round.
         let current = meta(&old)

@@ -21,6 +21,11 @@ impl ResourceType {
             format!("{}/{}", self.group, self.version)
         }
     }
+    /// A custom resource (a CRD's kind), not one of the server's own: what its group says.
+    pub fn is_custom(&self) -> bool {
+        self.group.contains('.') && !self.group.ends_with(".k8s.io")
+    }
+
     pub fn key(&self) -> String {
         format!("{}/{}/{}", self.group, self.version, self.plural)
     }
