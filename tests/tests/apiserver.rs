@@ -339,3 +339,47 @@ async fn strategic_merge_patch_only_for_built_in_kinds_and_deletion_due_after_gr
         "deletionTimestamp {due} s after the delete"
     );
 }
+
+/// `dryRun=All` answers every write as if it were stored and stores nothing: no object, no
+/// new resourceVersion, no watch event.
+#[tokio::test]
+async fn dry_run_writes_are_answered_and_never_stored() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let answered = pods.create(&dry, &pod("d", json!({}))).await.unwrap();
+    assert_eq!(answered.metadata.name.as_deref(), Some("d"));
+    assert!(
+        pods.get_opt("d").await.unwrap().is_none(),
+        "a dry-run create stored"
+    );
+    let real = pods
+        .create(&PostParams::default(), &pod("d", json!({})))
+        .await
+        .unwrap();
+    let label = json!({"metadata": {"labels": {"x": "1"}}});
+    let patched = pods
+        .patch(
+            "d",
+            &PatchParams::default().dry_run(),
+            &Patch::Merge(&label),
+        )
+        .await
+        .unwrap();
+    assert_eq!(patched.metadata.labels.unwrap()["x"], "1");
+    let dp = DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    pods.delete("d", &dp).await.unwrap();
+    let stored = pods.get("d").await.unwrap();
+    assert_eq!(
+        stored.metadata.resource_version,
+        real.metadata.resource_version
+    );
+    assert!(stored.metadata.labels.is_none_or(|l| !l.contains_key("x")));
+    assert!(stored.metadata.deletion_timestamp.is_none());
+}

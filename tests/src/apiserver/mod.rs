@@ -23,6 +23,8 @@
 //!
 //! - discovery, OpenAPI v3, `/version` and Table output for kubectl (see [`crate::discovery`]).
 //!
+//! - `dryRun=All` on every write: checked, admitted and answered, never stored.
+//!
 //! Not implemented (the controllers do not use them): server-side apply, deletecollection,
 //! protobuf, admission (the webhook is tested on its own).
 
@@ -281,6 +283,8 @@ struct Target {
     namespace: Option<String>,
     name: Option<String>,
     subresource: Option<String>,
+    /// `dryRun=All`: the write is checked and answered as if stored, and nothing is stored.
+    dry_run: bool,
 }
 
 impl Inner {
@@ -326,6 +330,7 @@ impl Inner {
             namespace,
             name,
             subresource: sub,
+            dry_run: false,
         })
     }
 }
@@ -680,7 +685,18 @@ impl Inner {
         headers: &HeaderMap,
         body: &Bytes,
     ) -> ApiResult<Response<Body>> {
-        let t = self.route(path)?;
+        let mut t = self.route(path)?;
+        t.dry_run = match q.get("dryRun").map(String::as_str) {
+            None => false,
+            Some("All") => true,
+            Some(other) => {
+                return Err(ApiError::new(
+                    400,
+                    "BadRequest",
+                    format!("dryRun: unsupported value {other:?}: supported values: \"All\""),
+                ))
+            }
+        };
         let body_json = || -> ApiResult<Value> {
             serde_json::from_slice(body)
                 .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON body: {e}")))
@@ -777,6 +793,14 @@ impl Inner {
                 } else {
                     body_json()?
                 };
+                // DeleteOptions may carry it in the body too.
+                if opts
+                    .get("dryRun")
+                    .and_then(Value::as_array)
+                    .is_some_and(|d| d.iter().any(|v| v == "All"))
+                {
+                    t.dry_run = true;
+                }
                 let grace = q
                     .get("gracePeriodSeconds")
                     .and_then(|g| g.parse::<i64>().ok())
@@ -923,6 +947,7 @@ impl Inner {
             namespace: t.namespace.clone(),
             name: Some(name.to_string()),
             subresource: None,
+            dry_run: t.dry_run,
         };
         self.delete(&target, name, grace, None)?;
         Ok(json_response(
@@ -1324,6 +1349,9 @@ impl Inner {
                 o.remove("status");
             }
         }
+        if t.dry_run {
+            return Ok(obj);
+        }
         Ok(self.commit(&mut st, rt, "ADDED", None, obj))
     }
 
@@ -1357,7 +1385,7 @@ impl Inner {
             let replicas = scale.pointer("/spec/replicas").cloned().unwrap_or(json!(0));
             let mut new = old.clone();
             set_path(&mut new, spec_path, replicas);
-            let new = self.write(&mut st, rt, old, new)?;
+            let new = self.write(&mut st, rt, old, new, t.dry_run)?;
             return self.scale_of_locked(rt, &new);
         }
         if sub.is_some_and(|s| s != "status") {
@@ -1437,7 +1465,7 @@ impl Inner {
                 new["metadata"]["generation"] = json!(g + 1);
             }
         }
-        self.write(&mut st, rt, old, new)
+        self.write(&mut st, rt, old, new, t.dry_run)
     }
 
     /// Stores an updated object, deleting it when it was being deleted and its last finalizer
@@ -1448,10 +1476,11 @@ impl Inner {
         rt: &ResourceType,
         old: Value,
         mut new: Value,
+        dry_run: bool,
     ) -> ApiResult<Value> {
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
-        if new == old {
-            return Ok(old);
+        if new == old || dry_run {
+            return Ok(new);
         }
         if meta(&new).get("deletionTimestamp").is_some()
             && !has_finalizers(&new)
@@ -1493,6 +1522,9 @@ impl Inner {
         if precondition_rv.is_some_and(|rv| Some(rv.as_str()) != meta_str(&old, "resourceVersion"))
         {
             return Err(conflict(rt, name));
+        }
+        if t.dry_run {
+            return Ok(old);
         }
         Ok(self.delete_locked(&mut st, rt, old, grace))
     }
