@@ -136,31 +136,83 @@ pub fn eviction(pod: &str) -> Value {
     )
 }
 
-/// What `deploy/webhook.yaml` registers: the webhook's name, its path, the operations and the
-/// resources (all in group kubevirt.io) it is called for, mutating before validating.
-const REGISTRATIONS: [(&str, &str, &[&str], &[&str]); 2] = [
-    (
-        "mutate.microvirt.kubevirt.io",
-        "/mutate",
-        &["CREATE"],
-        &[
-            "virtualmachines",
-            "virtualmachineinstances",
-            "virtualmachineinstancereplicasets",
-        ],
-    ),
-    (
-        "validate.microvirt.kubevirt.io",
-        "/validate",
-        &["CREATE", "UPDATE"],
-        &[
-            "virtualmachines",
-            "virtualmachineinstances",
-            "virtualmachineinstancereplicasets",
-            "virtualmachineinstancemigrations",
-        ],
-    ),
-];
+/// One webhook of `deploy/webhook.yaml` that admits objects: its name, its path, and the
+/// rules (API groups, operations, resources) it is called for.
+struct Registration {
+    name: String,
+    path: String,
+    rules: Vec<Rule>,
+}
+
+struct Rule {
+    groups: Vec<String>,
+    operations: Vec<String>,
+    resources: Vec<String>,
+}
+
+impl Registration {
+    fn applies(&self, group: &str, operation: &str, resource: &str) -> bool {
+        let has = |list: &[String], v: &str| list.iter().any(|x| x == v || x == "*");
+        self.rules.iter().any(|r| {
+            has(&r.groups, group) && has(&r.operations, operation) && has(&r.resources, resource)
+        })
+    }
+}
+
+/// The object webhooks `deploy/webhook.yaml` registers, read from the file the cluster gets,
+/// mutating before validating as the API server calls them (a subresource's webhook, such as
+/// `pods/eviction`, is the eviction admission's).
+fn registrations() -> Vec<Registration> {
+    let path = crate::repo_root().join("deploy/webhook.yaml");
+    let text = std::fs::read_to_string(&path).expect("deploy/webhook.yaml");
+    let strings = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_str().map(str::to_string))
+            .collect()
+    };
+    let mut out = vec![];
+    for order in [
+        "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
+    ] {
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let doc = <Value as serde::Deserialize>::deserialize(doc).expect("webhook.yaml parses");
+            if doc["kind"] != order {
+                continue;
+            }
+            for w in doc["webhooks"].as_array().into_iter().flatten() {
+                let rules: Vec<Rule> = w["rules"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|r| Rule {
+                        groups: strings(&r["apiGroups"]),
+                        operations: strings(&r["operations"]),
+                        resources: strings(&r["resources"])
+                            .into_iter()
+                            .filter(|r| !r.contains('/'))
+                            .collect(),
+                    })
+                    .filter(|r| !r.resources.is_empty())
+                    .collect();
+                if rules.is_empty() {
+                    continue;
+                }
+                out.push(Registration {
+                    name: w["name"].as_str().unwrap_or_default().to_string(),
+                    path: w["clientConfig"]["service"]["path"]
+                        .as_str()
+                        .unwrap_or("/")
+                        .to_string(),
+                    rules,
+                });
+            }
+        }
+    }
+    out
+}
 
 impl Webhook {
     /// This webhook as the test API server's object admission, called as the API server calls
@@ -179,13 +231,10 @@ impl Webhook {
     ) -> Result<(Value, Vec<String>), (u16, String)> {
         let mut object = attrs.object;
         let mut warnings = vec![];
-        for (name, path, operations, resources) in REGISTRATIONS {
-            if attrs.group != "kubevirt.io"
-                || !operations.contains(&attrs.operation)
-                || !resources.contains(&attrs.resource)
-            {
-                continue;
-            }
+        let called = registrations()
+            .into_iter()
+            .filter(|r| r.applies(attrs.group, attrs.operation, attrs.resource));
+        for Registration { name, path, .. } in called {
             let review = admission_review(
                 &crate::apiserver::new_uid(),
                 attrs.kind,
@@ -195,7 +244,7 @@ impl Webhook {
                 object.clone(),
                 attrs.old_object.clone(),
             );
-            let answer = self.post(path, &review).await;
+            let answer = self.post(&path, &review).await;
             let response = &answer["response"];
             for w in response["warnings"].as_array().into_iter().flatten() {
                 if let Some(w) = w.as_str() {
