@@ -37,6 +37,25 @@ fn crd_of(
     Some((crd, version))
 }
 
+/// The structural schema (`openAPIV3Schema`) of a kind the server serves from a CRD, as JSON;
+/// `None` for built-in kinds.
+pub fn schema_of(rt: &ResourceType) -> Option<&'static Value> {
+    static SCHEMAS: OnceLock<std::collections::HashMap<String, Value>> = OnceLock::new();
+    let all = SCHEMAS.get_or_init(|| {
+        crds()
+            .iter()
+            .flat_map(|c| {
+                c.spec.versions.iter().filter_map(move |v| {
+                    let schema = v.schema.as_ref()?.open_api_v3_schema.as_ref()?;
+                    let key = format!("{}/{}/{}", c.spec.group, v.name, c.spec.names.plural);
+                    Some((key, serde_json::to_value(schema).unwrap()))
+                })
+            })
+            .collect()
+    });
+    all.get(&rt.key())
+}
+
 /// Singular name and short names of a built-in kind (the ones this server stores).
 fn builtin_names(plural: &str) -> (&'static str, &'static [&'static str]) {
     match plural {

@@ -23,7 +23,10 @@
 //!
 //! - discovery, OpenAPI v3, `/version` and Table output for kubectl (see [`crate::discovery`]).
 //!
-//! - `dryRun=All` on every write: checked, admitted and answered, never stored.
+//! - `dryRun=All` on every write: checked, admitted and answered, never stored;
+//! - custom resources stored as their CRD's structural schema has them (`schema`): a wrong
+//!   type or a value outside an enum refused with 422, unknown fields pruned where the schema
+//!   does not preserve them.
 //!
 //! Not implemented (the controllers do not use them): server-side apply, deletecollection,
 //! protobuf, admission (the webhook is tested on its own).
@@ -44,6 +47,7 @@ use crate::rbac::{Authorizer, RequestAttributes};
 mod errors;
 mod json;
 pub mod resources;
+mod schema;
 mod selectors;
 
 use errors::{json_response, with_warnings, ApiError, ApiResult};
@@ -174,6 +178,29 @@ fn now_rfc3339() -> String {
         .round(jiff::Unit::Second)
         .unwrap()
         .to_string()
+}
+
+/// A custom resource as its CRD's structural schema has it (`schema`): unknown fields pruned,
+/// a wrong type refused with 422 naming every path, as the real server does before storing.
+fn conform(rt: &ResourceType, obj: &mut Value) -> ApiResult<()> {
+    let Some(schema) = crate::discovery::schema_of(rt) else {
+        return Ok(());
+    };
+    let c = schema::conform(schema, obj);
+    if c.invalid.is_empty() {
+        return Ok(());
+    }
+    let name = meta_str(obj, "name").unwrap_or_default();
+    let what = if c.invalid.len() == 1 {
+        c.invalid[0].clone()
+    } else {
+        format!("[{}]", c.invalid.join(", "))
+    };
+    Err(ApiError::new(
+        422,
+        "Invalid",
+        format!("{}.{} \"{name}\" is invalid: {what}", rt.kind, rt.group),
+    ))
 }
 
 /// `seconds` from now, as a timestamp.
@@ -1349,6 +1376,7 @@ impl Inner {
                 o.remove("status");
             }
         }
+        conform(rt, &mut obj)?;
         if t.dry_run {
             return Ok(obj);
         }
@@ -1478,6 +1506,7 @@ impl Inner {
         mut new: Value,
         dry_run: bool,
     ) -> ApiResult<Value> {
+        conform(rt, &mut new)?;
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
         if new == old || dry_run {
             return Ok(new);
