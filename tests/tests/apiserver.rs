@@ -148,6 +148,16 @@ async fn list_paging_and_selectors() {
         .await
         .unwrap();
     assert_eq!(by_name.items.len(), 1);
+    // Only the fields the real server selects Pods on.
+    let err = pods
+        .list(&ListParams::default().fields("spec.containers=c"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 400
+            && s.message == "field label not supported: spec.containers"),
+        "{err:?}"
+    );
     let other_ns: Api<Pod> = Api::namespaced(s.client(), "other");
     assert!(other_ns
         .list(&ListParams::default())

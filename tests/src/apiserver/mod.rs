@@ -4,7 +4,9 @@
 //! Written by hand because no maintained crate serves the Kubernetes REST protocol in-process:
 //! kube-rs's own test support mocks at the tower-service level (below HTTP), which would tell the
 //! client it is not talking to an API server. What this one implements, as the real one does:
-//! - list with label/field selectors, `limit`/`continue` paging and the list's resourceVersion;
+//! - list with label selectors and field selectors (on the fields the real server selects each
+//!   kind on: name and namespace, and for built-in kinds their registries' fields), `limit`/
+//!   `continue` paging and the list's resourceVersion;
 //! - watch from a resourceVersion with replay, ADDED/MODIFIED/DELETED as objects enter and leave a
 //!   selector, BOOKMARK events (`allowWatchBookmarks`), `timeoutSeconds`, and 410 Gone once a
 //!   resourceVersion has been compacted away;
@@ -53,7 +55,7 @@ mod selectors;
 use errors::{json_response, with_warnings, ApiError, ApiResult};
 use json::{get_path, has_finalizers, merge_patch, meta, meta_str, set_path};
 pub use resources::{default_types, ResourceType};
-use selectors::{parse_field_selector, parse_label_selector, Filter};
+use selectors::{parse_field_selector, parse_label_selector, selectable_field, Filter};
 
 #[derive(Clone, Debug)]
 struct WatchEvent {
@@ -1085,12 +1087,31 @@ impl Inner {
                 .map(|s| parse_label_selector(s))
                 .transpose()?
                 .unwrap_or_default(),
-            fields: q
-                .get("fieldSelector")
-                .map(|s| parse_field_selector(s))
-                .transpose()?
-                .unwrap_or_default(),
+            fields: self.field_selector(t, q)?,
         })
+    }
+
+    /// `fieldSelector`, on the fields the real server can select this kind on only.
+    fn field_selector(
+        &self,
+        t: &Target,
+        q: &BTreeMap<String, String>,
+    ) -> ApiResult<Vec<(String, String, bool)>> {
+        let Some(s) = q.get("fieldSelector") else {
+            return Ok(vec![]);
+        };
+        let terms = parse_field_selector(s)?;
+        if let Some((path, _, _)) = terms
+            .iter()
+            .find(|(p, _, _)| !selectable_field(t.rtype.kind, p))
+        {
+            return Err(ApiError::new(
+                400,
+                "BadRequest",
+                format!("field label not supported: {path}"),
+            ));
+        }
+        Ok(terms)
     }
 
     fn list(&self, t: &Target, q: &BTreeMap<String, String>) -> ApiResult<Value> {

@@ -138,3 +138,48 @@ impl Filter {
         labels_match(obj, &self.labels) && fields_match(obj, &self.fields)
     }
 }
+
+/// Whether the real API server selects `kind` on field `path`: every kind on its name and
+/// namespace, the built-in kinds on the fields their registries add, custom resources on
+/// nothing else (no CRD here declares selectableFields).
+pub(crate) fn selectable_field(kind: &str, path: &str) -> bool {
+    if matches!(path, "metadata.name" | "metadata.namespace") {
+        return true;
+    }
+    let extra: &[&str] = match kind {
+        "Pod" => &[
+            "spec.nodeName",
+            "spec.restartPolicy",
+            "spec.schedulerName",
+            "spec.serviceAccountName",
+            "spec.hostNetwork",
+            "status.phase",
+            "status.podIP",
+            "status.podIPs",
+            "status.nominatedNodeName",
+        ],
+        "Node" => &["spec.unschedulable"],
+        "Namespace" => &["status.phase"],
+        "Secret" => &["type"],
+        "ReplicaSet" | "ReplicationController" => &["status.replicas"],
+        "Event" => &[
+            "involvedObject.kind",
+            "involvedObject.namespace",
+            "involvedObject.name",
+            "involvedObject.uid",
+            "involvedObject.apiVersion",
+            "involvedObject.resourceVersion",
+            "involvedObject.fieldPath",
+            "reason",
+            "reportingComponent",
+            "source",
+            "type",
+            "regarding.kind",
+            "regarding.namespace",
+            "regarding.name",
+            "regarding.uid",
+        ],
+        _ => &[],
+    };
+    extra.contains(&path)
+}
