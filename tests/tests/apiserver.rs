@@ -282,12 +282,14 @@ async fn finalizers_graceful_pod_deletion_and_garbage_collection() {
     .unwrap();
     assert!(pods.get_opt("owner").await.unwrap().is_none());
 
-    // Its dependent is collected, but its finalizer holds it until removed.
-    let c = pods.get("child").await.unwrap();
-    assert!(
-        c.metadata.deletion_timestamp.is_some(),
-        "garbage collection started"
-    );
+    // Its dependent is collected (after the delete, by the collector beside the server), but
+    // its finalizer holds it until removed.
+    let c = until(|| async {
+        let c = pods.get("child").await.unwrap();
+        c.metadata.deletion_timestamp.is_some().then_some(c)
+    })
+    .await;
+    assert!(c.metadata.deletion_timestamp.is_some());
     pods.patch(
         "child",
         &PatchParams::default(),
@@ -297,6 +299,99 @@ async fn finalizers_graceful_pod_deletion_and_garbage_collection() {
     .unwrap();
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(pods.get_opt("child").await.unwrap().is_none());
+}
+
+/// Polls `f` until it answers, for at most 5 s.
+async fn until<T, F: std::future::Future<Output = Option<T>>>(f: impl Fn() -> F) -> T {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not within 5 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// An unbound Pod (deleted at once, no kubelet involved), owned by `owner` when given.
+fn owned_pod(name: &str, owner: Option<&Pod>) -> Pod {
+    let mut p = pod(name, json!({}));
+    if let Some(o) = owner {
+        p.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: "v1".into(),
+                kind: "Pod".into(),
+                name: o.metadata.name.clone().unwrap(),
+                uid: o.metadata.uid.clone().unwrap(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            },
+        ]);
+    }
+    p
+}
+
+/// Deletes propagate as asked: Foreground holds the owner until its blocking dependents are
+/// gone, Orphan lets the owner go and leaves the dependents without it, Background (the
+/// default) removes the owner at once and its dependents after.
+#[tokio::test]
+async fn deletes_propagate_as_their_policy_says() {
+    let s = ApiServer::start().await;
+    let pods: Api<Pod> = Api::namespaced(s.client(), "default");
+    let pp = PostParams::default();
+    for (policy, owner) in [
+        (Some(kube::api::PropagationPolicy::Foreground), "fg"),
+        (Some(kube::api::PropagationPolicy::Orphan), "or"),
+        (None, "bg"),
+    ] {
+        let o = pods.create(&pp, &owned_pod(owner, None)).await.unwrap();
+        let dep = format!("{owner}-dep");
+        pods.create(&pp, &owned_pod(&dep, Some(&o))).await.unwrap();
+        let dp = DeleteParams {
+            propagation_policy: policy.clone(),
+            ..Default::default()
+        };
+        pods.delete(owner, &dp).await.unwrap();
+        match owner {
+            "fg" => {
+                let held = pods.get("fg").await.unwrap();
+                assert!(held.metadata.deletion_timestamp.is_some());
+                assert_eq!(
+                    held.metadata.finalizers,
+                    Some(vec!["foregroundDeletion".into()])
+                );
+                until(|| async { pods.get_opt("fg").await.unwrap().is_none().then_some(()) }).await;
+                assert!(
+                    pods.get_opt("fg-dep").await.unwrap().is_none(),
+                    "dependent first"
+                );
+            }
+            "or" => {
+                until(|| async { pods.get_opt("or").await.unwrap().is_none().then_some(()) }).await;
+                let kept = pods.get("or-dep").await.unwrap();
+                assert!(kept
+                    .metadata
+                    .owner_references
+                    .unwrap_or_default()
+                    .is_empty());
+                assert!(kept.metadata.deletion_timestamp.is_none());
+            }
+            _ => {
+                assert!(
+                    pods.get_opt("bg").await.unwrap().is_none(),
+                    "the owner at once"
+                );
+                until(|| async {
+                    pods.get_opt("bg-dep")
+                        .await
+                        .unwrap()
+                        .is_none()
+                        .then_some(())
+                })
+                .await;
+            }
+        }
+    }
 }
 
 /// Strict where a real API server is: a strategic merge patch of a custom resource is refused

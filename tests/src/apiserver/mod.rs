@@ -19,7 +19,8 @@
 //! - deletion with finalizers (deletionTimestamp at now + grace, removal once finalizers are
 //!   gone), graceful
 //!   deletion of Pods bound to a node (the kubelet completes it with gracePeriodSeconds=0), and
-//!   ownerReference garbage collection (background propagation);
+//!   ownerReference garbage collection beside the server, after the delete, by its
+//!   `propagationPolicy` (Background, Foreground, Orphan; see `gc`);
 //! - fault injection for the error-handling tests: failing requests with a status code, and
 //!   dropping every open watch.
 //!
@@ -47,6 +48,7 @@ use tokio::sync::broadcast;
 use crate::rbac::{Authorizer, RequestAttributes};
 
 mod errors;
+mod gc;
 mod json;
 pub mod resources;
 mod schema;
@@ -412,6 +414,17 @@ impl ApiServer {
         );
         tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
+        });
+        // The garbage collector runs beside the server, as kube-controller-manager's does.
+        let collector = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                match collector.upgrade() {
+                    Some(inner) => inner.collect_garbage(),
+                    None => return,
+                }
+            }
         });
         ApiServer { inner, addr }
     }
@@ -838,9 +851,15 @@ impl Inner {
                     .pointer("/preconditions/resourceVersion")
                     .and_then(Value::as_str)
                     .map(str::to_string);
+                let propagation = gc::Propagation::parse(
+                    q.get("propagationPolicy")
+                        .map(String::as_str)
+                        .or_else(|| opts.get("propagationPolicy").and_then(Value::as_str)),
+                )
+                .map_err(|m| ApiError::new(400, "BadRequest", m))?;
                 Ok(json_response(
                     200,
-                    &self.delete(&t, name, grace, precondition_rv)?,
+                    &self.delete(&t, name, grace, precondition_rv, propagation)?,
                 ))
             }
             _ => Err(ApiError::new(
@@ -978,7 +997,7 @@ impl Inner {
             subresource: None,
             dry_run: t.dry_run,
         };
-        self.delete(&target, name, grace, None)?;
+        self.delete(&target, name, grace, None, gc::Propagation::Background)?;
         Ok(json_response(
             201,
             &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
@@ -1536,9 +1555,7 @@ impl Inner {
             && !has_finalizers(&new)
             && !self.graceful_pending(rt, &new)
         {
-            let deleted = self.commit(st, rt, "DELETED", Some(old), new);
-            self.collect_garbage(st, &deleted);
-            return Ok(deleted);
+            return Ok(self.commit(st, rt, "DELETED", Some(old), new));
         }
         Ok(self.commit(st, rt, "MODIFIED", Some(old), new))
     }
@@ -1565,6 +1582,7 @@ impl Inner {
         name: &str,
         grace: Option<i64>,
         precondition_rv: Option<String>,
+        propagation: gc::Propagation,
     ) -> ApiResult<Value> {
         let rt = &t.rtype;
         let mut st = self.state.lock().unwrap();
@@ -1576,7 +1594,7 @@ impl Inner {
         if t.dry_run {
             return Ok(old);
         }
-        Ok(self.delete_locked(&mut st, rt, old, grace))
+        Ok(self.delete_locked(&mut st, rt, old, grace, propagation))
     }
 
     fn delete_locked(
@@ -1585,8 +1603,21 @@ impl Inner {
         rt: &ResourceType,
         old: Value,
         grace: Option<i64>,
+        propagation: gc::Propagation,
     ) -> Value {
         let mut new = old.clone();
+        if let Some(f) = propagation.finalizer() {
+            // The collector holds the owner while it deals with the dependents.
+            let fs = new["metadata"]["finalizers"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if !fs.iter().any(|x| x == f) && meta(&new).get("deletionTimestamp").is_none() {
+                let mut fs = fs;
+                fs.push(json!(f));
+                new["metadata"]["finalizers"] = json!(fs);
+            }
+        }
         let pod_grace = if rt.kind == "Pod" {
             grace
                 .or_else(|| {
@@ -1612,44 +1643,7 @@ impl Inner {
             }
             return self.commit(st, rt, "MODIFIED", Some(old), new);
         }
-        let deleted = self.commit(st, rt, "DELETED", Some(old), new);
-        self.collect_garbage(st, &deleted);
-        deleted
-    }
-
-    /// Background propagation: dependents whose owners are all gone are deleted.
-    fn collect_garbage(&self, st: &mut State, deleted: &Value) {
-        let Some(owner_uid) = meta_str(deleted, "uid").map(str::to_string) else {
-            return;
-        };
-        let mut dependents = vec![];
-        for rt in &self.types {
-            let Some(objs) = st.objects.get(&rt.key()) else {
-                continue;
-            };
-            for o in objs.values() {
-                let owners = meta(o).get("ownerReferences").and_then(Value::as_array);
-                let owned = owners.is_some_and(|os| {
-                    os.iter()
-                        .any(|r| r.get("uid").and_then(Value::as_str) == Some(&owner_uid))
-                });
-                if owned {
-                    dependents.push((rt.clone(), o.clone()));
-                }
-            }
-        }
-        for (rt, o) in dependents {
-            let live_owner = meta(&o)
-                .get("ownerReferences")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(|r| r.get("uid").and_then(Value::as_str))
-                .any(|u| u != owner_uid && self.uid_exists(st, u));
-            if !live_owner {
-                self.delete_locked(st, &rt, o, None);
-            }
-        }
+        self.commit(st, rt, "DELETED", Some(old), new)
     }
 
     fn uid_exists(&self, st: &State, uid: &str) -> bool {
