@@ -27,6 +27,13 @@ async fn wait<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_reconciles_and_releases_its_lease_on_sigterm() {
     let api = ApiServer::start().await;
+    // The namespace `deploy/` makes for virt-controller, where its Lease lives.
+    let ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "microvirt"}})).unwrap();
+    Api::all(api.client())
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
     // The process runs under its deployed service account and RBAC rules.
     api.enforce_rbac(Authorizer::from_dir(
         &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/rbac"),

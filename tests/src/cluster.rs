@@ -76,6 +76,14 @@ impl Cluster {
             &crate::repo_root().join("deploy/rbac"),
         ));
         let client = api.client();
+        // The namespace `deploy/` creates for virt-controller (its Lease lives there).
+        let ns: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": CONTROLLER_NAMESPACE}}))
+                .unwrap();
+        kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+            .create(&Default::default(), &ns)
+            .await
+            .expect("creating the controller's namespace");
         Cluster { api, client }
     }
 

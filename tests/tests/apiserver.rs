@@ -543,3 +543,51 @@ async fn custom_resources_are_checked_and_pruned_by_their_schema() {
     );
     assert_eq!(stored.data["spec"]["running"], json!(true));
 }
+
+/// As NamespaceLifecycle has it: nothing is created in a namespace that does not exist or is
+/// being deleted; the system namespaces exist from the start.
+#[tokio::test]
+async fn objects_live_only_in_namespaces_that_exist() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let s = ApiServer::start().await;
+    let nowhere: Api<Pod> = Api::namespaced(s.client(), "nowhere");
+    let err = nowhere
+        .create(&PostParams::default(), &pod("p", json!({})))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 404
+            && s.message == "namespaces \"nowhere\" not found"),
+        "{err:?}"
+    );
+    let namespaces: Api<Namespace> = Api::all(s.client());
+    for system in ["default", "kube-system", "kube-public", "kube-node-lease"] {
+        assert!(
+            namespaces.get_opt(system).await.unwrap().is_some(),
+            "{system}"
+        );
+    }
+    let mut ns = Namespace::default();
+    ns.metadata.name = Some("nowhere".into());
+    ns.metadata.finalizers = Some(vec!["test/hold".into()]);
+    namespaces
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    nowhere
+        .create(&PostParams::default(), &pod("p", json!({})))
+        .await
+        .unwrap();
+    namespaces
+        .delete("nowhere", &DeleteParams::default())
+        .await
+        .unwrap();
+    let err = nowhere
+        .create(&PostParams::default(), &pod("q", json!({})))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 403 && s.message.contains("being terminated")),
+        "{err:?}"
+    );
+}

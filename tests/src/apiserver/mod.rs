@@ -26,6 +26,8 @@
 //!
 //! - discovery, OpenAPI v3, `/version` and Table output for kubectl (see [`crate::discovery`]).
 //!
+//! - namespaced objects only in a namespace that exists and is not being deleted (`default`,
+//!   `kube-system`, `kube-public` and `kube-node-lease` exist from the start);
 //! - `dryRun=All` on every write: checked, admitted and answered, never stored;
 //! - custom resources stored as their CRD's structural schema has them (`schema`): a wrong
 //!   type or a value outside an enum refused with 422, unknown fields pruned where the schema
@@ -403,6 +405,23 @@ impl ApiServer {
             eviction_admission: Mutex::new(None),
             object_admission: Mutex::new(None),
         });
+        // The namespaces a real server makes for itself.
+        let namespaces = Target {
+            rtype: inner
+                .types
+                .iter()
+                .find(|t| t.plural == "namespaces")
+                .expect("namespaces are served")
+                .clone(),
+            namespace: None,
+            name: None,
+            subresource: None,
+            dry_run: false,
+        };
+        for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
+            let obj = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+            inner.create(&namespaces, obj).expect("a system namespace");
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app_inner = inner.clone();
@@ -1377,6 +1396,9 @@ impl Inner {
             }
         }
         let mut st = self.state.lock().unwrap();
+        if rt.namespaced {
+            self.namespace_open(&st, &ns)?;
+        }
         let name = match (meta_str(&obj, "name"), meta_str(&obj, "generateName")) {
             (Some(n), _) if !n.is_empty() => n.to_string(),
             (_, Some(g)) if !g.is_empty() => loop {
@@ -1644,6 +1666,30 @@ impl Inner {
             return self.commit(st, rt, "MODIFIED", Some(old), new);
         }
         self.commit(st, rt, "DELETED", Some(old), new)
+    }
+
+    /// A namespaced object may be created only in a namespace that exists and is not being
+    /// deleted, as the real server's NamespaceLifecycle admission has it.
+    fn namespace_open(&self, st: &State, ns: &str) -> ApiResult<()> {
+        let namespace = st
+            .objects
+            .get("/v1/namespaces")
+            .and_then(|m| m.get(&(String::new(), ns.to_string())));
+        match namespace {
+            None => Err(ApiError::new(
+                404,
+                "NotFound",
+                format!("namespaces \"{ns}\" not found"),
+            )),
+            Some(n) if meta(n).get("deletionTimestamp").is_some() => Err(ApiError::new(
+                403,
+                "Forbidden",
+                format!(
+                    "unable to create new content in namespace {ns} because it is being terminated"
+                ),
+            )),
+            Some(_) => Ok(()),
+        }
     }
 
     fn uid_exists(&self, st: &State, uid: &str) -> bool {
