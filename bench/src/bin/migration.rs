@@ -317,7 +317,7 @@ fn main() -> Result<()> {
         );
     }
 
-    println!("\nmicrovirt, probe guest `dirty` test on 2 vCPUs (8 MiB rewritten per pass, verified on the target)\n");
+    println!("\nmicrovirt, probe guest `dirty` test on 2 vCPUs (8 MiB rewritten per pass while it migrates; the guest's memory is checked on the target by tests/tests/migration.rs, not here)\n");
     println!("| guest | VMM | total | downtime | on the wire | passes |");
     println!("| ---: | --- | ---: | ---: | ---: | ---: |");
     let probe = tests::probe_path();
