@@ -31,140 +31,51 @@ impl ResourceType {
     }
 }
 
+/// Replicas for the scale subresource: spec, status, status selector.
+const REPLICAS: Option<(&str, &str, &str)> =
+    Some(("spec.replicas", "status.replicas", "status.labelSelector"));
+
+/// The kinds microvirt's control plane touches: group, version, plural, kind, namespaced,
+/// status subresource, scale subresource.
+#[rustfmt::skip]
+const KINDS: &[(&str, &str, &str, &str, bool, bool, Option<(&str, &str, &str)>)] = &[
+    ("", "v1", "pods", "Pod", true, true, None),
+    ("", "v1", "nodes", "Node", false, true, None),
+    ("", "v1", "namespaces", "Namespace", false, true, None),
+    ("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", true, true, None),
+    ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", true, true, None),
+    ("", "v1", "events", "Event", true, false, None),
+    ("events.k8s.io", "v1", "events", "Event", true, false, None),
+    ("coordination.k8s.io", "v1", "leases", "Lease", true, false, None),
+    ("kubevirt.io", "v1", "virtualmachines", "VirtualMachine", true, true, None),
+    ("kubevirt.io", "v1", "virtualmachineinstances", "VirtualMachineInstance", true, true, None),
+    ("kubevirt.io", "v1", "virtualmachineinstancereplicasets", "VirtualMachineInstanceReplicaSet", true, true, REPLICAS),
+    ("pool.kubevirt.io", "v1beta1", "virtualmachinepools", "VirtualMachinePool", true, true, REPLICAS),
+    ("kubevirt.io", "v1", "virtualmachineinstancemigrations", "VirtualMachineInstanceMigration", true, true, None),
+    ("migrations.kubevirt.io", "v1alpha1", "migrationpolicies", "MigrationPolicy", false, true, None),
+    ("instancetype.kubevirt.io", "v1beta1", "virtualmachineinstancetypes", "VirtualMachineInstancetype", true, false, None),
+    ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterinstancetypes", "VirtualMachineClusterInstancetype", false, false, None),
+    ("instancetype.kubevirt.io", "v1beta1", "virtualmachinepreferences", "VirtualMachinePreference", true, false, None),
+    ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterpreferences", "VirtualMachineClusterPreference", false, false, None),
+    // CDI's, for dataVolumeTemplates (the tests play CDI).
+    ("cdi.kubevirt.io", "v1beta1", "datavolumes", "DataVolume", true, true, None),
+    ("apps", "v1", "controllerrevisions", "ControllerRevision", true, false, None),
+];
+
 /// The kinds microvirt's control plane touches.
 pub fn default_types() -> Vec<ResourceType> {
-    let t = |group, version, plural, kind, namespaced, status| ResourceType {
-        group,
-        version,
-        plural,
-        kind,
-        namespaced,
-        status_subresource: status,
-        scale: None,
-    };
-    let mut rs = t(
-        "kubevirt.io",
-        "v1",
-        "virtualmachineinstancereplicasets",
-        "VirtualMachineInstanceReplicaSet",
-        true,
-        true,
-    );
-    rs.scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
-    let mut pool = t(
-        "pool.kubevirt.io",
-        "v1beta1",
-        "virtualmachinepools",
-        "VirtualMachinePool",
-        true,
-        true,
-    );
-    pool.scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
-    vec![
-        t("", "v1", "pods", "Pod", true, true),
-        t("", "v1", "nodes", "Node", false, true),
-        t("", "v1", "namespaces", "Namespace", false, true),
-        t(
-            "",
-            "v1",
-            "persistentvolumeclaims",
-            "PersistentVolumeClaim",
-            true,
-            true,
-        ),
-        t(
-            "policy",
-            "v1",
-            "poddisruptionbudgets",
-            "PodDisruptionBudget",
-            true,
-            true,
-        ),
-        t("", "v1", "events", "Event", true, false),
-        t("events.k8s.io", "v1", "events", "Event", true, false),
-        t("coordination.k8s.io", "v1", "leases", "Lease", true, false),
-        t(
-            "kubevirt.io",
-            "v1",
-            "virtualmachines",
-            "VirtualMachine",
-            true,
-            true,
-        ),
-        t(
-            "kubevirt.io",
-            "v1",
-            "virtualmachineinstances",
-            "VirtualMachineInstance",
-            true,
-            true,
-        ),
-        rs,
-        pool,
-        t(
-            "kubevirt.io",
-            "v1",
-            "virtualmachineinstancemigrations",
-            "VirtualMachineInstanceMigration",
-            true,
-            true,
-        ),
-        t(
-            "migrations.kubevirt.io",
-            "v1alpha1",
-            "migrationpolicies",
-            "MigrationPolicy",
-            false,
-            true,
-        ),
-        t(
-            "instancetype.kubevirt.io",
-            "v1beta1",
-            "virtualmachineinstancetypes",
-            "VirtualMachineInstancetype",
-            true,
-            false,
-        ),
-        t(
-            "instancetype.kubevirt.io",
-            "v1beta1",
-            "virtualmachineclusterinstancetypes",
-            "VirtualMachineClusterInstancetype",
-            false,
-            false,
-        ),
-        t(
-            "instancetype.kubevirt.io",
-            "v1beta1",
-            "virtualmachinepreferences",
-            "VirtualMachinePreference",
-            true,
-            false,
-        ),
-        t(
-            "instancetype.kubevirt.io",
-            "v1beta1",
-            "virtualmachineclusterpreferences",
-            "VirtualMachineClusterPreference",
-            false,
-            false,
-        ),
-        // CDI's, for dataVolumeTemplates (the tests play CDI).
-        t(
-            "cdi.kubevirt.io",
-            "v1beta1",
-            "datavolumes",
-            "DataVolume",
-            true,
-            true,
-        ),
-        t(
-            "apps",
-            "v1",
-            "controllerrevisions",
-            "ControllerRevision",
-            true,
-            false,
-        ),
-    ]
+    KINDS
+        .iter()
+        .map(
+            |&(group, version, plural, kind, namespaced, status_subresource, scale)| ResourceType {
+                group,
+                version,
+                plural,
+                kind,
+                namespaced,
+                status_subresource,
+                scale,
+            },
+        )
+        .collect()
 }
