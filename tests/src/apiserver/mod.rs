@@ -209,6 +209,19 @@ fn conform(rt: &ResourceType, obj: &mut Value) -> ApiResult<()> {
     ))
 }
 
+/// `dryRun`: `All` or nothing, as the real server accepts.
+fn dry_run(q: &BTreeMap<String, String>) -> ApiResult<bool> {
+    match q.get("dryRun").map(String::as_str) {
+        None => Ok(false),
+        Some("All") => Ok(true),
+        Some(other) => Err(ApiError::new(
+            400,
+            "BadRequest",
+            format!("dryRun: unsupported value {other:?}: supported values: \"All\""),
+        )),
+    }
+}
+
 /// `seconds` from now, as a timestamp.
 fn rfc3339_in(seconds: i64) -> String {
     let now = jiff::Timestamp::now().round(jiff::Unit::Second).unwrap();
@@ -747,17 +760,7 @@ impl Inner {
         body: &Bytes,
     ) -> ApiResult<Response<Body>> {
         let mut t = self.route(path)?;
-        t.dry_run = match q.get("dryRun").map(String::as_str) {
-            None => false,
-            Some("All") => true,
-            Some(other) => {
-                return Err(ApiError::new(
-                    400,
-                    "BadRequest",
-                    format!("dryRun: unsupported value {other:?}: supported values: \"All\""),
-                ))
-            }
-        };
+        t.dry_run = dry_run(q)?;
         let body_json = || -> ApiResult<Value> {
             serde_json::from_slice(body)
                 .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON body: {e}")))
@@ -821,32 +824,8 @@ impl Inner {
                 ))
             }
             (&Method::PATCH, Some(name), sub) => {
-                let patch = body_json()?;
-                let strategic = content_type.starts_with("application/strategic-merge-patch+json");
-                if strategic && t.rtype.is_custom() {
-                    // Custom resources carry no patch strategies: the real server refuses.
-                    return Err(ApiError::new(
-                        415,
-                        "UnsupportedMediaType",
-                        format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (not {content_type:?} for {})", t.rtype.plural),
-                    ));
-                }
-                let kind = if content_type.starts_with("application/merge-patch+json") || strategic
-                {
-                    Update::Merge(patch)
-                } else if content_type.starts_with("application/json-patch+json") {
-                    Update::Json(patch)
-                } else {
-                    return Err(ApiError::new(
-                        415,
-                        "UnsupportedMediaType",
-                        format!("patch type {content_type:?} is not supported by this test server"),
-                    ));
-                };
-                if sub.is_none() {
-                    return self.admitted_update(&t, name, q, kind).await;
-                }
-                Ok(json_response(200, &self.update(&t, name, sub, kind)?))
+                self.patch_request(&t, name, sub, q, &content_type, body_json()?)
+                    .await
             }
             (&Method::DELETE, Some(name), None) => {
                 let opts = if body.is_empty() {
@@ -854,32 +833,8 @@ impl Inner {
                 } else {
                     body_json()?
                 };
-                // DeleteOptions may carry it in the body too.
-                if opts
-                    .get("dryRun")
-                    .and_then(Value::as_array)
-                    .is_some_and(|d| d.iter().any(|v| v == "All"))
-                {
-                    t.dry_run = true;
-                }
-                let grace = q
-                    .get("gracePeriodSeconds")
-                    .and_then(|g| g.parse::<i64>().ok())
-                    .or_else(|| opts.get("gracePeriodSeconds").and_then(Value::as_i64));
-                let precondition_rv = opts
-                    .pointer("/preconditions/resourceVersion")
-                    .and_then(Value::as_str)
-                    .map(str::to_string);
-                let propagation = gc::Propagation::parse(
-                    q.get("propagationPolicy")
-                        .map(String::as_str)
-                        .or_else(|| opts.get("propagationPolicy").and_then(Value::as_str)),
-                )
-                .map_err(|m| ApiError::new(400, "BadRequest", m))?;
-                Ok(json_response(
-                    200,
-                    &self.delete(&t, name, grace, precondition_rv, propagation)?,
-                ))
+                let name = name.clone();
+                self.delete_request(&mut t, &name, q, &opts)
             }
             _ => Err(ApiError::new(
                 405,
@@ -887,6 +842,80 @@ impl Inner {
                 format!("{method} {path} is not supported"),
             )),
         }
+    }
+
+    /// PATCH of an object or its subresource: merge, JSON patch, or (built-in kinds only)
+    /// strategic merge as merge.
+    async fn patch_request(
+        &self,
+        t: &Target,
+        name: &str,
+        sub: Option<&str>,
+        q: &BTreeMap<String, String>,
+        content_type: &str,
+        patch: Value,
+    ) -> ApiResult<Response<Body>> {
+        let strategic = content_type.starts_with("application/strategic-merge-patch+json");
+        if strategic && t.rtype.is_custom() {
+            // Custom resources carry no patch strategies: the real server refuses.
+            return Err(ApiError::new(
+                415,
+                "UnsupportedMediaType",
+                format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/apply-patch+yaml (not {content_type:?} for {})", t.rtype.plural),
+            ));
+        }
+        let kind = if content_type.starts_with("application/merge-patch+json") || strategic {
+            Update::Merge(patch)
+        } else if content_type.starts_with("application/json-patch+json") {
+            Update::Json(patch)
+        } else {
+            return Err(ApiError::new(
+                415,
+                "UnsupportedMediaType",
+                format!("patch type {content_type:?} is not supported by this test server"),
+            ));
+        };
+        if sub.is_none() {
+            return self.admitted_update(t, name, q, kind).await;
+        }
+        Ok(json_response(200, &self.update(t, name, sub, kind)?))
+    }
+
+    /// DELETE with its options (query or DeleteOptions body): grace period, preconditions,
+    /// propagation policy, dry run.
+    fn delete_request(
+        &self,
+        t: &mut Target,
+        name: &str,
+        q: &BTreeMap<String, String>,
+        opts: &Value,
+    ) -> ApiResult<Response<Body>> {
+        // DeleteOptions may carry it in the body too.
+        if opts
+            .get("dryRun")
+            .and_then(Value::as_array)
+            .is_some_and(|d| d.iter().any(|v| v == "All"))
+        {
+            t.dry_run = true;
+        }
+        let grace = q
+            .get("gracePeriodSeconds")
+            .and_then(|g| g.parse::<i64>().ok())
+            .or_else(|| opts.get("gracePeriodSeconds").and_then(Value::as_i64));
+        let precondition_rv = opts
+            .pointer("/preconditions/resourceVersion")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let propagation = gc::Propagation::parse(
+            q.get("propagationPolicy")
+                .map(String::as_str)
+                .or_else(|| opts.get("propagationPolicy").and_then(Value::as_str)),
+        )
+        .map_err(|m| ApiError::new(400, "BadRequest", m))?;
+        Ok(json_response(
+            200,
+            &self.delete(t, name, grace, precondition_rv, propagation)?,
+        ))
     }
 
     fn admission_attributes(

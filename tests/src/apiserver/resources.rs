@@ -31,14 +31,26 @@ impl ResourceType {
     }
 }
 
+/// The scale subresource's paths: spec replicas, status replicas, status selector.
+type Scale = Option<(&'static str, &'static str, &'static str)>;
+/// Group, version, plural, kind, namespaced, status subresource, scale subresource.
+type Kind = (
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+    bool,
+    bool,
+    Scale,
+);
+
 /// Replicas for the scale subresource: spec, status, status selector.
-const REPLICAS: Option<(&str, &str, &str)> =
-    Some(("spec.replicas", "status.replicas", "status.labelSelector"));
+const REPLICAS: Scale = Some(("spec.replicas", "status.replicas", "status.labelSelector"));
 
 /// The kinds microvirt's control plane touches: group, version, plural, kind, namespaced,
 /// status subresource, scale subresource.
 #[rustfmt::skip]
-const KINDS: &[(&str, &str, &str, &str, bool, bool, Option<(&str, &str, &str)>)] = &[
+const KINDS: &[Kind] = &[
     ("", "v1", "pods", "Pod", true, true, None),
     ("", "v1", "nodes", "Node", false, true, None),
     ("", "v1", "namespaces", "Namespace", false, true, None),
