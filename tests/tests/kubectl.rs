@@ -446,3 +446,81 @@ async fn kubectl_shows_why_a_manifest_is_refused() {
     let none = kubectl.run(&["get", "vm,vmi,vmim", "-o", "name"]).await;
     assert_eq!(none.stdout.trim(), "", "nothing refused was stored");
 }
+
+/// `kubectl apply --server-side`: created, applied again, a field the file no longer sets
+/// removed, and another field manager's different value a conflict until forced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_applies_server_side_with_field_ownership() {
+    let (_cluster, _controller, kubectl) = cluster("ssa").await;
+    let vm = |labels: &str, strategy: &str| {
+        format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: ssa\n  labels: {{{labels}}}\nspec:\n  runStrategy: {strategy}\n  template:\n    spec:\n      domain:\n        memory: {{guest: 64Mi}}\n        devices: {{}}\n"
+        )
+    };
+    let first = kubectl.file("ssa1.yaml", &vm("app: a, tier: t", "Halted"));
+    let out = kubectl.ok(&["apply", "--server-side", "-f", &first]).await;
+    assert_eq!(
+        out.trim(),
+        "virtualmachine.kubevirt.io/ssa serverside-applied"
+    );
+    let out = kubectl.ok(&["apply", "--server-side", "-f", &first]).await;
+    assert_eq!(
+        out.trim(),
+        "virtualmachine.kubevirt.io/ssa serverside-applied"
+    );
+    let managers = kubectl
+        .ok(&[
+            "get",
+            "vm",
+            "ssa",
+            "--show-managed-fields",
+            "-o",
+            "jsonpath={.metadata.managedFields[*].manager}",
+        ])
+        .await;
+    assert_eq!(managers, "kubectl");
+
+    // The file drops the tier label: applying it removes the label kubectl applied before.
+    let second = kubectl.file("ssa2.yaml", &vm("app: a", "Halted"));
+    kubectl.ok(&["apply", "--server-side", "-f", &second]).await;
+    let labels = kubectl
+        .ok(&["get", "vm", "ssa", "-o", "jsonpath={.metadata.labels}"])
+        .await;
+    assert_eq!(labels, r#"{"app":"a"}"#);
+
+    // Another manager wanting another runStrategy conflicts, until it forces.
+    let other = kubectl.file("ssa3.yaml", &vm("app: a", "Always"));
+    let refused = kubectl
+        .run(&[
+            "apply",
+            "--server-side",
+            "--field-manager",
+            "other",
+            "-f",
+            &other,
+        ])
+        .await;
+    assert_ne!(refused.code, 0);
+    assert!(
+        refused
+            .stderr
+            .contains("conflict with \"kubectl\": .spec.runStrategy"),
+        "{}",
+        refused.stderr
+    );
+    kubectl
+        .ok(&[
+            "apply",
+            "--server-side",
+            "--field-manager",
+            "other",
+            "--force-conflicts",
+            "-f",
+            &other,
+        ])
+        .await;
+    let strategy = kubectl
+        .ok(&["get", "vm", "ssa", "-o", "jsonpath={.spec.runStrategy}"])
+        .await;
+    assert_eq!(strategy, "Always");
+}

@@ -33,7 +33,9 @@
 //!   type or a value outside an enum refused with 422, unknown fields pruned where the schema
 //!   does not preserve them.
 //!
-//! Not implemented (the controllers do not use them): server-side apply, deletecollection,
+//! - server-side apply with field ownership in `managedFields` (`apply`; lists atomic).
+//!
+//! Not implemented (the controllers do not use them): deletecollection,
 //! protobuf, admission (the webhook is tested on its own).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -49,6 +51,7 @@ use tokio::sync::broadcast;
 
 use crate::rbac::{Authorizer, RequestAttributes};
 
+mod apply;
 mod errors;
 mod gc;
 mod json;
@@ -782,24 +785,7 @@ impl Inner {
                     ))
                 }
             }
-            (&Method::POST, None, None) => {
-                let mut obj = body_json()?;
-                let mut warnings = field_validation(&t.rtype, q, &obj)?;
-                let hook = self.object_admission.lock().unwrap().clone();
-                if let Some(hook) = hook {
-                    if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
-                        m.entry("namespace").or_insert(json!(ns));
-                    }
-                    let attrs = self.admission_attributes(&t, "CREATE", obj, None);
-                    let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
-                    obj = admitted;
-                    warnings.extend(more);
-                }
-                Ok(with_warnings(
-                    json_response(201, &self.create(&t, obj)?),
-                    &warnings,
-                ))
-            }
+            (&Method::POST, None, None) => self.create_request(&t, q, body_json()?).await,
             (&Method::POST, Some(name), Some("eviction")) if t.rtype.plural == "pods" => {
                 let eviction = body_json()?;
                 self.evict(&t, name, &eviction).await
@@ -844,6 +830,83 @@ impl Inner {
         }
     }
 
+    /// POST of an object: field validation, the admission webhooks, then the store.
+    async fn create_request(
+        &self,
+        t: &Target,
+        q: &BTreeMap<String, String>,
+        mut obj: Value,
+    ) -> ApiResult<Response<Body>> {
+        let mut warnings = field_validation(&t.rtype, q, &obj)?;
+        let hook = self.object_admission.lock().unwrap().clone();
+        if let Some(hook) = hook {
+            if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
+                m.entry("namespace").or_insert(json!(ns));
+            }
+            let attrs = self.admission_attributes(t, "CREATE", obj, None);
+            let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
+            obj = admitted;
+            warnings.extend(more);
+        }
+        Ok(with_warnings(
+            json_response(201, &self.create(t, obj)?),
+            &warnings,
+        ))
+    }
+
+    /// Server-side apply (`apply`): creates the object or updates the fields the manager
+    /// applies, through admission either way.
+    async fn apply_request(
+        &self,
+        t: &Target,
+        name: &str,
+        q: &BTreeMap<String, String>,
+        applied: Value,
+    ) -> ApiResult<Response<Body>> {
+        let manager = q
+            .get("fieldManager")
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| {
+                ApiError::new(
+                    400,
+                    "BadRequest",
+                    "fieldManager is required for apply requests",
+                )
+            })?;
+        if meta_str(&applied, "name").is_some_and(|n| n != name) {
+            return Err(ApiError::new(
+                400,
+                "BadRequest",
+                format!(
+                    "the name of the object ({}) does not match the name on the URL ({name})",
+                    meta_str(&applied, "name").unwrap_or_default()
+                ),
+            ));
+        }
+        let force = q.get("force").is_some_and(|f| f == "true");
+        let current = match self.get(t, name) {
+            Ok(c) => Some(c),
+            Err(e) if e.code == 404 => None,
+            Err(e) => return Err(e),
+        };
+        let result = apply::apply(
+            current.as_ref(),
+            &applied,
+            manager,
+            force,
+            &t.rtype.api_version(),
+            &now_rfc3339(),
+        )
+        .map_err(|m| ApiError::new(409, "Conflict", m))?;
+        match current {
+            None => self.create_request(t, q, result).await,
+            Some(_) => {
+                self.admitted_update(t, name, q, Update::Replace(result))
+                    .await
+            }
+        }
+    }
+
     /// PATCH of an object or its subresource: merge, JSON patch, or (built-in kinds only)
     /// strategic merge as merge.
     async fn patch_request(
@@ -855,6 +918,9 @@ impl Inner {
         content_type: &str,
         patch: Value,
     ) -> ApiResult<Response<Body>> {
+        if content_type.starts_with("application/apply-patch") && sub.is_none() {
+            return self.apply_request(t, name, q, patch).await;
+        }
         let strategic = content_type.starts_with("application/strategic-merge-patch+json");
         if strategic && t.rtype.is_custom() {
             // Custom resources carry no patch strategies: the real server refuses.
