@@ -95,7 +95,7 @@ async fn reconcile_inner(pool: &VirtualMachinePool, ctx: &Context) -> Result<Act
     if pool.spec.paused == Some(true) {
         set_condition(
             &mut status.conditions,
-            "ReplicaPaused",
+            api::conditions::REPLICA_PAUSED,
             true,
             Some("Paused"),
             None,
@@ -103,7 +103,7 @@ async fn reconcile_inner(pool: &VirtualMachinePool, ctx: &Context) -> Result<Act
         write_status(&pools, pool, status).await?;
         return Ok(Action::await_change());
     }
-    remove_condition(&mut status.conditions, "ReplicaPaused");
+    remove_condition(&mut status.conditions, api::conditions::REPLICA_PAUSED);
     let want = pool.spec.replicas.unwrap_or(1).max(0) as usize;
     let mut failure = None;
     if active.len() < want {

@@ -119,7 +119,7 @@ async fn reconcile_inner(rs: &VirtualMachineInstanceReplicaSet, ctx: &Context) -
                 s.phase == Some(VmiPhase::Running)
                     && s.conditions
                         .iter()
-                        .any(|c| c.type_ == "Ready" && c.status == "True")
+                        .any(|c| c.type_ == api::conditions::READY && c.status == "True")
             })
         })
         .count();
@@ -129,7 +129,7 @@ async fn reconcile_inner(rs: &VirtualMachineInstanceReplicaSet, ctx: &Context) -
     if rs.spec.paused == Some(true) {
         set_condition(
             &mut status.conditions,
-            "ReplicaPaused",
+            api::conditions::REPLICA_PAUSED,
             true,
             Some("Paused"),
             None,
@@ -137,7 +137,7 @@ async fn reconcile_inner(rs: &VirtualMachineInstanceReplicaSet, ctx: &Context) -
         write_status(&sets, rs, status).await?;
         return Ok(Action::await_change());
     }
-    remove_condition(&mut status.conditions, "ReplicaPaused");
+    remove_condition(&mut status.conditions, api::conditions::REPLICA_PAUSED);
 
     for v in &finished {
         delete_vmi(&vmis, v).await?;
@@ -200,14 +200,14 @@ pub(crate) async fn record_invalid_spec<K>(
 {
     if !conditions
         .iter()
-        .any(|c| c.type_ == "ReplicaFailure" && c.message.as_ref() == Some(&msg))
+        .any(|c| c.type_ == api::conditions::REPLICA_FAILURE && c.message.as_ref() == Some(&msg))
     {
         ctx.event(obj, true, "FailedCreate", "Validate", msg.clone())
             .await;
     }
     set_condition(
         conditions,
-        "ReplicaFailure",
+        api::conditions::REPLICA_FAILURE,
         true,
         Some("InvalidSpec"),
         Some(msg),
@@ -222,12 +222,12 @@ pub(crate) fn record_create_failure(
     match failure {
         Some(e) => set_condition(
             conditions,
-            "ReplicaFailure",
+            api::conditions::REPLICA_FAILURE,
             true,
             Some("FailedCreate"),
             Some(e.to_string()),
         ),
-        None => remove_condition(conditions, "ReplicaFailure"),
+        None => remove_condition(conditions, api::conditions::REPLICA_FAILURE),
     }
 }
 

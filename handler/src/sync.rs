@@ -56,7 +56,7 @@ pub fn observed_status(
     let paused = report.state == VmState::Paused;
     set_condition(
         &mut s.conditions,
-        "Ready",
+        api::conditions::READY,
         running,
         (!running).then_some(match report.state {
             VmState::Paused => "Paused",
@@ -68,25 +68,31 @@ pub fn observed_status(
     if paused {
         set_condition(
             &mut s.conditions,
-            "Paused",
+            api::conditions::PAUSED,
             true,
             Some("PausedByUser"),
             Some("the VMI was paused".into()),
         );
     } else {
-        remove_condition(&mut s.conditions, "Paused");
+        remove_condition(&mut s.conditions, api::conditions::PAUSED);
     }
-    set_condition(&mut s.conditions, "Synchronized", true, None, None);
+    set_condition(
+        &mut s.conditions,
+        api::conditions::SYNCHRONIZED,
+        true,
+        None,
+        None,
+    );
     if report.software_emulated_kvm {
         set_condition(
             &mut s.conditions,
-            "SoftwareEmulation",
+            api::conditions::SOFTWARE_EMULATION,
             true,
             Some("SoftwareEmulatedKVM"),
             Some("this node's KVM has no hardware virtualization (no vmx/svm): the guest runs ~1000x slower".into()),
         );
     } else {
-        remove_condition(&mut s.conditions, "SoftwareEmulation");
+        remove_condition(&mut s.conditions, api::conditions::SOFTWARE_EMULATION);
     }
     s
 }
