@@ -23,15 +23,17 @@ pub(crate) fn fields_of(applied: &Value) -> BTreeSet<Field> {
     let mut out = BTreeSet::new();
     walk(applied, &mut vec![], &mut out);
     out.retain(|f| {
-        !matches!(
-            f.iter().map(String::as_str).collect::<Vec<_>>().as_slice(),
-            ["apiVersion"]
-                | ["kind"]
-                | ["metadata", "name"]
-                | ["metadata", "namespace"]
-                | ["metadata", "managedFields", ..]
-                | ["metadata", "resourceVersion"]
-        )
+        // The root itself is no field (an empty or non-object body applies nothing).
+        !f.is_empty()
+            && !matches!(
+                f.iter().map(String::as_str).collect::<Vec<_>>().as_slice(),
+                ["apiVersion"]
+                    | ["kind"]
+                    | ["metadata", "name"]
+                    | ["metadata", "namespace"]
+                    | ["metadata", "managedFields", ..]
+                    | ["metadata", "resourceVersion"]
+            )
     });
     out
 }
@@ -98,6 +100,9 @@ fn get<'a>(v: &'a Value, f: &[String]) -> Option<&'a Value> {
 }
 
 fn set(v: &mut Value, f: &[String], value: Value) {
+    if f.is_empty() {
+        return;
+    }
     let mut node = v;
     for k in &f[..f.len() - 1] {
         if !node.get(k).is_some_and(Value::is_object) {
@@ -223,6 +228,14 @@ mod tests {
     fn applied(spec: Value) -> Value {
         json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
                "metadata": {"name": "v", "labels": {"app": "a"}}, "spec": spec})
+    }
+
+    #[test]
+    fn a_body_without_fields_applies_nothing() {
+        assert!(fields_of(&json!({})).is_empty());
+        assert!(fields_of(&json!([1, 2])).is_empty());
+        let now = "2026-01-01T00:00:00Z";
+        assert!(apply(None, &json!("x"), "m", false, "v1", now).is_ok());
     }
 
     #[test]
