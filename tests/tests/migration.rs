@@ -408,7 +408,21 @@ fn bandwidth_limit_forces_passes_and_auto_converge_catches_up() {
             },
             &mut |p| events.push(p),
         )
-        .expect("auto-converge lets it finish");
+        .unwrap_or_else(|e| {
+            let passes: Vec<_> = events
+                .iter()
+                .map(|p| {
+                    (
+                        p.pass,
+                        p.data_remaining_bytes >> 12,
+                        p.dirty_rate_bytes_per_s as u64 >> 12,
+                        p.transfer_rate_bytes_per_s as u64 >> 12,
+                        p.throttle_percent,
+                    )
+                })
+                .collect();
+            panic!("auto-converge lets it finish: {e}; (pass, pages left, pages/s dirtied, pages/s sent, throttle %): {passes:?}")
+        });
     assert!(stats.max_throttle_percent >= 20, "{stats:?} {events:?}");
     assert!(stats.passes >= 2, "{stats:?}");
     assert!(

@@ -406,16 +406,17 @@ impl Vm {
         }
     }
 
-    /// Keeps the vCPUs out of guest mode for `d` (devices keep running): auto-converge's
-    /// throttle. Does nothing unless the VM is running.
-    pub(crate) fn hold_vcpus(&self, d: Duration) {
+    /// Keeps the vCPUs out of guest mode (devices keep running) for `held_per_run` times as
+    /// long as they ran from `ran_since` until all of them parked: auto-converge's throttle.
+    /// Does nothing unless the VM is running.
+    pub(crate) fn hold_vcpus(&self, ran_since: Instant, held_per_run: f64) {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
         if self.control.state() != RunState::Running {
             return;
         }
         // A throttle that cannot hold the vCPUs within the deadline just lets them run.
         self.pause_vcpus(Instant::now() + PAUSE_DEADLINE);
-        std::thread::sleep(d);
+        std::thread::sleep(ran_since.elapsed().mul_f64(held_per_run));
         if self.control.state() == RunState::Paused {
             self.control.set(RunState::Running);
         }
