@@ -817,9 +817,12 @@ pub struct VirtualMachineInstanceReplicaSetSpec {
     pub paused: Option<bool>,
 }
 
+// The status of an object that keeps replicas (a VMI ReplicaSet, a VM pool): KubeVirt gives
+// both the same fields, which the scale subresource reads. (A plain comment: a doc comment
+// would become the CRDs' status description.)
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct VirtualMachineInstanceReplicaSetStatus {
+pub struct ReplicasStatus {
     #[serde(default)]
     pub replicas: i32,
     #[serde(default)]
@@ -829,6 +832,8 @@ pub struct VirtualMachineInstanceReplicaSetStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }
+
+pub type VirtualMachineInstanceReplicaSetStatus = ReplicasStatus;
 
 // ---------------------------------------------------------------------------------------------
 // VirtualMachinePool (pool.kubevirt.io/v1beta1)
@@ -874,18 +879,7 @@ pub struct VirtualMachineTemplateSpec {
     pub spec: VirtualMachineSpec,
 }
 
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct VirtualMachinePoolStatus {
-    #[serde(default)]
-    pub replicas: i32,
-    #[serde(default)]
-    pub ready_replicas: i32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub label_selector: Option<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conditions: Vec<Condition>,
-}
+pub type VirtualMachinePoolStatus = ReplicasStatus;
 
 // ---------------------------------------------------------------------------------------------
 // VirtualMachineInstanceMigration

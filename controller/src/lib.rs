@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod migration;
 pub mod pod;
 pub mod pool;
+pub mod replicas;
 pub mod replicaset;
 pub mod run;
 pub mod vm;

@@ -45,8 +45,8 @@ pub async fn run_controllers(
     let all = futures::future::join_all([
         vms(&ctx, stop()),
         vmis(&ctx, stop()),
-        replica_sets(&ctx, stop()),
-        pools(&ctx, stop()),
+        replica_owners::<VirtualMachineInstanceReplicaSet>(&ctx, stop()),
+        replica_owners::<VirtualMachinePool>(&ctx, stop()),
         migrations(&ctx, stop()),
         drains(&ctx, stop()),
     ]);
@@ -103,30 +103,17 @@ fn vmis(ctx: &Arc<Context>, stop: Stop) -> Running {
     )
 }
 
-fn replica_sets(ctx: &Arc<Context>, stop: Stop) -> Running {
+/// The controller of a kind that keeps replicas (VMI ReplicaSets, VM pools), woken by its own
+/// objects and by changes to the members it controls.
+fn replica_owners<K: crate::replicas::ReplicaOwner>(ctx: &Arc<Context>, stop: Stop) -> Running {
     let wc = watcher::Config::default;
     Box::pin(
-        Controller::new(all::<VirtualMachineInstanceReplicaSet>(ctx), wc())
-            .owns(all::<VirtualMachineInstance>(ctx), wc())
+        Controller::new(all::<K>(ctx), wc())
+            .owns(all::<K::Member>(ctx), wc())
             .graceful_shutdown_on(stop)
             .run(
-                crate::replicaset::reconcile,
-                crate::replicaset::error_policy,
-                ctx.clone(),
-            )
-            .for_each(|_| async {}),
-    )
-}
-
-fn pools(ctx: &Arc<Context>, stop: Stop) -> Running {
-    let wc = watcher::Config::default;
-    Box::pin(
-        Controller::new(all::<VirtualMachinePool>(ctx), wc())
-            .owns(all::<VirtualMachine>(ctx), wc())
-            .graceful_shutdown_on(stop)
-            .run(
-                crate::pool::reconcile,
-                crate::pool::error_policy,
+                crate::replicas::reconcile::<K>,
+                crate::replicas::error_policy::<K>,
                 ctx.clone(),
             )
             .for_each(|_| async {}),
