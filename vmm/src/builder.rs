@@ -119,16 +119,44 @@ fn create_vcpus(vm_fd: &VmFd, count: u8) -> Result<Vec<Vcpu>, VmError> {
         .collect()
 }
 
-/// What the steps produced, before any thread runs.
-struct Parts {
+/// Step 4: the VM, its RAM and its devices (fresh, or as `saved` records them), before any
+/// vCPU exists.
+struct Machine {
     kvm: KvmContext,
     vm_fd: VmFd,
     ram: GuestRam,
     devices: DeviceManager,
     em: crate::devices::manager::Subscribers,
     wake: vmm_sys_util::eventfd::EventFd,
-    vcpus: Vec<Vcpu>,
     end: VmEndSignal,
+}
+
+impl Machine {
+    fn wire(
+        kvm: KvmContext,
+        vm_fd: VmFd,
+        ram: GuestRam,
+        config: &VmConfig,
+        backends: Backends,
+        saved: Option<&crate::persist::DevicesState>,
+    ) -> Result<Machine, String> {
+        let end = VmEndSignal::default();
+        let (devices, em, wake) =
+            DeviceManager::build(&vm_fd, ram.memory(), &config.serial, &end, backends, saved)?;
+        Ok(Machine {
+            kvm,
+            vm_fd,
+            ram,
+            devices,
+            em,
+            wake,
+            end,
+        })
+    }
+}
+
+/// What the guest was started with, which the VM reports (and a snapshot records).
+struct Launch {
     memory_mib: u64,
     cmdline: String,
     boot_timer: bool,
@@ -137,11 +165,11 @@ struct Parts {
 
 /// Step 6: the event thread and one thread per vCPU; with `paused` they park before doing
 /// anything (a restore injects the state first).
-fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
+fn start(p: Machine, vcpus: Vec<Vcpu>, launch: Launch, paused: bool) -> Result<Vm, VmError> {
     let state_support =
         Arc::new(VcpuStateSupport::probe(&p.kvm.kvm, &p.vm_fd).map_err(VmError::Vcpu)?);
     vcpu::register_kick_handler().map_err(VmError::Vcpu)?;
-    let events = EventLoop::start(p.em, p.wake, paused, p.seccomp)
+    let events = EventLoop::start(p.em, p.wake, paused, launch.seccomp)
         .map_err(|e| VmError::Device(format!("event thread: {e}")))?;
     let control = VcpuControl::new(if paused {
         RunState::Paused
@@ -149,10 +177,10 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
         RunState::Running
     });
     let first_run = Arc::new(OnceLock::new());
-    let vcpus = p.vcpus.len() as u8;
+    let vcpu_count = vcpus.len() as u8;
     let memory = p.ram.memory().clone();
     let mut vcpu_threads = Vec::new();
-    for v in p.vcpus {
+    for v in vcpus {
         let ctx = VcpuContext {
             pio: p.devices.pio.clone(),
             mmio: p.devices.mmio.clone(),
@@ -160,9 +188,9 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
             control: control.clone(),
             end: p.end.clone(),
             first_run: first_run.clone(),
-            boot_timer: p.boot_timer,
+            boot_timer: launch.boot_timer,
             state_support: state_support.clone(),
-            seccomp: p.seccomp,
+            seccomp: launch.seccomp,
         };
         match vcpu::spawn(v, ctx) {
             Ok(t) => vcpu_threads.push(t),
@@ -175,8 +203,8 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
     }
     Ok(Vm {
         info: VmInfo {
-            vcpus,
-            memory_mib: p.memory_mib,
+            vcpus: vcpu_count,
+            memory_mib: launch.memory_mib,
             acceleration: p.kvm.acceleration,
         },
         vm_fd: Arc::new(p.vm_fd),
@@ -189,7 +217,7 @@ fn start(p: Parts, paused: bool) -> Result<Vm, VmError> {
         end: p.end,
         vcpu_threads: Mutex::new(vcpu_threads),
         first_run,
-        cmdline: p.cmdline,
+        cmdline: launch.cmdline,
         lifecycle: Mutex::new(()),
     })
 }
@@ -205,11 +233,9 @@ impl Vm {
         let vm_fd = create_vm(&kvm)?;
         let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
         register_memory(&vm_fd, &mut ram, config.boot_timer)?;
-        let end = VmEndSignal::default();
-        let (devices, em, wake) =
-            DeviceManager::build(&vm_fd, ram.memory(), &config.serial, &end, backends, None)
-                .map_err(VmError::Device)?;
-        let cmdline = format!("{}{}", config.cmdline, devices.cmdline_entries);
+        let machine =
+            Machine::wire(kvm, vm_fd, ram, config, backends, None).map_err(VmError::Device)?;
+        let cmdline = format!("{}{}", config.cmdline, machine.devices.cmdline_entries);
         if cmdline.len() >= CMDLINE_MAX_SIZE {
             return Err(ConfigError::CmdlineTooLong {
                 len: cmdline.len(),
@@ -218,7 +244,7 @@ impl Vm {
             .into());
         }
         let entry = boot::load(
-            ram.memory(),
+            machine.ram.memory(),
             &BootSpec {
                 mem_size,
                 vcpus: config.vcpus,
@@ -227,28 +253,18 @@ impl Vm {
                 cmdline: &cmdline,
             },
         )?;
-        let vcpus = create_vcpus(&vm_fd, config.vcpus)?;
+        let vcpus = create_vcpus(&machine.vm_fd, config.vcpus)?;
         for v in &vcpus {
-            v.configure(&kvm.kvm, config.vcpus, &entry)
+            v.configure(&machine.kvm.kvm, config.vcpus, &entry)
                 .map_err(|e| VmError::Vcpu(format!("vCPU {}: {e}", v.id)))?;
         }
-        start(
-            Parts {
-                kvm,
-                vm_fd,
-                ram,
-                devices,
-                em,
-                wake,
-                vcpus,
-                end,
-                memory_mib: config.memory_mib,
-                cmdline,
-                boot_timer: config.boot_timer,
-                seccomp: config.seccomp,
-            },
-            false,
-        )
+        let launch = Launch {
+            memory_mib: config.memory_mib,
+            cmdline,
+            boot_timer: config.boot_timer,
+            seccomp: config.seccomp,
+        };
+        start(machine, vcpus, launch, false)
     }
 
     /// Builds the machine a snapshot recorded and lets it continue where it was. `config` says
@@ -308,35 +324,17 @@ impl Vm {
             ram,
             backends,
         } = shell;
-        let end = VmEndSignal::default();
-        let (devices, em, wake) = DeviceManager::build(
-            &vm_fd,
-            ram.memory(),
-            &config.serial,
-            &end,
-            backends,
-            Some(&state.devices),
-        )
-        .map_err(VmError::Restore)?;
-        let vcpus = create_vcpus(&vm_fd, state.vcpus)?;
-        state.vm.restore(&vm_fd).map_err(VmError::Restore)?;
-        let vm = start(
-            Parts {
-                kvm,
-                vm_fd,
-                ram,
-                devices,
-                em,
-                wake,
-                vcpus,
-                end,
-                memory_mib: state.memory_mib,
-                cmdline: state.cmdline.clone(),
-                boot_timer: config.boot_timer,
-                seccomp: config.seccomp,
-            },
-            true,
-        )?;
+        let machine = Machine::wire(kvm, vm_fd, ram, config, backends, Some(&state.devices))
+            .map_err(VmError::Restore)?;
+        let vcpus = create_vcpus(&machine.vm_fd, state.vcpus)?;
+        state.vm.restore(&machine.vm_fd).map_err(VmError::Restore)?;
+        let launch = Launch {
+            memory_mib: state.memory_mib,
+            cmdline: state.cmdline.clone(),
+            boot_timer: config.boot_timer,
+            seccomp: config.seccomp,
+        };
+        let vm = start(machine, vcpus, launch, true)?;
         let mut replies = Vec::new();
         for s in state.vcpu_states {
             let (tx, rx) = std::sync::mpsc::channel();
