@@ -8,10 +8,9 @@
 use std::collections::BTreeSet;
 
 use api::{VirtualMachine, VirtualMachinePool};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 
-use crate::replicas::ReplicaOwner;
+use crate::replicas::{ReplicaOwner, ReplicaSpec};
 use controller_runtime::controller_ref;
 
 impl ReplicaOwner for VirtualMachinePool {
@@ -19,16 +18,12 @@ impl ReplicaOwner for VirtualMachinePool {
     const CONTROLLER: &'static str = "vmpool";
     const MEMBER: &'static str = "virtual machine";
 
-    fn selector(&self) -> &LabelSelector {
-        &self.spec.selector
-    }
-
-    fn wanted(&self) -> usize {
-        self.spec.replicas.unwrap_or(1).max(0) as usize
-    }
-
-    fn paused(&self) -> bool {
-        self.spec.paused == Some(true)
+    fn replica_spec(&self) -> ReplicaSpec<'_> {
+        ReplicaSpec {
+            selector: &self.spec.selector,
+            replicas: self.spec.replicas,
+            paused: self.spec.paused,
+        }
     }
 
     fn validate(&self) -> Result<(), String> {

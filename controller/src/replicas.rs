@@ -22,10 +22,9 @@ use controller_runtime::{
     controlled_by, delete_if_present, remove_condition, set_condition, write_status,
 };
 
-/// What the replica controller needs to know about a kind that keeps replicas.
-pub trait ReplicaOwner:
+/// A namespaced object a controller can list, watch and write.
+pub trait NamespacedObject:
     Resource<DynamicType = (), Scope = NamespaceResourceScope>
-    + HasStatus<Status = ReplicasStatus>
     + Clone
     + Serialize
     + DeserializeOwned
@@ -34,22 +33,36 @@ pub trait ReplicaOwner:
     + Sync
     + 'static
 {
-    type Member: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+}
+
+impl<K> NamespacedObject for K where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
         + Clone
         + Serialize
         + DeserializeOwned
         + Debug
         + Send
         + Sync
-        + 'static;
+        + 'static
+{
+}
+
+/// The fields every kind that keeps replicas has in its spec.
+pub struct ReplicaSpec<'a> {
+    pub selector: &'a LabelSelector,
+    pub replicas: Option<i32>,
+    pub paused: Option<bool>,
+}
+
+/// What the replica controller needs to know about a kind that keeps replicas.
+pub trait ReplicaOwner: NamespacedObject + HasStatus<Status = ReplicasStatus> {
+    type Member: NamespacedObject;
     /// The controller's name in metrics and backoff keys.
     const CONTROLLER: &'static str;
     /// What Events call a member ("virtual machine instance").
     const MEMBER: &'static str;
 
-    fn selector(&self) -> &LabelSelector;
-    fn wanted(&self) -> usize;
-    fn paused(&self) -> bool;
+    fn replica_spec(&self) -> ReplicaSpec<'_>;
     /// KubeVirt's checks of the spec, as one message.
     fn validate(&self) -> std::result::Result<(), String>;
     fn is_ready(member: &Self::Member) -> bool;
@@ -113,7 +126,7 @@ fn phase<K: ReplicaOwner>(obj: &K) -> ReplicaPhase {
     if let Err(msg) = obj.validate() {
         return ReplicaPhase::InvalidSpec(msg);
     }
-    if obj.paused() {
+    if obj.replica_spec().paused == Some(true) {
         return ReplicaPhase::Paused;
     }
     ReplicaPhase::Scaling
@@ -129,7 +142,7 @@ async fn reconcile_inner<K: ReplicaOwner>(obj: &K, ctx: &Context) -> Result<Acti
         members: Api::namespaced(ctx.client.clone(), &ns),
     };
     let mut status = obj.status().cloned().unwrap_or_default();
-    let selector = selector_string(obj.selector());
+    let selector = selector_string(obj.replica_spec().selector);
     status.label_selector = Some(selector.clone());
     match phase {
         ReplicaPhase::Deleting => Ok(Action::await_change()),
@@ -214,7 +227,7 @@ impl<K: ReplicaOwner> Pass<'_, K> {
         mut status: ReplicasStatus,
         mut active: Vec<K::Member>,
     ) -> Result<Action> {
-        let want = self.obj.wanted();
+        let want = self.obj.replica_spec().replicas.unwrap_or(1).max(0) as usize;
         let mut failure = None;
         if active.len() < want {
             for m in self.obj.new_members(&active, want - active.len()) {

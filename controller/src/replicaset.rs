@@ -5,10 +5,9 @@
 //! scale subresource and `kubectl scale`) follow what exists.
 
 use api::{VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VmiPhase};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 
-use crate::replicas::ReplicaOwner;
+use crate::replicas::{ReplicaOwner, ReplicaSpec};
 use controller_runtime::controller_ref;
 
 impl ReplicaOwner for VirtualMachineInstanceReplicaSet {
@@ -16,16 +15,12 @@ impl ReplicaOwner for VirtualMachineInstanceReplicaSet {
     const CONTROLLER: &'static str = "vmirs";
     const MEMBER: &'static str = "virtual machine instance";
 
-    fn selector(&self) -> &LabelSelector {
-        &self.spec.selector
-    }
-
-    fn wanted(&self) -> usize {
-        self.spec.replicas.unwrap_or(1).max(0) as usize
-    }
-
-    fn paused(&self) -> bool {
-        self.spec.paused == Some(true)
+    fn replica_spec(&self) -> ReplicaSpec<'_> {
+        ReplicaSpec {
+            selector: &self.spec.selector,
+            replicas: self.spec.replicas,
+            paused: self.spec.paused,
+        }
     }
 
     fn validate(&self) -> Result<(), String> {
