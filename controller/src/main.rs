@@ -1,6 +1,7 @@
 //! virt-controller. `virt-controller crds` prints the CustomResourceDefinitions;
 //! `virt-controller run` reconciles (leader-elected), serves the admission webhook and metrics.
 
+use controller_runtime::tls::ServingCert;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -152,7 +153,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if !args.no_webhook {
         let (tls, ca) = match (&args.tls_cert, &args.tls_key) {
             (Some(c), Some(k)) => (
-                controller::webhook::load_pem(c, k).map_err(anyhow::Error::msg)?,
+                ServingCert::load_pem(c, k)
+                    .and_then(|c| c.server_config(None))
+                    .map_err(anyhow::Error::msg)?,
                 None,
             ),
             _ => {
@@ -167,9 +170,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     format!("{svc}.{ns}.svc"),
                     format!("{svc}.{ns}.svc.cluster.local"),
                 ];
-                let (cfg, pem) =
-                    controller::webhook::self_signed(names).map_err(anyhow::Error::msg)?;
-                (cfg, Some(pem))
+                let (cert, pem) = ServingCert::self_signed(names).map_err(anyhow::Error::msg)?;
+                (
+                    cert.server_config(None).map_err(anyhow::Error::msg)?,
+                    Some(pem),
+                )
             }
         };
         let listener = tokio::net::TcpListener::bind(args.webhook_addr)
@@ -180,7 +185,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             default_eviction_strategy: args.default_eviction_strategy,
             host_disks: host_disks.clone(),
         });
-        tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
+        tokio::spawn(controller_runtime::tls::serve_tls(listener, tls, app));
         if let (Some(pem), Some(_)) = (ca, &args.webhook_service) {
             tokio::spawn(publish_ca_bundle(client.clone(), pem));
         }

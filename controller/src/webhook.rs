@@ -25,7 +25,6 @@ use kube::{Client, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use tokio_rustls::rustls;
 
 pub const RUNNING_DEPRECATED: &str =
     "spec.running is deprecated, please use spec.runStrategy instead.";
@@ -321,79 +320,4 @@ async fn eviction(
         }
     };
     Json(resp.into_review())
-}
-
-/// Serves `router` over TLS on `listener` until the process ends.
-pub async fn serve_tls(
-    listener: tokio::net::TcpListener,
-    tls: Arc<rustls::ServerConfig>,
-    app: axum::Router,
-) -> std::io::Result<()> {
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    loop {
-        let (tcp, peer) = listener.accept().await?;
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        tokio::spawn(async move {
-            let stream = match acceptor.accept(tcp).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-            };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let builder =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-            if let Err(e) = builder
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "webhook connection ended with an error");
-            }
-        });
-    }
-}
-
-/// A self-signed serving certificate for the webhook Service's DNS names, and its PEM (the
-/// CA bundle to put into the webhook configurations).
-pub fn self_signed(dns_names: Vec<String>) -> Result<(Arc<rustls::ServerConfig>, String), String> {
-    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
-    let params = rcgen::CertificateParams::new(dns_names).map_err(|e| e.to_string())?;
-    let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
-    let cfg = server_config(
-        vec![cert.der().clone()],
-        rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-    )?;
-    Ok((cfg, cert.pem()))
-}
-
-/// Loads a PEM certificate chain and key (e.g. from a cert-manager Secret).
-pub fn load_pem(
-    cert: &std::path::Path,
-    key: &std::path::Path,
-) -> Result<Arc<rustls::ServerConfig>, String> {
-    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
-    let certs = rustls_pemfile::certs(&mut read(cert)?.as_slice())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{}: {e}", cert.display()))?;
-    let key_der = rustls_pemfile::private_key(&mut read(key)?.as_slice())
-        .map_err(|e| format!("{}: {e}", key.display()))?
-        .ok_or_else(|| format!("{}: no private key found", key.display()))?;
-    server_config(certs, key_der)
-}
-
-/// A rustls server configuration (ring provider, TLS 1.2 and 1.3, no client certificates).
-fn server_config(
-    certs: Vec<rustls::pki_types::CertificateDer<'static>>,
-    key: rustls::pki_types::PrivateKeyDer<'static>,
-) -> Result<Arc<rustls::ServerConfig>, String> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let cfg = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)
-        .map_err(|e| e.to_string())?;
-    Ok(Arc::new(cfg))
 }

@@ -31,13 +31,15 @@ pub async fn start_webhook(
 
 /// Serves the webhook with `state` on a loopback port with a fresh self-signed certificate.
 pub async fn serve_webhook(state: controller::webhook::WebhookState) -> Webhook {
-    let (tls, ca) =
-        controller::webhook::self_signed(vec!["virt-controller-webhook.microvirt.svc".into()])
-            .unwrap();
+    let (cert, ca) = controller_runtime::tls::ServingCert::self_signed(vec![
+        "virt-controller-webhook.microvirt.svc".into(),
+    ])
+    .unwrap();
+    let tls = cert.server_config(None).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = controller::webhook::router(state);
-    tokio::spawn(controller::webhook::serve_tls(listener, tls, app));
+    tokio::spawn(controller_runtime::tls::serve_tls(listener, tls, app));
     Webhook { addr, ca }
 }
 

@@ -1,4 +1,5 @@
-//! What every microvirt reconciler shares, virt-controller's and virt-handler's alike, and
+//! What every microvirt reconciler and in-cluster server shares (virt-controller, virt-handler,
+//! virt-api), and
 //! nothing about KubeVirt's objects themselves (those facts are in `api`):
 //! - [`objects`]: status and label writes guarded by resourceVersion, owners, finalizers,
 //!   deletes that tolerate absence, and the API errors reconcilers branch on;
@@ -6,7 +7,8 @@
 //! - [`time`]: the timestamps Kubernetes objects carry;
 //! - [`backoff`]: per-object exponential retry (client-go's per-item rate limiter);
 //! - [`events`]: Events that never fail a reconcile;
-//! - [`metrics_http`]: the `/metrics` and `/healthz` endpoint.
+//! - [`metrics_http`]: the `/metrics` and `/healthz` endpoint;
+//! - [`tls`]: HTTPS serving with optional client certificates (webhook, virt-api).
 
 pub mod backoff;
 pub mod conditions;
@@ -14,6 +16,7 @@ pub mod events;
 pub mod metrics_http;
 pub mod objects;
 pub mod time;
+pub mod tls;
 
 pub use backoff::RetryBackoff;
 pub use conditions::{remove_condition, set_condition};
