@@ -1,0 +1,264 @@
+//! virtctl: KubeVirt's command line for what `kubectl` cannot say — start, stop, restart and
+//! migrate a VM, and the VMI queries — through virt-api's `subresources.kubevirt.io`. Also
+//! installed as `kubectl-virt`, so `kubectl virt …` runs it. Kubeconfig, contexts and
+//! namespaces as kubectl takes them. Exit status 0 on success, 1 when the cluster refused or
+//! could not be reached (the reason on stderr), 2 for a usage error.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use api::VirtualMachineInstanceMigration;
+use clap::{Args, Parser, Subcommand};
+use kube::api::{Api, DeleteParams, ListParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::ResourceExt;
+use serde_json::json;
+use virt_api::client::Subresources;
+
+#[derive(Parser)]
+#[command(
+    name = "virtctl",
+    version,
+    about = "Control microvirt (KubeVirt API) virtual machines"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args)]
+struct Global {
+    /// The namespace of the VM (default: the context's namespace, else "default").
+    #[arg(short = 'n', long, global = true)]
+    namespace: Option<String>,
+    /// The kubeconfig context to use.
+    #[arg(long, global = true)]
+    context: Option<String>,
+    /// The kubeconfig file (default: $KUBECONFIG, else ~/.kube/config).
+    #[arg(long, global = true)]
+    kubeconfig: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a virtual machine.
+    Start {
+        name: String,
+        /// Start the VM paused.
+        #[arg(long)]
+        paused: bool,
+        /// Check the request without changing anything.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Stop a virtual machine.
+    Stop {
+        name: String,
+        /// Shorten the guest's shutdown to this many seconds (with --force).
+        #[arg(long)]
+        grace_period: Option<i64>,
+        /// Force the stop (with --grace-period).
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Restart a virtual machine.
+    Restart {
+        name: String,
+        #[arg(long)]
+        grace_period: Option<i64>,
+        #[arg(long)]
+        force: bool,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Live-migrate a virtual machine to another node.
+    Migrate {
+        name: String,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Cancel a virtual machine's live migration (the VM stays where it runs).
+    MigrateCancel { name: String },
+    /// The guest OS as its guest agent reports it.
+    Guestosinfo { name: String },
+    /// The users logged in to the guest, as its guest agent reports them.
+    Userlist { name: String },
+    /// The guest's file systems, as its guest agent reports them.
+    Fslist { name: String },
+    /// Open a VNC connection to the VMI's display.
+    Vnc { name: String },
+    /// Print the client and server versions.
+    Version,
+}
+
+async fn connect(g: &Global) -> anyhow::Result<Subresources> {
+    let opts = KubeConfigOptions {
+        context: g.context.clone(),
+        ..Default::default()
+    };
+    let config = match &g.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .with_context(|| format!("--kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &opts).await?
+        }
+        None => match kube::Config::from_kubeconfig(&opts).await {
+            Ok(c) => c,
+            Err(e) => kube::Config::incluster().map_err(|_| e).context(
+                "no kubeconfig ($KUBECONFIG, ~/.kube/config or --kubeconfig) and not in a cluster",
+            )?,
+        },
+    };
+    let namespace = g
+        .namespace
+        .clone()
+        .unwrap_or_else(|| config.default_namespace.clone());
+    Ok(Subresources {
+        client: kube::Client::try_from(config)?,
+        namespace,
+    })
+}
+
+fn dry_run(on: bool) -> serde_json::Value {
+    if on {
+        json!(["All"])
+    } else {
+        json!([])
+    }
+}
+
+fn scheduled(name: &str, what: &str, dry: bool) {
+    let note = if dry {
+        " (dry run: nothing changed)"
+    } else {
+        ""
+    };
+    println!("VM {name} was scheduled to {what}{note}");
+}
+
+/// KubeVirt's rule: a grace period only together with --force.
+fn grace(force: bool, grace_period: Option<i64>) -> anyhow::Result<Option<i64>> {
+    match (force, grace_period) {
+        (true, Some(g)) => Ok(Some(g)),
+        (false, None) => Ok(None),
+        _ => anyhow::bail!("--force and --grace-period go together: give both, or neither"),
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let s = connect(&cli.global).await?;
+    match cli.command {
+        Command::Start {
+            name,
+            paused,
+            dry_run: dry,
+        } => {
+            let body = json!({"paused": paused, "dryRun": dry_run(dry)});
+            s.vm_verb(&name, "start", &body)
+                .await
+                .with_context(|| format!("Error starting VirtualMachine {name}"))?;
+            scheduled(&name, "start", dry);
+        }
+        Command::Stop {
+            name,
+            grace_period,
+            force,
+            dry_run: dry,
+        } => {
+            let g = grace(force, grace_period)?;
+            let mut body = json!({"dryRun": dry_run(dry)});
+            if let Some(g) = g {
+                body["gracePeriod"] = json!(g);
+            }
+            s.vm_verb(&name, "stop", &body)
+                .await
+                .with_context(|| format!("Error stopping VirtualMachine {name}"))?;
+            scheduled(&name, "stop", dry);
+        }
+        Command::Restart {
+            name,
+            grace_period,
+            force,
+            dry_run: dry,
+        } => {
+            let g = grace(force, grace_period)?;
+            let mut body = json!({"dryRun": dry_run(dry)});
+            if let Some(g) = g {
+                body["gracePeriodSeconds"] = json!(g);
+            }
+            s.vm_verb(&name, "restart", &body)
+                .await
+                .with_context(|| format!("Error restarting VirtualMachine {name}"))?;
+            scheduled(&name, "restart", dry);
+        }
+        Command::Migrate { name, dry_run: dry } => {
+            s.vm_verb(&name, "migrate", &json!({"dryRun": dry_run(dry)}))
+                .await
+                .with_context(|| format!("Error migrating VirtualMachine {name}"))?;
+            scheduled(&name, "migrate", dry);
+        }
+        Command::MigrateCancel { name } => {
+            let vmims: Api<VirtualMachineInstanceMigration> =
+                Api::namespaced(s.client.clone(), &s.namespace);
+            let all = vmims.list(&ListParams::default()).await?.items;
+            let Some(m) = VirtualMachineInstanceMigration::unfinished_of(&all, &name) else {
+                anyhow::bail!("Found no migration to cancel for {name}");
+            };
+            vmims
+                .delete(&m.name_any(), &DeleteParams::default())
+                .await
+                .with_context(|| format!("Error canceling migration {}", m.name_any()))?;
+            println!(
+                "VM {name} was scheduled to cancel its migration ({})",
+                m.name_any()
+            );
+        }
+        Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
+        Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
+        Command::Fslist { name } => print_query(&s, &name, "filesystemlist").await?,
+        Command::Vnc { name } => {
+            // The server says why there is no display; nothing to connect to otherwise.
+            s.vmi_get(&name, "vnc")
+                .await
+                .with_context(|| format!("Error connecting to VNC of {name}"))?;
+        }
+        Command::Version => {
+            println!(
+                "Client Version: version.Info{{GitVersion:\"v{}-microvirt\"}}",
+                env!("CARGO_PKG_VERSION")
+            );
+            let v = s
+                .server_version()
+                .await
+                .context("Error getting the server version")?;
+            println!(
+                "Server Version: version.Info{{GitVersion:{}}}",
+                v.get("gitVersion").cloned().unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn print_query(s: &Subresources, name: &str, sub: &str) -> anyhow::Result<()> {
+    let v = s
+        .vmi_get(name, sub)
+        .await
+        .with_context(|| format!("Error getting {sub} of {name}"))?;
+    println!("{}", serde_json::to_string_pretty(&v)?);
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        // "Error starting VirtualMachine x: Operation cannot be fulfilled …", as KubeVirt's.
+        eprintln!("{e:#}");
+        std::process::exit(1);
+    }
+}

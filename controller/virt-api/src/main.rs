@@ -1,0 +1,129 @@
+//! virt-api: serves `subresources.kubevirt.io` (start, stop, restart, migrate, …) to the
+//! Kubernetes API server that fronts it through an APIService.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use controller_runtime::tls::ServingCert;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use virt_api::identity::{FrontProxy, CONFIG_MAP_NAME, CONFIG_MAP_NAMESPACE};
+use virt_api::server::{router, ApiState};
+
+#[derive(Parser)]
+#[command(
+    name = "virt-api",
+    version,
+    about = "KubeVirt's subresources.kubevirt.io API for microvirt"
+)]
+struct Args {
+    /// Where to serve HTTPS.
+    #[arg(long, default_value = "0.0.0.0:8443")]
+    listen: SocketAddr,
+    /// Serving certificate and key (PEM). Without them virt-api makes a self-signed one for its
+    /// Service and publishes it as the APIServices' caBundle.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The Service in front of virt-api (for the self-signed certificate's names).
+    #[arg(long, default_value = "virt-api")]
+    service: String,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "microvirt")]
+    namespace: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the Kubernetes API (in-cluster config or $KUBECONFIG)")?;
+    let front_proxy = read_front_proxy(&client).await?;
+    let (cert, ca) = match (&args.tls_cert, &args.tls_key) {
+        (Some(c), Some(k)) => (
+            ServingCert::load_pem(c, k).map_err(anyhow::Error::msg)?,
+            None,
+        ),
+        _ => {
+            let (svc, ns) = (&args.service, &args.namespace);
+            let names = vec![
+                svc.clone(),
+                format!("{svc}.{ns}"),
+                format!("{svc}.{ns}.svc"),
+                format!("{svc}.{ns}.svc.cluster.local"),
+            ];
+            let (cert, pem) = ServingCert::self_signed(names).map_err(anyhow::Error::msg)?;
+            (cert, Some(pem))
+        }
+    };
+    let tls = cert
+        .server_config(Some(&front_proxy.client_ca))
+        .map_err(anyhow::Error::msg)
+        .context("the front proxy's request-header CA")?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}", args.listen))?;
+    if let Some(pem) = ca {
+        tokio::spawn(publish_ca_bundle(client.clone(), pem));
+    }
+    let app = router(Arc::new(ApiState {
+        client,
+        front_proxy,
+    }));
+    tracing::info!(listen = %args.listen, "serving subresources.kubevirt.io");
+    controller_runtime::tls::serve_tls(listener, tls, app).await?;
+    Ok(())
+}
+
+/// The API server's front-proxy settings; without them no caller can be identified, so
+/// virt-api does not start.
+async fn read_front_proxy(client: &kube::Client) -> anyhow::Result<FrontProxy> {
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), CONFIG_MAP_NAMESPACE);
+    let cm = cms
+        .get(CONFIG_MAP_NAME)
+        .await
+        .with_context(|| format!("reading {CONFIG_MAP_NAMESPACE}/{CONFIG_MAP_NAME} (the API server's front-proxy settings; virt-api's service account needs the extension-apiserver-authentication-reader Role)"))?;
+    FrontProxy::from_config_map(&cm.data.unwrap_or_default()).map_err(anyhow::Error::msg)
+}
+
+/// The self-signed certificate as the caBundle of virt-api's APIServices, so the API server
+/// trusts it; retried until the APIServices exist.
+async fn publish_ca_bundle(client: kube::Client, pem: String) {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+    let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
+    let services: Api<DynamicObject> = Api::all_with(client, &ApiResource::from_gvk(&gvk));
+    let bundle = k8s_openapi::ByteString(pem.into_bytes());
+    let patch = serde_json::json!({"spec": {"caBundle": bundle, "insecureSkipTLSVerify": false}});
+    let mut delay = Duration::from_secs(1);
+    loop {
+        let mut result = Ok(());
+        for v in virt_api::VERSIONS {
+            let name = format!("{v}.{}", virt_api::GROUP);
+            if let Err(e) = services
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                result = Err((name, e));
+                break;
+            }
+        }
+        match result {
+            Ok(()) => return,
+            Err((name, e)) => {
+                tracing::warn!(apiservice = %name, error = %e, retry_in = ?delay, "publishing the CA bundle failed")
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(60));
+    }
+}

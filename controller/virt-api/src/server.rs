@@ -1,0 +1,457 @@
+//! The routes of `subresources.kubevirt.io` and what each one does.
+
+use std::sync::Arc;
+
+use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get};
+use axum::{Extension, Json, Router};
+use controller_runtime::tls::PeerCertificate;
+use http::{HeaderMap, Method, StatusCode};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::authz::{authorize, Access};
+use crate::identity::FrontProxy;
+use crate::status::SubresourceError;
+use crate::verbs::{self, Plan, VmChange};
+use crate::{GROUP, VERSIONS};
+
+pub struct ApiState {
+    /// virt-api's own service account: it writes what a verb changes.
+    pub client: kube::Client,
+    pub front_proxy: FrontProxy,
+}
+
+pub fn router(state: Arc<ApiState>) -> Router {
+    let base = format!("/apis/{GROUP}/{{version}}");
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(&base, get(discovery))
+        .route(&format!("{base}/healthz"), get(|| async { "ok" }))
+        .route(&format!("{base}/version"), get(version))
+        .route(
+            &format!("{base}/namespaces/{{namespace}}/{{resource}}/{{name}}/{{verb}}"),
+            any(call),
+        )
+        .route(
+            &format!("{base}/namespaces/{{namespace}}/{{resource}}/{{name}}/{{verb}}/{{detail}}"),
+            any(call_detail),
+        )
+        .fallback(|| async {
+            SubresourceError::new(
+                404,
+                "NotFound",
+                format!("the server could not find the requested resource: {GROUP} serves /apis/{GROUP}/v1/namespaces/<namespace>/(virtualmachines|virtualmachineinstances)/<name>/<subresource>"),
+            )
+        })
+        .with_state(state)
+}
+
+fn check_version(version: &str) -> Result<(), SubresourceError> {
+    if VERSIONS.contains(&version) {
+        Ok(())
+    } else {
+        Err(SubresourceError::new(
+            404,
+            "NotFound",
+            format!("{GROUP}/{version} is not served; served versions: {VERSIONS:?}"),
+        ))
+    }
+}
+
+/// The subresources served, as the API server's discovery lists them.
+const VM_SUBRESOURCES: [&str; 4] = ["start", "stop", "restart", "migrate"];
+const VMI_SUBRESOURCES: [&str; 6] = [
+    "guestosinfo",
+    "userlist",
+    "filesystemlist",
+    "vnc",
+    "vnc/screenshot",
+    "usbredir",
+];
+
+async fn discovery(Path(version): Path<String>) -> Result<Json<Value>, SubresourceError> {
+    check_version(&version)?;
+    let entry = |resource: &str, sub: &str, verbs: &[&str]| {
+        json!({"name": format!("{resource}/{sub}"), "singularName": "", "namespaced": true,
+               "kind": "", "verbs": verbs})
+    };
+    let mut resources: Vec<Value> = VM_SUBRESOURCES
+        .iter()
+        .map(|s| entry("virtualmachines", s, &["update"]))
+        .collect();
+    resources.extend(
+        VMI_SUBRESOURCES
+            .iter()
+            .map(|s| entry("virtualmachineinstances", s, &["get"])),
+    );
+    Ok(Json(json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": format!("{GROUP}/{version}"),
+        "resources": resources,
+    })))
+}
+
+async fn version(Path(version): Path<String>) -> Result<Json<Value>, SubresourceError> {
+    check_version(&version)?;
+    Ok(Json(server_version()))
+}
+
+/// What `virtctl version` prints for the server.
+pub fn server_version() -> Value {
+    json!({
+        "gitVersion": concat!("v", env!("CARGO_PKG_VERSION"), "-microvirt"),
+        "gitCommit": "",
+        "gitTreeState": "clean",
+        "goVersion": "",
+        "compiler": "rustc",
+        "platform": format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
+    })
+}
+
+#[derive(Deserialize)]
+struct Target {
+    version: String,
+    namespace: String,
+    resource: String,
+    name: String,
+    verb: String,
+}
+
+#[derive(Deserialize)]
+struct TargetDetail {
+    version: String,
+    namespace: String,
+    resource: String,
+    name: String,
+    verb: String,
+    detail: String,
+}
+
+/// What a subresource does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Verb {
+    Start,
+    Stop,
+    Restart,
+    Migrate,
+    /// A guest-agent query: microvirt guests have no agent channel.
+    GuestAgent,
+    /// A device microvirt VMs do not have.
+    NoDevice(&'static str),
+}
+
+/// The verb a route names, with the HTTP method and RBAC verb it takes.
+fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), SubresourceError> {
+    let put = |v| Ok((v, Method::PUT, "update"));
+    let get = |v| Ok((v, Method::GET, "get"));
+    const NO_GRAPHICS: &str = "microvirt VMs have no graphics device, so there is no VNC display to connect to; use `virtctl console` for the serial console";
+    match (resource, sub) {
+        ("virtualmachines", "start") => put(Verb::Start),
+        ("virtualmachines", "stop") => put(Verb::Stop),
+        ("virtualmachines", "restart") => put(Verb::Restart),
+        ("virtualmachines", "migrate") => put(Verb::Migrate),
+        ("virtualmachineinstances", "guestosinfo" | "userlist" | "filesystemlist") => {
+            get(Verb::GuestAgent)
+        }
+        ("virtualmachineinstances", "vnc" | "vnc/screenshot") => get(Verb::NoDevice(NO_GRAPHICS)),
+        ("virtualmachineinstances", "usbredir") => get(Verb::NoDevice(
+            "microvirt VMs have no USB controller, so there is nothing to redirect a USB device to",
+        )),
+        ("virtualmachines" | "virtualmachineinstances", _) => {
+            let served = if resource == "virtualmachines" {
+                VM_SUBRESOURCES.join(", ")
+            } else {
+                VMI_SUBRESOURCES.join(", ")
+            };
+            Err(SubresourceError::new(
+                404,
+                "NotFound",
+                format!("{resource}/{sub} is not served by this virt-api; served: {served}"),
+            ))
+        }
+        _ => Err(SubresourceError::new(
+            404,
+            "NotFound",
+            format!("{GROUP} has no resource {resource:?}; it serves subresources of virtualmachines and virtualmachineinstances"),
+        )),
+    }
+}
+
+async fn call(
+    State(state): State<Arc<ApiState>>,
+    Extension(peer): Extension<PeerCertificate>,
+    Path(t): Path<Target>,
+    method: Method,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let r = handle(&state, &peer, &headers, &method, &t, &t.verb, body).await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn call_detail(
+    State(state): State<Arc<ApiState>>,
+    Extension(peer): Extension<PeerCertificate>,
+    Path(t): Path<TargetDetail>,
+    method: Method,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let sub = format!("{}/{}", t.verb, t.detail);
+    let target = Target {
+        version: t.version,
+        namespace: t.namespace,
+        resource: t.resource,
+        name: t.name,
+        verb: t.verb,
+    };
+    let r = handle(&state, &peer, &headers, &method, &target, &sub, body).await;
+    r.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn handle(
+    state: &ApiState,
+    peer: &PeerCertificate,
+    headers: &HeaderMap,
+    method: &Method,
+    t: &Target,
+    sub: &str,
+    body: Bytes,
+) -> Result<Response, SubresourceError> {
+    check_version(&t.version)?;
+    let who = state.front_proxy.identify(peer, headers)?;
+    let (verb, wanted, rbac_verb) = verb_of(&t.resource, sub)?;
+    if method != wanted {
+        return Err(SubresourceError::new(
+            405,
+            "MethodNotAllowed",
+            format!("{}/{sub} takes {wanted}, not {method}", t.resource),
+        ));
+    }
+    let access = Access {
+        verb: rbac_verb,
+        resource: &t.resource,
+        subresource: sub,
+        namespace: &t.namespace,
+        name: &t.name,
+    };
+    authorize(&state.client, &who, &access).await?;
+    tracing::info!(user = %who.user, namespace = %t.namespace, name = %t.name, subresource = %sub, "subresource call");
+    let calls = Calls {
+        client: &state.client,
+        namespace: &t.namespace,
+        name: &t.name,
+    };
+    match verb {
+        Verb::Start => {
+            calls
+                .vm_verb(verbs::start, &body, |o: &verbs::StartOptions| &o.dry_run)
+                .await
+        }
+        Verb::Stop => {
+            calls
+                .vm_verb(verbs::stop, &body, |o: &verbs::StopOptions| &o.dry_run)
+                .await
+        }
+        Verb::Restart => {
+            calls
+                .vm_verb(verbs::restart, &body, |o: &verbs::RestartOptions| {
+                    &o.dry_run
+                })
+                .await
+        }
+        Verb::Migrate => calls.migrate(&body).await,
+        Verb::GuestAgent => {
+            calls.vmi().await?;
+            Err(SubresourceError::conflict(
+                "VMI does not have guest agent connected",
+            ))
+        }
+        Verb::NoDevice(why) => {
+            calls.vmi().await?;
+            Err(SubresourceError::bad_request(why))
+        }
+    }
+}
+
+/// A request body of options; an empty body is the defaults.
+fn options<T: DeserializeOwned + Default>(body: &Bytes) -> Result<T, SubresourceError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        SubresourceError::bad_request(format!(
+            "the request body is not valid {}: {e}",
+            std::any::type_name::<T>()
+                .rsplit("::")
+                .next()
+                .unwrap_or("options")
+        ))
+    })
+}
+
+/// `MigrateOptions`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MigrateOptions {
+    #[serde(default)]
+    dry_run: Vec<String>,
+    #[serde(default)]
+    added_node_selector: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// The calls one request makes, with virt-api's service account.
+struct Calls<'a> {
+    client: &'a kube::Client,
+    namespace: &'a str,
+    name: &'a str,
+}
+
+impl Calls<'_> {
+    fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        Api::namespaced(self.client.clone(), self.namespace)
+    }
+
+    async fn vm(&self) -> Result<VirtualMachine, SubresourceError> {
+        self.api::<VirtualMachine>()
+            .get_opt(self.name)
+            .await
+            .map_err(SubresourceError::from_kube)?
+            .ok_or_else(|| SubresourceError::not_found("virtualmachines.kubevirt.io", self.name))
+    }
+
+    async fn vmi_opt(&self) -> Result<Option<VirtualMachineInstance>, SubresourceError> {
+        self.api::<VirtualMachineInstance>()
+            .get_opt(self.name)
+            .await
+            .map_err(SubresourceError::from_kube)
+    }
+
+    async fn vmi(&self) -> Result<VirtualMachineInstance, SubresourceError> {
+        self.vmi_opt().await?.ok_or_else(|| {
+            SubresourceError::not_found("virtualmachineinstances.kubevirt.io", self.name)
+        })
+    }
+
+    /// start, stop, restart: the plan from the VM and its VMI, then its writes.
+    async fn vm_verb<O: DeserializeOwned + Default>(
+        &self,
+        plan: impl FnOnce(
+            &VirtualMachine,
+            Option<&VirtualMachineInstance>,
+            &O,
+        ) -> Result<Plan, SubresourceError>,
+        body: &Bytes,
+        dry_run_of: impl FnOnce(&O) -> &Vec<String>,
+    ) -> Result<Response, SubresourceError> {
+        let opts: O = options(body)?;
+        let dry_run = verbs::dry_run(dry_run_of(&opts))?;
+        let vm = self.vm().await?;
+        let vmi = self.vmi_opt().await?;
+        let plan = plan(&vm, vmi.as_ref(), &opts).map_err(|e| e.about_vm(self.name))?;
+        let pp = PatchParams {
+            dry_run,
+            ..Default::default()
+        };
+        if let Some(grace) = plan.vmi_grace_period {
+            let patch = json!({"spec": {"terminationGracePeriodSeconds": grace}});
+            self.api::<VirtualMachineInstance>()
+                .patch(self.name, &pp, &Patch::Merge(&patch))
+                .await
+                .map_err(SubresourceError::from_kube)?;
+        }
+        let vms = self.api::<VirtualMachine>();
+        match plan.change {
+            VmChange::Spec(patch) if patch == json!({}) => {}
+            VmChange::Spec(patch) => {
+                vms.patch(self.name, &pp, &Patch::Merge(&patch))
+                    .await
+                    .map_err(SubresourceError::from_kube)?;
+            }
+            VmChange::Requests(requests) => {
+                // Guarded by the resourceVersion read: a request made meanwhile is a conflict,
+                // never overwritten.
+                let patch = json!({
+                    "metadata": {"resourceVersion": vm.metadata.resource_version},
+                    "status": {"stateChangeRequests": requests},
+                });
+                vms.patch_status(self.name, &pp, &Patch::Merge(&patch))
+                    .await
+                    .map_err(SubresourceError::from_kube)?;
+            }
+        }
+        Ok(StatusCode::ACCEPTED.into_response())
+    }
+
+    /// migrate: a VirtualMachineInstanceMigration for the VM's VMI (the webhook refuses one
+    /// that cannot migrate, in its own words, which reach the caller).
+    async fn migrate(&self, body: &Bytes) -> Result<Response, SubresourceError> {
+        let opts: MigrateOptions = options(body)?;
+        let dry_run = verbs::dry_run(&opts.dry_run)?;
+        if opts.added_node_selector.is_some_and(|s| !s.is_empty()) {
+            return Err(SubresourceError::bad_request(
+                "addedNodeSelector is not supported: the target node is chosen by the scheduler from the VMI's own node selector and affinity",
+            ));
+        }
+        self.vm().await?;
+        if self.vmi_opt().await?.is_none() {
+            return Err(SubresourceError::conflict("VM is not running").about_vm(self.name));
+        }
+        let mut vmim = VirtualMachineInstanceMigration::new(
+            "",
+            api::VirtualMachineInstanceMigrationSpec {
+                vmi_name: self.name.to_string(),
+            },
+        );
+        vmim.metadata.name = None;
+        vmim.metadata.generate_name = Some("kubevirt-migrate-vm-".into());
+        let pp = PostParams {
+            dry_run,
+            ..Default::default()
+        };
+        self.api::<VirtualMachineInstanceMigration>()
+            .create(&pp, &vmim)
+            .await
+            .map_err(SubresourceError::from_kube)?;
+        Ok(StatusCode::ACCEPTED.into_response())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verbs_methods_and_unknown_subresources() {
+        assert_eq!(
+            verb_of("virtualmachines", "start").unwrap(),
+            (Verb::Start, Method::PUT, "update")
+        );
+        assert_eq!(
+            verb_of("virtualmachineinstances", "guestosinfo").unwrap(),
+            (Verb::GuestAgent, Method::GET, "get")
+        );
+        let e = verb_of("virtualmachines", "frobnicate").unwrap_err();
+        assert_eq!(e.code, 404);
+        assert!(
+            e.message.contains("served: start, stop, restart, migrate"),
+            "{e}"
+        );
+        let e = verb_of("pods", "start").unwrap_err();
+        assert!(e.message.contains("no resource \"pods\""), "{e}");
+        assert!(matches!(
+            verb_of("virtualmachineinstances", "vnc").unwrap().0,
+            Verb::NoDevice(w) if w.contains("no graphics device")
+        ));
+    }
+}
