@@ -29,7 +29,14 @@ struct Objects {
     services: Vec<Service>,
     validating: Vec<ValidatingWebhookConfiguration>,
     mutating: Vec<MutatingWebhookConfiguration>,
+    /// APIServices, as JSON (k8s-openapi has no kube-aggregator types).
+    api_services: Vec<serde_json::Value>,
 }
+
+/// Roles every cluster bootstraps, which the manifests bind to without defining.
+const BOOTSTRAP_CLUSTER_ROLES: [&str; 1] = ["system:auth-delegator"];
+const BOOTSTRAP_ROLES: [(&str, &str); 1] =
+    [("kube-system", "extension-apiserver-authentication-reader")];
 
 fn load() -> Objects {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
@@ -80,6 +87,7 @@ fn load() -> Objects {
                 "Service" => push!(services),
                 "ValidatingWebhookConfiguration" => push!(validating),
                 "MutatingWebhookConfiguration" => push!(mutating),
+                "APIService" => push!(api_services),
                 other => panic!("{ctx}: unexpected kind {other}"),
             }
         }
@@ -148,8 +156,12 @@ fn manifests_parse_and_references_line_up() {
         assert_eq!(ns_of(&sa.metadata), ns);
     }
     // Workloads.
-    assert_eq!(o.deployments.len(), 1);
-    let d = &o.deployments[0];
+    assert_eq!(o.deployments.len(), 2, "virt-controller and virt-api");
+    let d = o
+        .deployments
+        .iter()
+        .find(|d| d.metadata.name.as_deref() == Some("virt-controller"))
+        .unwrap();
     let dspec = d.spec.as_ref().unwrap();
     assert_eq!(
         dspec.replicas,
@@ -168,12 +180,20 @@ fn manifests_parse_and_references_line_up() {
         dspec.selector.match_labels.as_ref().unwrap(),
         &tlabels
     ));
-    check_pod_template(
-        &o,
-        ns_of(&d.metadata),
-        "Deployment virt-controller",
-        &dspec.template,
-    );
+    for d in &o.deployments {
+        let s = d.spec.as_ref().unwrap();
+        let labels = s
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .clone()
+            .unwrap();
+        assert!(matches(s.selector.match_labels.as_ref().unwrap(), &labels));
+        let what = format!("Deployment {}", d.metadata.name.as_deref().unwrap());
+        check_pod_template(&o, ns_of(&d.metadata), &what, &s.template);
+    }
     for ds in &o.daemon_sets {
         let s = ds.spec.as_ref().unwrap();
         let labels = s
@@ -232,13 +252,19 @@ fn manifests_parse_and_references_line_up() {
     };
     for b in &o.cluster_role_bindings {
         assert!(
-            o.cluster_roles
-                .iter()
-                .any(|r| r.metadata.name.as_deref() == Some(b.role_ref.name.as_str())),
+            BOOTSTRAP_CLUSTER_ROLES.contains(&b.role_ref.name.as_str())
+                || o.cluster_roles
+                    .iter()
+                    .any(|r| r.metadata.name.as_deref() == Some(b.role_ref.name.as_str())),
             "{:?}",
             b.metadata.name
         );
-        for s in b.subjects.iter().flatten() {
+        for s in b
+            .subjects
+            .iter()
+            .flatten()
+            .filter(|s| s.kind == "ServiceAccount")
+        {
             assert!(
                 sa_exists(&s.name, s.namespace.as_deref().unwrap()),
                 "{:?}: subject {}",
@@ -248,10 +274,16 @@ fn manifests_parse_and_references_line_up() {
         }
     }
     for b in &o.role_bindings {
-        assert!(o
-            .roles
-            .iter()
-            .any(|r| r.metadata.name.as_deref() == Some(b.role_ref.name.as_str())));
+        let ns = ns_of(&b.metadata);
+        assert!(
+            BOOTSTRAP_ROLES.contains(&(ns, b.role_ref.name.as_str()))
+                || o.roles.iter().any(|r| {
+                    r.metadata.name.as_deref() == Some(b.role_ref.name.as_str())
+                        && ns_of(&r.metadata) == ns
+                }),
+            "{:?}",
+            b.metadata.name
+        );
         for s in b.subjects.iter().flatten() {
             assert!(sa_exists(&s.name, s.namespace.as_deref().unwrap()));
         }
@@ -318,4 +350,41 @@ fn manifests_parse_and_references_line_up() {
         n += 1;
     }
     assert_eq!(n, 3);
+    // virt-api's APIServices name a Service that exists and serves their port, one per version
+    // virt-api serves.
+    let mut versions = Vec::new();
+    for a in &o.api_services {
+        let svc = &a["spec"]["service"];
+        let (name, ns) = (
+            svc["name"].as_str().unwrap(),
+            svc["namespace"].as_str().unwrap(),
+        );
+        let port = svc["port"].as_i64().unwrap_or(443) as i32;
+        let s = o
+            .services
+            .iter()
+            .find(|s| s.metadata.name.as_deref() == Some(name) && ns_of(&s.metadata) == ns)
+            .unwrap_or_else(|| {
+                panic!(
+                    "APIService {}: no Service {ns}/{name}",
+                    a["metadata"]["name"]
+                )
+            });
+        assert!(s
+            .spec
+            .as_ref()
+            .unwrap()
+            .ports
+            .iter()
+            .flatten()
+            .any(|p| p.port == port));
+        assert_eq!(a["spec"]["group"], virt_api::GROUP);
+        let v = a["spec"]["version"].as_str().unwrap();
+        assert_eq!(a["metadata"]["name"], format!("{v}.{}", virt_api::GROUP));
+        versions.push(v.to_string());
+    }
+    versions.sort();
+    let mut served: Vec<String> = virt_api::VERSIONS.iter().map(|v| v.to_string()).collect();
+    served.sort();
+    assert_eq!(versions, served);
 }

@@ -60,30 +60,64 @@ impl Authorizer {
             .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
             .collect();
         files.sort();
+        a.add_bootstrap_roles();
         for f in files {
-            let text = std::fs::read_to_string(&f).unwrap();
-            for doc in serde_yaml::Deserializer::from_str(&text) {
-                let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
-                match v["kind"].as_str() {
-                    Some("ClusterRole") => a.cluster_roles.push(serde_json::from_value(v).unwrap()),
-                    Some("ClusterRoleBinding") => a
-                        .cluster_role_bindings
-                        .push(serde_json::from_value(v).unwrap()),
-                    Some("Role") => a.roles.push(serde_json::from_value(v).unwrap()),
-                    Some("RoleBinding") => a.role_bindings.push(serde_json::from_value(v).unwrap()),
-                    _ => {}
-                }
-            }
+            a = a.with_yaml(&std::fs::read_to_string(&f).unwrap());
         }
         a
     }
 
-    fn bound(subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>, user: &str) -> bool {
+    /// These rules too: every Role, ClusterRole and binding in `text` (YAML documents), as a
+    /// test grants its users access.
+    pub fn with_yaml(mut self, text: &str) -> Authorizer {
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+            match v["kind"].as_str() {
+                Some("ClusterRole") => self.cluster_roles.push(serde_json::from_value(v).unwrap()),
+                Some("ClusterRoleBinding") => self
+                    .cluster_role_bindings
+                    .push(serde_json::from_value(v).unwrap()),
+                Some("Role") => self.roles.push(serde_json::from_value(v).unwrap()),
+                Some("RoleBinding") => self.role_bindings.push(serde_json::from_value(v).unwrap()),
+                _ => {}
+            }
+        }
+        self
+    }
+
+    /// Roles every cluster has from the start, which deployments bind to rather than define:
+    /// aggregated API servers delegate authorization (`system:auth-delegator`) and read the
+    /// front-proxy settings (`extension-apiserver-authentication-reader`).
+    fn add_bootstrap_roles(&mut self) {
+        let docs = serde_json::json!([
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": "system:auth-delegator"},
+             "rules": [
+                {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "extension-apiserver-authentication-reader", "namespace": "kube-system"},
+             "rules": [
+                {"apiGroups": [""], "resources": ["configmaps"],
+                 "resourceNames": ["extension-apiserver-authentication"], "verbs": ["get", "list", "watch"]}]}
+        ]);
+        self.cluster_roles
+            .push(serde_json::from_value(docs[0].clone()).unwrap());
+        self.roles
+            .push(serde_json::from_value(docs[1].clone()).unwrap());
+    }
+
+    fn bound(
+        subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>,
+        user: &str,
+        groups: &[String],
+    ) -> bool {
         subjects.iter().flatten().any(|s| match s.kind.as_str() {
             "ServiceAccount" => {
                 service_account_user(s.namespace.as_deref().unwrap_or_default(), &s.name) == user
             }
             "User" => s.name == user,
+            "Group" => groups.contains(&s.name),
             _ => false,
         })
     }
@@ -96,12 +130,18 @@ impl Authorizer {
             .collect()
     }
 
-    /// Whether `user` may do what `a` asks.
+    /// Whether `user` (with the groups the authenticator gives every such user) may do what
+    /// `a` asks.
     pub fn allows(&self, user: &str, a: &RequestAttributes) -> bool {
+        self.allows_as(user, &crate::apiserver::groups_of(user), a)
+    }
+
+    /// Whether `user`, a member of `groups`, may do what `a` asks.
+    pub fn allows_as(&self, user: &str, groups: &[String], a: &RequestAttributes) -> bool {
         let from_cluster = self
             .cluster_role_bindings
             .iter()
-            .filter(|b| Self::bound(&b.subjects, user) && b.role_ref.kind == "ClusterRole")
+            .filter(|b| Self::bound(&b.subjects, user, groups) && b.role_ref.kind == "ClusterRole")
             .flat_map(|b| self.cluster_role_rules(&b.role_ref.name))
             .any(|r| rule_allows(r, a));
         if from_cluster {
@@ -112,7 +152,9 @@ impl Authorizer {
         };
         self.role_bindings
             .iter()
-            .filter(|b| b.metadata.namespace.as_ref() == Some(ns) && Self::bound(&b.subjects, user))
+            .filter(|b| {
+                b.metadata.namespace.as_ref() == Some(ns) && Self::bound(&b.subjects, user, groups)
+            })
             .flat_map(|b| match b.role_ref.kind.as_str() {
                 "ClusterRole" => self.cluster_role_rules(&b.role_ref.name),
                 _ => self

@@ -35,6 +35,11 @@
 //!
 //! - server-side apply with field ownership in `managedFields` (`apply`; lists atomic).
 //!
+//! - the aggregation layer (`aggregator`): paths an `APIService` claims are authenticated,
+//!   authorized and forwarded to its Service with the front proxy's client certificate and
+//!   identity headers; `SubjectAccessReview`s answered from the RBAC rules enforced; the
+//!   front-proxy settings in `kube-system/extension-apiserver-authentication`.
+//!
 //! Not implemented (the controllers do not use them): deletecollection,
 //! protobuf, admission (the webhook is tested on its own).
 
@@ -51,6 +56,7 @@ use tokio::sync::broadcast;
 
 use crate::rbac::{Authorizer, RequestAttributes};
 
+mod aggregator;
 mod apply;
 mod errors;
 mod gc;
@@ -59,6 +65,7 @@ pub mod resources;
 mod schema;
 mod selectors;
 
+pub use aggregator::{groups_of, Caller, FRONT_PROXY_CLIENT};
 use errors::{json_response, with_warnings, ApiError, ApiResult};
 use json::{get_path, has_finalizers, merge_patch, meta, meta_str, set_path};
 pub use resources::{default_types, ResourceType};
@@ -108,6 +115,10 @@ struct Inner {
     auth: Mutex<Authentication>,
     eviction_admission: Mutex<Option<EvictionAdmission>>,
     object_admission: Mutex<Option<ObjectAdmission>>,
+    /// The aggregation layer's client certificate and CA (see `aggregator`).
+    front_proxy: aggregator::FrontProxy,
+    /// Where each Service's endpoints listen, by (namespace, name).
+    endpoints: Mutex<HashMap<(String, String), SocketAddr>>,
 }
 
 /// A validating admission webhook on `pods/eviction`, as the API server calls it: given the
@@ -420,6 +431,8 @@ impl ApiServer {
             auth: Mutex::new(Authentication::default()),
             eviction_admission: Mutex::new(None),
             object_admission: Mutex::new(None),
+            front_proxy: aggregator::FrontProxy::generate(),
+            endpoints: Mutex::new(HashMap::new()),
         });
         // The namespaces a real server makes for itself.
         let namespaces = Target {
@@ -438,6 +451,13 @@ impl ApiServer {
             let obj = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
             inner.create(&namespaces, obj).expect("a system namespace");
         }
+        // What kube-apiserver publishes for aggregated API servers.
+        let config_maps = inner
+            .route("/api/v1/namespaces/kube-system/configmaps")
+            .unwrap();
+        inner
+            .create(&config_maps, inner.front_proxy.config_map())
+            .expect("the front-proxy settings");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app_inner = inner.clone();
@@ -491,6 +511,16 @@ impl ApiServer {
     /// rules: what they do not grant is refused with 403 Forbidden.
     pub fn enforce_rbac(&self, authorizer: Authorizer) {
         self.inner.auth.lock().unwrap().rbac = Some(Arc::new(authorizer));
+    }
+
+    /// Says that the endpoints of Service `namespace/name` listen at `addr` (the aggregation
+    /// layer forwards there).
+    pub fn set_service_endpoint(&self, namespace: &str, name: &str, addr: SocketAddr) {
+        self.inner
+            .endpoints
+            .lock()
+            .unwrap()
+            .insert((namespace.into(), name.into()), addr);
     }
 
     /// A new bearer token that authenticates as `user`.
@@ -614,6 +644,14 @@ impl Inner {
             .and_then(|h| h.to_str().ok())
             .unwrap_or("")
             .to_string();
+        if let Some(answer) = self.aggregate(&method, &uri, &headers, &body).await {
+            let resp = answer.unwrap_or_else(|e| json_response(e.code, &e.status()));
+            self.request_log
+                .lock()
+                .unwrap()
+                .push((method, path, resp.status().as_u16()));
+            return resp;
+        }
         // Discovery, OpenAPI and /version are readable by every user (the real server's
         // system:discovery and system:public-info-viewer roles).
         if let Some(answer) = crate::discovery::serve(&self.types, &path, &host) {
@@ -654,23 +692,13 @@ impl Inner {
         q: &BTreeMap<String, String>,
         headers: &HeaderMap,
     ) -> ApiResult<()> {
-        let Some(token) = headers
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-        else {
+        let caller = self.authenticate(headers)?;
+        let Some(authorizer) = self.auth.lock().unwrap().rbac.clone() else {
             return Ok(());
         };
-        let (user, authorizer) = {
-            let auth = self.auth.lock().unwrap();
-            (auth.users.get(token).cloned(), auth.rbac.clone())
-        };
-        let Some(user) = user else {
-            return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
-        };
-        let Some(authorizer) = authorizer else {
+        if caller.groups.iter().any(|g| g == "system:masters") {
             return Ok(());
-        };
+        }
         let t = self.route(path)?;
         let verb = match (method, &t.name) {
             (&Method::GET, None) if q.get("watch").is_some_and(|w| w == "true" || w == "1") => {
@@ -695,14 +723,76 @@ impl Inner {
             namespace: t.namespace.clone(),
             name: t.name.clone(),
         };
-        if authorizer.allows(&user, &attrs) {
+        if authorizer.allows_as(&caller.user, &caller.groups, &attrs) {
             Ok(())
         } else {
-            let message = Authorizer::forbidden_message(&user, &attrs);
+            let message = Authorizer::forbidden_message(&caller.user, &attrs);
             // Printed so that a test that then times out says why.
             eprintln!("test API server: 403 {message}");
             Err(ApiError::new(403, "Forbidden", message))
         }
+    }
+
+    /// Who a request comes from: the user its bearer token was issued to, or without a token
+    /// the cluster admin (the test itself); an unknown token is 401.
+    fn authenticate(&self, headers: &HeaderMap) -> ApiResult<Caller> {
+        let Some(token) = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+        else {
+            return Ok(Caller {
+                user: "system:admin".into(),
+                groups: vec!["system:masters".into(), "system:authenticated".into()],
+            });
+        };
+        let user = self.auth.lock().unwrap().users.get(token).cloned();
+        let Some(user) = user else {
+            return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
+        };
+        let groups = groups_of(&user);
+        Ok(Caller { user, groups })
+    }
+
+    /// A SubjectAccessReview, answered from the RBAC rules the server enforces (everything is
+    /// allowed where it enforces none), never stored.
+    fn review_access(&self, mut review: Value) -> ApiResult<Response<Body>> {
+        let spec = &review["spec"];
+        let user = spec["user"].as_str().unwrap_or_default().to_string();
+        let groups: Vec<String> = spec["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|g| g.as_str().map(str::to_string))
+            .collect();
+        let Some(ra) = spec.get("resourceAttributes") else {
+            return Err(ApiError::new(
+                422,
+                "Invalid",
+                "SubjectAccessReview spec.resourceAttributes: Required value (nonResourceAttributes are not supported here)",
+            ));
+        };
+        let text = |k: &str| ra[k].as_str().unwrap_or_default().to_string();
+        let resource = match text("subresource").as_str() {
+            "" => text("resource"),
+            sub => format!("{}/{sub}", text("resource")),
+        };
+        let attrs = RequestAttributes {
+            verb: text("verb"),
+            api_group: text("group"),
+            resource,
+            namespace: Some(text("namespace")).filter(|n| !n.is_empty()),
+            name: Some(text("name")).filter(|n| !n.is_empty()),
+        };
+        let rbac = self.auth.lock().unwrap().rbac.clone();
+        let allowed = groups.iter().any(|g| g == "system:masters")
+            || rbac.is_none_or(|a| a.allows_as(&user, &groups, &attrs));
+        review["status"] = if allowed {
+            json!({"allowed": true, "reason": "RBAC: allowed"})
+        } else {
+            json!({"allowed": false, "reason": ""})
+        };
+        Ok(json_response(201, &review))
     }
 
     async fn serve(
@@ -784,6 +874,9 @@ impl Inner {
                         &self.as_requested(&t, headers, q, self.list(&t, q)?),
                     ))
                 }
+            }
+            (&Method::POST, None, None) if t.rtype.plural == "subjectaccessreviews" => {
+                self.review_access(body_json()?)
             }
             (&Method::POST, None, None) => self.create_request(&t, q, body_json()?).await,
             (&Method::POST, Some(name), Some("eviction")) if t.rtype.plural == "pods" => {

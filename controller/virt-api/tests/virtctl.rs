@@ -1,0 +1,405 @@
+//! virtctl → the API server's aggregation layer → the real virt-api binary → the API, with
+//! virt-controller's real controllers carrying the changes out (the scheduler, kubelet and
+//! virt-handler stand-ins of `tests::cluster`). virt-api runs as its deployed service account
+//! under `deploy/rbac/`, reads the front-proxy settings the API server publishes and patches
+//! its own CA bundle into the APIServices `deploy/virt-api.yaml` defines; users are held to
+//! KubeVirt's `kubevirt.io:edit` / `kubevirt.io:view` roles.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use api::{RunStrategy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::ResourceExt;
+use tests::cluster::{eventually, test_config, Cluster, Replica, NS};
+use tests::rbac::{service_account_user, Authorizer};
+
+const T: Duration = Duration::from_secs(20);
+
+/// Alice may edit VMs in `default`, Bob may only look.
+const USERS: &str = r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: alice-edits, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:edit"}
+subjects: [{kind: User, name: alice}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: bob-views, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:view"}
+subjects: [{kind: User, name: bob}]
+"#;
+
+struct Bench {
+    c: Cluster,
+    controller: Option<Replica>,
+    virt_api: std::process::Child,
+    virt_api_addr: std::net::SocketAddr,
+    dir: PathBuf,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = self.virt_api.kill();
+        let _ = self.virt_api.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn free_port() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+impl Bench {
+    async fn start(tag: &str) -> Bench {
+        let c = Cluster::start().await;
+        c.api
+            .enforce_rbac(Authorizer::from_dir(&repo().join("deploy/rbac")).with_yaml(USERS));
+        let dir = std::env::temp_dir().join(format!("mv-virtctl-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // The APIServices as deployed (their caBundle is virt-api's to publish).
+        let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
+        let services: Api<DynamicObject> =
+            Api::all_with(c.client.clone(), &ApiResource::from_gvk(&gvk));
+        let text = std::fs::read_to_string(repo().join("deploy/virt-api.yaml")).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+            if v["kind"] == "APIService" {
+                let obj: DynamicObject = serde_json::from_value(v).unwrap();
+                services.create(&PostParams::default(), &obj).await.unwrap();
+            }
+        }
+        let kubeconfig = dir.join("virt-api.kubeconfig");
+        c.api.write_kubeconfig(
+            &kubeconfig,
+            Some(&service_account_user("microvirt", "virt-api")),
+        );
+        let addr = free_port();
+        let virt_api = Command::new(env!("CARGO_BIN_EXE_virt-api"))
+            .args(["--listen", &addr.to_string(), "--service", "virt-api"])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("POD_NAMESPACE", "microvirt")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        c.api.set_service_endpoint("microvirt", "virt-api", addr);
+        for user in ["alice", "bob"] {
+            c.api
+                .write_kubeconfig(&dir.join(format!("{user}.kubeconfig")), Some(user));
+        }
+        let bench = Bench {
+            controller: Some(c.replica(test_config(), None)),
+            c,
+            virt_api,
+            virt_api_addr: addr,
+            dir,
+        };
+        // Up once the API server reaches it with the CA bundle it published.
+        let client = bench.c.client.clone();
+        eventually("virt-api serving through the API server", T, || async {
+            let req = http::Request::get("/apis/subresources.kubevirt.io/v1/version")
+                .body(Vec::new())
+                .unwrap();
+            client.request_text(req).await.ok()
+        })
+        .await;
+        bench
+    }
+
+    /// Runs virtctl as `user`, as `kubectl virt` would.
+    async fn virtctl(&self, user: &str, args: &[&str]) -> Output {
+        let kubeconfig = self.dir.join(format!("{user}.kubeconfig"));
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_virtctl"))
+                .args(&args)
+                .env("KUBECONFIG", kubeconfig)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn vm(&self, name: &str) -> VirtualMachine {
+        self.c.api::<VirtualMachine>().get(name).await.unwrap()
+    }
+
+    async fn stop(mut self) {
+        if let Some(r) = self.controller.take() {
+            r.stop().await;
+        }
+    }
+}
+
+fn vm_yaml(name: &str, strategy: &str) -> String {
+    format!(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {{name: {name}, namespace: default}}
+spec:
+  runStrategy: {strategy}
+  template:
+    spec:
+      domain:
+        devices: {{}}
+        resources: {{requests: {{memory: 64Mi}}}}
+"#
+    )
+}
+
+fn ok(out: &Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "virtctl failed ({:?}): {stdout}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn refused(out: &Output) -> String {
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "virtctl should have been refused: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_stop_and_restart_through_the_api_server() {
+    let b = Bench::start("lifecycle").await;
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("web", "Halted"))
+        .await;
+
+    // A dry run changes nothing.
+    let out = ok(&b.virtctl("alice", &["start", "web", "--dry-run"]).await);
+    assert!(out.contains("dry run"), "{out}");
+    assert_eq!(
+        b.vm("web").await.spec.run_strategy,
+        Some(RunStrategy::Halted)
+    );
+
+    let out = ok(&b.virtctl("alice", &["start", "web"]).await);
+    assert_eq!(out.trim(), "VM web was scheduled to start");
+    // virt-api asked the API server whether Alice may, before it changed anything.
+    assert!(b.c.api.request_log().iter().any(|(m, p, code)| m == "POST"
+        && p == "/apis/authorization.k8s.io/v1/subjectaccessreviews"
+        && *code == 201));
+    assert_eq!(
+        b.vm("web").await.spec.run_strategy,
+        Some(RunStrategy::Always)
+    );
+    let first = b.c.bring_up("web", "node-a").await;
+
+    // A second start is refused in KubeVirt's words, and changes nothing.
+    let err = refused(&b.virtctl("alice", &["start", "web"]).await);
+    assert!(
+        err.contains("Operation cannot be fulfilled on virtualmachine.kubevirt.io \"web\": VM is already running"),
+        "{err}"
+    );
+
+    // Restart: the running VMI goes and a new one comes.
+    ok(&b.virtctl("alice", &["restart", "web"]).await);
+    let second = eventually("a new VMI after the restart", T, || async {
+        b.c.kubelet_finish_deletions().await;
+        let v =
+            b.c.api::<VirtualMachineInstance>()
+                .get_opt("web")
+                .await
+                .unwrap()?;
+        (v.uid() != first.uid()).then_some(v)
+    })
+    .await;
+    assert!(second.metadata.deletion_timestamp.is_none());
+    eventually("the restart requests carried out", T, || async {
+        let vm = b.vm("web").await;
+        vm.status
+            .is_some_and(|s| s.state_change_requests.is_empty())
+            .then_some(())
+    })
+    .await;
+    b.c.bring_up("web", "node-a").await;
+
+    // Stop: runStrategy Halted, the VMI goes.
+    let out = ok(&b.virtctl("alice", &["stop", "web"]).await);
+    assert_eq!(out.trim(), "VM web was scheduled to stop");
+    assert_eq!(
+        b.vm("web").await.spec.run_strategy,
+        Some(RunStrategy::Halted)
+    );
+    eventually("the VMI gone", T, || async {
+        b.c.kubelet_finish_deletions().await;
+        let v =
+            b.c.api::<VirtualMachineInstance>()
+                .get_opt("web")
+                .await
+                .unwrap();
+        v.is_none().then_some(())
+    })
+    .await;
+    let err = refused(&b.virtctl("alice", &["stop", "web"]).await);
+    assert!(err.contains("VM is not running"), "{err}");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_makes_a_migration_and_migrate_cancel_removes_it() {
+    let b = Bench::start("migrate").await;
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("db", "Always"))
+        .await;
+    let err = refused(&b.virtctl("alice", &["migrate", "nope"]).await);
+    assert!(
+        err.contains("virtualmachines.kubevirt.io \"nope\" not found"),
+        "{err}"
+    );
+    b.c.bring_up("db", "node-a").await;
+    let out = ok(&b.virtctl("alice", &["migrate", "db"]).await);
+    assert_eq!(out.trim(), "VM db was scheduled to migrate");
+    let vmims: Api<VirtualMachineInstanceMigration> = Api::namespaced(b.c.client.clone(), NS);
+    let all = vmims.list(&Default::default()).await.unwrap().items;
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].spec.vmi_name, "db");
+    assert!(all[0].name_any().starts_with("kubevirt-migrate-vm-"));
+
+    let out = ok(&b.virtctl("alice", &["migrate-cancel", "db"]).await);
+    assert!(
+        out.contains("was scheduled to cancel its migration"),
+        "{out}"
+    );
+    eventually("the migration gone", T, || async {
+        let n = vmims.list(&Default::default()).await.unwrap().items.len();
+        (n == 0).then_some(())
+    })
+    .await;
+    let err = refused(&b.virtctl("alice", &["migrate-cancel", "db"]).await);
+    assert!(err.contains("Found no migration to cancel for db"), "{err}");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn who_may_do_what_and_answers_for_what_microvirt_lacks() {
+    let b = Bench::start("authz").await;
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("app", "Always"))
+        .await;
+    b.c.bring_up("app", "node-a").await;
+
+    // Bob may look, not stop.
+    let err = refused(&b.virtctl("bob", &["stop", "app"]).await);
+    assert!(
+        err.contains("User \"bob\" cannot update resource \"virtualmachines/stop\" in API group \"subresources.kubevirt.io\""),
+        "{err}"
+    );
+    assert_eq!(
+        b.vm("app").await.spec.run_strategy,
+        Some(RunStrategy::Always)
+    );
+    // A guest-agent query Bob may make, answered with why there is no answer.
+    let err = refused(&b.virtctl("bob", &["guestosinfo", "app"]).await);
+    assert!(
+        err.contains("VMI does not have guest agent connected"),
+        "{err}"
+    );
+    let err = refused(&b.virtctl("alice", &["vnc", "app"]).await);
+    assert!(err.contains("no graphics device"), "{err}");
+    let err = refused(&b.virtctl("alice", &["start", "app", "--paused"]).await);
+    assert!(err.contains("startStrategy"), "{err}");
+    let err = refused(&b.virtctl("alice", &["start", "ghost"]).await);
+    assert!(err.contains("\"ghost\" not found"), "{err}");
+    let err = refused(
+        &b.virtctl("alice", &["stop", "app", "--grace-period", "3"])
+            .await,
+    );
+    assert!(
+        err.contains("--force and --grace-period go together"),
+        "{err}"
+    );
+
+    // Straight to virt-api, past the API server: the identity headers alone are not believed.
+    let out = tokio::task::spawn_blocking({
+        let addr = b.virt_api_addr;
+        move || {
+            Command::new("curl")
+                .args(["-sk", "-X", "PUT", "-H", "X-Remote-User: system:admin", "-H", "X-Remote-Group: system:masters"])
+                .arg(format!("https://{addr}/apis/subresources.kubevirt.io/v1/namespaces/default/virtualmachines/app/stop"))
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(body.contains("\"code\":401"), "{body}");
+    assert_eq!(
+        b.vm("app").await.spec.run_strategy,
+        Some(RunStrategy::Always)
+    );
+
+    // version: the client's and virt-api's.
+    let out = ok(&b.virtctl("bob", &["version"]).await);
+    assert!(
+        out.contains("Client Version") && out.contains("Server Version"),
+        "{out}"
+    );
+    assert!(out.contains("-microvirt"), "{out}");
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_finds_the_plugin() {
+    let b = Bench::start("plugin").await;
+    // `kubectl-virt` on PATH is virtctl, as the install puts it.
+    let bin = b.dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_virtctl"), bin.join("kubectl-virt")).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    let kubeconfig = b.dir.join("alice.kubeconfig");
+    let out = tokio::task::spawn_blocking({
+        let path = path.clone();
+        move || {
+            Command::new("kubectl")
+                .args(["plugin", "list"])
+                .env("PATH", path)
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("kubectl-virt"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("kubectl")
+            .args(["virt", "version"])
+            .env("PATH", path)
+            .env("KUBECONFIG", kubeconfig)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("Server Version"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    b.stop().await;
+}
