@@ -274,6 +274,17 @@ impl LauncherClient {
         Ok(c)
     }
 
+    /// The connection's two halves, for a stream (`Console`) that is no longer lines: bytes
+    /// the reader already holds come first.
+    pub fn into_stream(
+        self,
+    ) -> (
+        BufReader<tokio::net::unix::OwnedReadHalf>,
+        tokio::net::unix::OwnedWriteHalf,
+    ) {
+        (self.reader, self.writer)
+    }
+
     pub async fn call(&mut self, r: &Request) -> Result<Response, LauncherError> {
         self.send(r).await?;
         self.next_answer().await

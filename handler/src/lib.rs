@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod migration;
 pub mod migration_proxy;
 pub mod network;
+pub mod rest;
 pub mod sync;
 
 use futures::StreamExt;
@@ -26,6 +27,7 @@ pub async fn run(
     client: Client,
     config: HandlerConfig,
     metrics_listener: Option<tokio::net::TcpListener>,
+    console: Option<rest::Serving>,
 ) {
     let vmis: Api<api::VirtualMachineInstance> = Api::all(client.clone());
     let here = api::labels::selector(api::labels::NODE_NAME, &config.node);
@@ -39,6 +41,9 @@ pub async fn run(
                 tracing::error!("metrics endpoint: {e}");
             }
         });
+    }
+    if let Some(c) = console {
+        tokio::spawn(c.serve(ctx.clone()));
     }
     let log = |r: Result<_, _>| async move {
         if let Err(e) = r {

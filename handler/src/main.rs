@@ -44,6 +44,17 @@ enum Command {
         /// POD_IP, the node's address on the host network). Without it: loopback only.
         #[arg(long, env = "POD_IP")]
         migration_address: Option<std::net::IpAddr>,
+        /// Where to serve virt-api (consoles, pause/unpause), with mutual TLS: this node's
+        /// certificate from --migration-tls-dir, clients from --api-client-ca.
+        #[arg(long, default_value = "0.0.0.0:8186")]
+        console_addr: String,
+        /// The CA (PEM file) that signs virt-api's client certificate. Without it (or without
+        /// --migration-tls-dir) no console server runs.
+        #[arg(long)]
+        api_client_ca: Option<PathBuf>,
+        /// The common name of virt-api's client certificate.
+        #[arg(long, default_value = "virt-api")]
+        api_client_name: String,
         /// Where the device nodes are looked for (tests).
         #[arg(long, default_value = "/", hide = true)]
         device_root: PathBuf,
@@ -69,6 +80,9 @@ async fn main() -> ExitCode {
             device_root,
             migration_tls_dir,
             migration_address,
+            console_addr,
+            api_client_ca,
+            api_client_name,
         } => {
             let migration_tls = match &migration_tls_dir {
                 Some(d) => match api::protocol::MigrationTls::from_dir(d).and_then(|t| {
@@ -108,6 +122,48 @@ async fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            // A CA file not installed yet (an optional ConfigMap) means no console server,
+            // not a node agent that does not start.
+            let api_client_ca = api_client_ca.filter(|ca| {
+                let there = ca.exists();
+                if !there {
+                    tracing::warn!(path = %ca.display(), "--api-client-ca does not exist (yet)");
+                }
+                there
+            });
+            let console = match (&migration_tls, &api_client_ca) {
+                (Some(tls), Some(ca)) => {
+                    let built = std::fs::read_to_string(ca)
+                        .map_err(|e| format!("--api-client-ca {}: {e}", ca.display()))
+                        .and_then(|pem| handler::rest::Serving::tls_config(tls, &pem));
+                    let tls = match built {
+                        Ok(t) => t,
+                        Err(e) => {
+                            eprintln!("virt-handler: console server: {e}");
+                            return ExitCode::from(2);
+                        }
+                    };
+                    let listener = match tokio::net::TcpListener::bind(&console_addr).await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            eprintln!("virt-handler: --console-addr {console_addr}: {e}");
+                            return ExitCode::from(2);
+                        }
+                    };
+                    if let Ok(a) = listener.local_addr() {
+                        eprintln!("virt-handler: console server on https://{a}");
+                    }
+                    Some(handler::rest::Serving {
+                        listener,
+                        tls,
+                        api_client_name,
+                    })
+                }
+                _ => {
+                    tracing::warn!("no --api-client-ca or --migration-tls-dir: no console server (virt-api cannot reach consoles or pause VMIs on this node)");
+                    None
+                }
+            };
             let mut config = handler::HandlerConfig::new(node_name);
             config.pods_dir = pods_dir;
             config.resync = std::time::Duration::from_secs(resync_seconds.max(1));
@@ -118,7 +174,7 @@ async fn main() -> ExitCode {
                     "no --migration-address (POD_IP): migration targets listen on loopback only"
                 ),
             }
-            handler::run(client, config, Some(listener)).await;
+            handler::run(client, config, Some(listener), console).await;
             ExitCode::SUCCESS
         }
     }

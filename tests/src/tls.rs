@@ -11,6 +11,11 @@ use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, 
 pub fn write_dirs(base: &Path, names: &[&str]) -> Vec<PathBuf> {
     let ca_key = KeyPair::generate().unwrap();
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    // Distinct subjects: with rcgen's default one on both, OpenSSL clients take the leaf for
+    // a self-signed certificate.
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "microvirt test CA");
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     let ca = ca_params.self_signed(&ca_key).unwrap();
     let issuer = Issuer::new(ca_params, ca_key);
@@ -21,6 +26,8 @@ pub fn write_dirs(base: &Path, names: &[&str]) -> Vec<PathBuf> {
             std::fs::create_dir_all(&dir).unwrap();
             let key = KeyPair::generate().unwrap();
             let mut p = CertificateParams::new(vec![name.to_string()]).unwrap();
+            p.distinguished_name
+                .push(rcgen::DnType::CommonName, name.to_string());
             p.extended_key_usages = vec![
                 ExtendedKeyUsagePurpose::ServerAuth,
                 ExtendedKeyUsagePurpose::ClientAuth,

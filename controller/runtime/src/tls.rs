@@ -15,6 +15,29 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 pub struct PeerCertificate(pub Option<CertificateDer<'static>>);
 
 impl PeerCertificate {
+    /// Every name the certificate carries: its common name and its DNS names.
+    pub fn names(&self) -> Vec<String> {
+        let Some(der) = self.0.as_ref() else {
+            return Vec::new();
+        };
+        let Ok((_, cert)) = x509_parser::parse_x509_certificate(der.as_ref()) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = cert
+            .subject()
+            .iter_common_name()
+            .filter_map(|cn| cn.as_str().ok().map(str::to_string))
+            .collect();
+        if let Ok(Some(san)) = cert.subject_alternative_name() {
+            for n in &san.value.general_names {
+                if let x509_parser::extensions::GeneralName::DNSName(d) = n {
+                    names.push(d.to_string());
+                }
+            }
+        }
+        names
+    }
+
     /// The subject's common name, which Kubernetes takes as the client's name.
     pub fn common_name(&self) -> Option<String> {
         let der = self.0.as_ref()?;

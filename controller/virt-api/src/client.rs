@@ -67,6 +67,72 @@ impl Subresources {
         Ok(self.client.request::<Value>(req).await?)
     }
 
+    /// `PUT …/virtualmachineinstances/{name}/{verb}` (pause, unpause).
+    pub async fn vmi_verb(&self, name: &str, verb: &str) -> Result<(), CallError> {
+        let req = Request::put(self.path("virtualmachineinstances", name, verb))
+            .body(Vec::new())
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        self.client.request_text(req).await?;
+        Ok(())
+    }
+
+    /// The VMI's serial console: a websocket with KubeVirt's `plain.kubevirt.io` subprotocol
+    /// (raw bytes both ways), through the API server.
+    pub async fn console(
+        &self,
+        name: &str,
+    ) -> Result<
+        tokio_tungstenite::WebSocketStream<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>,
+        CallError,
+    > {
+        use tokio_tungstenite::tungstenite::handshake::client::generate_key;
+        use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+        let key = generate_key();
+        let req = Request::get(self.path("virtualmachineinstances", name, "console"))
+            .header("connection", "Upgrade")
+            .header("upgrade", "websocket")
+            .header("sec-websocket-version", "13")
+            .header("sec-websocket-key", &key)
+            .header("sec-websocket-protocol", "plain.kubevirt.io")
+            .body(kube::client::Body::empty())
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        let resp = self.client.send(req).await?;
+        let status = resp.status();
+        if status != http::StatusCode::SWITCHING_PROTOCOLS {
+            let body = http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+            let message = v["message"]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("{status}: {}", String::from_utf8_lossy(&body)));
+            return Err(CallError::Refused {
+                code: status.as_u16(),
+                message,
+            });
+        }
+        let accepted = resp
+            .headers()
+            .get("sec-websocket-accept")
+            .is_some_and(|v| v.as_bytes() == derive_accept_key(key.as_bytes()).as_bytes());
+        if !accepted {
+            return Err(CallError::Transport(
+                "the console websocket handshake was not answered properly".into(),
+            ));
+        }
+        let upgraded = hyper::upgrade::on(resp)
+            .await
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        Ok(tokio_tungstenite::WebSocketStream::from_raw_socket(
+            hyper_util::rt::TokioIo::new(upgraded),
+            tokio_tungstenite::tungstenite::protocol::Role::Client,
+            None,
+        )
+        .await)
+    }
+
     /// virt-api's version (`GET /apis/subresources.kubevirt.io/v1/version`).
     pub async fn server_version(&self) -> Result<Value, CallError> {
         let req = Request::get(format!("/apis/{GROUP}/v1/version"))

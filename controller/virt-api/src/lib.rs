@@ -9,6 +9,7 @@
 
 pub mod authz;
 pub mod client;
+pub mod handlers;
 pub mod identity;
 pub mod server;
 pub mod status;

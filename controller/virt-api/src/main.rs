@@ -11,6 +11,7 @@ use clap::Parser;
 use controller_runtime::tls::ServingCert;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
+use virt_api::handlers::HandlerDialer;
 use virt_api::identity::{FrontProxy, CONFIG_MAP_NAME, CONFIG_MAP_NAMESPACE};
 use virt_api::server::{router, ApiState};
 
@@ -35,6 +36,17 @@ struct Args {
     service: String,
     #[arg(long, env = "POD_NAMESPACE", default_value = "microvirt")]
     namespace: String,
+    /// The CA of the nodes' certificates (PEM): virt-handler's console server shows its node's.
+    #[arg(long, requires_all = ["handler_client_cert", "handler_client_key"])]
+    handler_ca: Option<PathBuf>,
+    /// virt-api's client certificate and key for virt-handler (PEM).
+    #[arg(long, requires = "handler_ca")]
+    handler_client_cert: Option<PathBuf>,
+    #[arg(long, requires = "handler_ca")]
+    handler_client_key: Option<PathBuf>,
+    /// Where virt-handler's Pods run (default: virt-api's namespace).
+    #[arg(long)]
+    handler_namespace: Option<String>,
 }
 
 #[tokio::main]
@@ -76,9 +88,25 @@ async fn main() -> anyhow::Result<()> {
     if let Some(pem) = ca {
         tokio::spawn(publish_ca_bundle(client.clone(), pem));
     }
+    let handlers = match (
+        &args.handler_ca,
+        &args.handler_client_cert,
+        &args.handler_client_key,
+    ) {
+        // Files not installed yet (optional ConfigMap and Secret): no consoles, said below.
+        (Some(ca), Some(cert), Some(key)) if ca.exists() && cert.exists() && key.exists() => {
+            let ns = args.handler_namespace.as_deref().unwrap_or(&args.namespace);
+            Some(HandlerDialer::from_files(ca, cert, key, ns).map_err(anyhow::Error::msg)?)
+        }
+        _ => {
+            tracing::warn!("no --handler-ca and client certificate (or the files are not there): consoles and pause/unpause answer 503");
+            None
+        }
+    };
     let app = router(Arc::new(ApiState {
         client,
         front_proxy,
+        handlers,
     }));
     tracing::info!(listen = %args.listen, "serving subresources.kubevirt.io");
     controller_runtime::tls::serve_tls(listener, tls, app).await?;

@@ -4,6 +4,8 @@ use std::sync::Arc;
 
 use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
 use axum::body::Bytes;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
@@ -16,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::authz::{authorize, Access};
+use crate::handlers::HandlerDialer;
 use crate::identity::FrontProxy;
 use crate::status::SubresourceError;
 use crate::verbs::{self, Plan, VmChange};
@@ -25,6 +28,8 @@ pub struct ApiState {
     /// virt-api's own service account: it writes what a verb changes.
     pub client: kube::Client,
     pub front_proxy: FrontProxy,
+    /// The way to virt-handler (consoles, pause/unpause); None: not configured.
+    pub handlers: Option<HandlerDialer>,
 }
 
 pub fn router(state: Arc<ApiState>) -> Router {
@@ -66,7 +71,10 @@ fn check_version(version: &str) -> Result<(), SubresourceError> {
 
 /// The subresources served, as the API server's discovery lists them.
 const VM_SUBRESOURCES: [&str; 4] = ["start", "stop", "restart", "migrate"];
-const VMI_SUBRESOURCES: [&str; 6] = [
+const VMI_SUBRESOURCES: [&str; 9] = [
+    "console",
+    "pause",
+    "unpause",
     "guestosinfo",
     "userlist",
     "filesystemlist",
@@ -85,11 +93,14 @@ async fn discovery(Path(version): Path<String>) -> Result<Json<Value>, Subresour
         .iter()
         .map(|s| entry("virtualmachines", s, &["update"]))
         .collect();
-    resources.extend(
-        VMI_SUBRESOURCES
-            .iter()
-            .map(|s| entry("virtualmachineinstances", s, &["get"])),
-    );
+    resources.extend(VMI_SUBRESOURCES.iter().map(|s| {
+        let verbs: &[&str] = if matches!(*s, "pause" | "unpause") {
+            &["update"]
+        } else {
+            &["get"]
+        };
+        entry("virtualmachineinstances", s, verbs)
+    }));
     Ok(Json(json!({
         "kind": "APIResourceList",
         "apiVersion": "v1",
@@ -141,6 +152,10 @@ enum Verb {
     Stop,
     Restart,
     Migrate,
+    /// The serial console, a websocket to the VMI's node.
+    Console,
+    /// Pause (true) or unpause the VMI, on its node.
+    Pause(bool),
     /// A guest-agent query: microvirt guests have no agent channel.
     GuestAgent,
     /// A device microvirt VMs do not have.
@@ -157,6 +172,9 @@ fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), Su
         ("virtualmachines", "stop") => put(Verb::Stop),
         ("virtualmachines", "restart") => put(Verb::Restart),
         ("virtualmachines", "migrate") => put(Verb::Migrate),
+        ("virtualmachineinstances", "console") => get(Verb::Console),
+        ("virtualmachineinstances", "pause") => put(Verb::Pause(true)),
+        ("virtualmachineinstances", "unpause") => put(Verb::Pause(false)),
         ("virtualmachineinstances", "guestosinfo" | "userlist" | "filesystemlist") => {
             get(Verb::GuestAgent)
         }
@@ -190,9 +208,17 @@ async fn call(
     Path(t): Path<Target>,
     method: Method,
     headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     body: Bytes,
 ) -> Response {
-    let r = handle(&state, &peer, &headers, &method, &t, &t.verb, body).await;
+    let request = Call {
+        peer: &peer,
+        headers: &headers,
+        method: &method,
+        ws: ws.ok(),
+        body,
+    };
+    let r = handle(&state, request, &t, &t.verb).await;
     r.unwrap_or_else(IntoResponse::into_response)
 }
 
@@ -202,6 +228,7 @@ async fn call_detail(
     Path(t): Path<TargetDetail>,
     method: Method,
     headers: HeaderMap,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     body: Bytes,
 ) -> Response {
     let sub = format!("{}/{}", t.verb, t.detail);
@@ -212,33 +239,48 @@ async fn call_detail(
         name: t.name,
         verb: t.verb,
     };
-    let r = handle(&state, &peer, &headers, &method, &target, &sub, body).await;
+    let request = Call {
+        peer: &peer,
+        headers: &headers,
+        method: &method,
+        ws: ws.ok(),
+        body,
+    };
+    let r = handle(&state, request, &target, &sub).await;
     r.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// One request as it came.
+struct Call<'a> {
+    peer: &'a PeerCertificate,
+    headers: &'a HeaderMap,
+    method: &'a Method,
+    /// The websocket upgrade, when the request asks for one.
+    ws: Option<WebSocketUpgrade>,
+    body: Bytes,
 }
 
 async fn handle(
     state: &ApiState,
-    peer: &PeerCertificate,
-    headers: &HeaderMap,
-    method: &Method,
+    call: Call<'_>,
     t: &Target,
     sub: &str,
-    body: Bytes,
 ) -> Result<Response, SubresourceError> {
     check_version(&t.version)?;
-    let who = state.front_proxy.identify(peer, headers)?;
+    let who = state.front_proxy.identify(call.peer, call.headers)?;
     let (verb, wanted, rbac_verb) = verb_of(&t.resource, sub)?;
-    if method != wanted {
+    if *call.method != wanted {
         return Err(SubresourceError::new(
             405,
             "MethodNotAllowed",
-            format!("{}/{sub} takes {wanted}, not {method}", t.resource),
+            format!("{}/{sub} takes {wanted}, not {}", t.resource, call.method),
         ));
     }
     let access = Access {
         verb: rbac_verb,
         resource: &t.resource,
-        subresource: sub,
+        // RBAC names the subresource by its first segment (`vnc` for `vnc/screenshot`).
+        subresource: &t.verb,
         namespace: &t.namespace,
         name: &t.name,
     };
@@ -249,25 +291,49 @@ async fn handle(
         namespace: &t.namespace,
         name: &t.name,
     };
+    let body = &call.body;
     match verb {
         Verb::Start => {
             calls
-                .vm_verb(verbs::start, &body, |o: &verbs::StartOptions| &o.dry_run)
+                .vm_verb(verbs::start, body, |o: &verbs::StartOptions| &o.dry_run)
                 .await
         }
         Verb::Stop => {
             calls
-                .vm_verb(verbs::stop, &body, |o: &verbs::StopOptions| &o.dry_run)
+                .vm_verb(verbs::stop, body, |o: &verbs::StopOptions| &o.dry_run)
                 .await
         }
         Verb::Restart => {
             calls
-                .vm_verb(verbs::restart, &body, |o: &verbs::RestartOptions| {
-                    &o.dry_run
-                })
+                .vm_verb(verbs::restart, body, |o: &verbs::RestartOptions| &o.dry_run)
                 .await
         }
-        Verb::Migrate => calls.migrate(&body).await,
+        Verb::Migrate => calls.migrate(body).await,
+        Verb::Pause(pause) => {
+            let dialer = handlers(state)?;
+            let node = calls.running_node(Some(pause)).await?;
+            let verb = if pause { "pause" } else { "unpause" };
+            dialer
+                .lifecycle(calls.client, &node, calls.namespace, calls.name, verb)
+                .await?;
+            Ok(StatusCode::OK.into_response())
+        }
+        Verb::Console => {
+            let Some(ws) = call.ws else {
+                return Err(SubresourceError::bad_request(
+                    "console is a websocket: connect with `Upgrade: websocket` and the subprotocol plain.kubevirt.io (`virtctl console` does)",
+                ));
+            };
+            let dialer = handlers(state)?;
+            let node = calls.running_node(None).await?;
+            // Connected before the upgrade, so a node that cannot be reached is an answer.
+            let upstream = dialer
+                .console(calls.client, &node, calls.namespace, calls.name)
+                .await?;
+            Ok(ws
+                .protocols(["plain.kubevirt.io"])
+                .on_upgrade(move |socket| splice(socket, upstream)))
+        }
         Verb::GuestAgent => {
             calls.vmi().await?;
             Err(SubresourceError::conflict(
@@ -278,6 +344,59 @@ async fn handle(
             calls.vmi().await?;
             Err(SubresourceError::bad_request(why))
         }
+    }
+}
+
+fn handlers(state: &ApiState) -> Result<&HandlerDialer, SubresourceError> {
+    state.handlers.as_ref().ok_or_else(|| {
+        SubresourceError::new(
+            503,
+            "ServiceUnavailable",
+            "virt-api runs without --handler-ca and --handler-client-cert/--handler-client-key, so it cannot reach virt-handler for consoles and pause/unpause",
+        )
+    })
+}
+
+/// The viewer's websocket and the node's, message for message, until either side closes.
+async fn splice<S>(viewer: WebSocket, node: tokio_tungstenite::WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message as NodeMessage;
+    let (mut to_viewer, mut from_viewer) = viewer.split();
+    let (mut to_node, mut from_node) = node.split();
+    let down = async {
+        while let Some(Ok(m)) = from_node.next().await {
+            let m = match m {
+                NodeMessage::Binary(b) => Message::Binary(b),
+                NodeMessage::Text(t) => Message::Text(t.as_str().into()),
+                NodeMessage::Close(_) => break,
+                _ => continue,
+            };
+            if to_viewer.send(m).await.is_err() {
+                break;
+            }
+        }
+        let _ = to_viewer.close().await;
+    };
+    let up = async {
+        while let Some(Ok(m)) = from_viewer.next().await {
+            let m = match m {
+                Message::Binary(b) => NodeMessage::Binary(b),
+                Message::Text(t) => NodeMessage::Text(t.as_str().into()),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if to_node.send(m).await.is_err() {
+                break;
+            }
+        }
+        let _ = to_node.close().await;
+    };
+    tokio::select! {
+        _ = down => {}
+        _ = up => {}
     }
 }
 
@@ -305,6 +424,11 @@ struct MigrateOptions {
     dry_run: Vec<String>,
     #[serde(default)]
     added_node_selector: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// The API server's conflict for a write on a stale read (not a verb's own refusal).
+fn is_stale(e: &SubresourceError) -> bool {
+    e.message.contains("the object has been modified")
 }
 
 /// The calls one request makes, with virt-api's service account.
@@ -343,10 +467,31 @@ impl Calls<'_> {
         })
     }
 
+    /// The node of the running VMI; with `pausing`, also that it is not already in the state
+    /// asked for (KubeVirt's words).
+    async fn running_node(&self, pausing: Option<bool>) -> Result<String, SubresourceError> {
+        let vmi = self.vmi().await?;
+        let status = vmi.status.unwrap_or_default();
+        if status.phase != Some(api::VmiPhase::Running) {
+            return Err(SubresourceError::conflict("VMI is not running"));
+        }
+        let paused = api::conditions::is_true(&status.conditions, api::conditions::PAUSED);
+        match pausing {
+            Some(true) if paused => {
+                return Err(SubresourceError::conflict("VMI is already paused"))
+            }
+            Some(false) if !paused => return Err(SubresourceError::conflict("VMI is not paused")),
+            _ => {}
+        }
+        status
+            .node_name
+            .ok_or_else(|| SubresourceError::conflict("VMI has no node yet"))
+    }
+
     /// start, stop, restart: the plan from the VM and its VMI, then its writes.
     async fn vm_verb<O: DeserializeOwned + Default>(
         &self,
-        plan: impl FnOnce(
+        plan: impl Fn(
             &VirtualMachine,
             Option<&VirtualMachineInstance>,
             &O,
@@ -356,9 +501,36 @@ impl Calls<'_> {
     ) -> Result<Response, SubresourceError> {
         let opts: O = options(body)?;
         let dry_run = verbs::dry_run(dry_run_of(&opts))?;
+        // The writes are guarded by the resourceVersion read, and virt-controller writes the
+        // VM's status all the time: on a conflict the VM is read again and the verb decided
+        // again on what it is now, a few times before the conflict is the caller's.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self.vm_verb_once(&plan, &opts, dry_run).await {
+                Err(e)
+                    if e.code == 409 && e.reason == "Conflict" && attempts < 5 && is_stale(&e) =>
+                {
+                    continue
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn vm_verb_once<O>(
+        &self,
+        plan: &impl Fn(
+            &VirtualMachine,
+            Option<&VirtualMachineInstance>,
+            &O,
+        ) -> Result<Plan, SubresourceError>,
+        opts: &O,
+        dry_run: bool,
+    ) -> Result<Response, SubresourceError> {
         let vm = self.vm().await?;
         let vmi = self.vmi_opt().await?;
-        let plan = plan(&vm, vmi.as_ref(), &opts).map_err(|e| e.about_vm(self.name))?;
+        let plan = plan(&vm, vmi.as_ref(), opts).map_err(|e| e.about_vm(self.name))?;
         let pp = PatchParams {
             dry_run,
             ..Default::default()

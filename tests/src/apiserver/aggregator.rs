@@ -162,16 +162,73 @@ impl Inner {
         Some(self.forward(route, method, uri, headers, body).await)
     }
 
-    async fn forward(
+    /// A websocket (or other upgrade) request on an aggregated path: forwarded like any other,
+    /// and once the backend switches protocols, the bytes of both connections spliced.
+    pub(super) async fn aggregate_upgrade(
+        &self,
+        mut req: axum::extract::Request,
+    ) -> Option<ApiResult<Response<Body>>> {
+        let route = self.aggregated_route(req.uri().path())?;
+        let on_client_upgrade = hyper::upgrade::on(&mut req);
+        Some(self.forward_upgrade(route, req, on_client_upgrade).await)
+    }
+
+    async fn forward_upgrade(
         &self,
         route: Route,
-        method: &Method,
-        uri: &Uri,
-        headers: &HeaderMap,
-        body: &Bytes,
+        req: axum::extract::Request,
+        on_client_upgrade: hyper::upgrade::OnUpgrade,
     ) -> ApiResult<Response<Body>> {
-        let caller = self.authenticate(headers)?;
-        self.authorize_aggregated(&caller, method, uri.path())?;
+        let (method, uri, headers) = (
+            req.method().clone(),
+            req.uri().clone(),
+            req.headers().clone(),
+        );
+        let caller = self.authenticate(&headers)?;
+        self.authorize_aggregated(&caller, &method, uri.path())?;
+        let (endpoint, cfg, server_name) = self.backend(&route)?;
+        let backend = connect(endpoint, cfg, &server_name)
+            .await
+            .map_err(|e| unavailable(format!("error trying to reach service: {e}")))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(backend))
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+        tokio::spawn(conn.with_upgrades());
+        let forwarded = request(&server_name, &method, &uri, &headers, Bytes::new(), &caller)
+            .map_err(unavailable)?;
+        let mut resp = sender
+            .send_request(forwarded)
+            .await
+            .map_err(|e| unavailable(e.to_string()))?;
+        if resp.status() != hyper::StatusCode::SWITCHING_PROTOCOLS {
+            let (parts, body) = resp.into_parts();
+            let bytes = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            return Ok(Response::from_parts(parts, Body::from(bytes)));
+        }
+        let on_backend_upgrade = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            let (Ok(client), Ok(backend)) = (on_client_upgrade.await, on_backend_upgrade.await)
+            else {
+                return;
+            };
+            let mut client = hyper_util::rt::TokioIo::new(client);
+            let mut backend = hyper_util::rt::TokioIo::new(backend);
+            let _ = tokio::io::copy_bidirectional(&mut client, &mut backend).await;
+        });
+        let mut answer = Response::builder().status(hyper::StatusCode::SWITCHING_PROTOCOLS);
+        for (k, v) in resp.headers() {
+            answer = answer.header(k, v);
+        }
+        Ok(answer.body(Body::empty()).expect("a 101 answer"))
+    }
+
+    /// Where `route`'s Service listens, and the TLS to reach it with.
+    fn backend(&self, route: &Route) -> ApiResult<(SocketAddr, rustls::ClientConfig, String)> {
         let endpoint = self
             .endpoints
             .lock()
@@ -197,7 +254,24 @@ impl Inner {
             )));
         }
         let server_name = format!("{}.{}.svc", route.service_name, route.service_namespace);
-        let cfg = self.front_proxy.client_config(roots)?;
+        Ok((
+            endpoint,
+            self.front_proxy.client_config(roots)?,
+            server_name,
+        ))
+    }
+
+    async fn forward(
+        &self,
+        route: Route,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> ApiResult<Response<Body>> {
+        let caller = self.authenticate(headers)?;
+        self.authorize_aggregated(&caller, method, uri.path())?;
+        let (endpoint, cfg, server_name) = self.backend(&route)?;
         let resp = send(
             endpoint,
             cfg,
@@ -262,36 +336,37 @@ impl Inner {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn send(
+/// A TLS connection to the Service's endpoint, verified as `server_name`.
+async fn connect(
     endpoint: SocketAddr,
     cfg: rustls::ClientConfig,
     server_name: &str,
-    method: &Method,
-    uri: &Uri,
-    headers: &HeaderMap,
-    body: &Bytes,
-    caller: &Caller,
-) -> Result<Response<Body>, String> {
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
     let tcp = tokio::net::TcpStream::connect(endpoint)
         .await
         .map_err(|e| format!("dial tcp {endpoint}: {e}"))?;
     let name = ServerName::try_from(server_name.to_string()).map_err(|e| e.to_string())?;
-    let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(name, tcp)
         .await
-        .map_err(|e| format!("TLS with {server_name}: {e}"))?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-            .await
-            .map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
+        .map_err(|e| format!("TLS with {server_name}: {e}"))
+}
+
+/// The request as the aggregator forwards it: the caller's own credentials stay here, the
+/// user goes in the front proxy's headers.
+fn request(
+    server_name: &str,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Bytes,
+    caller: &Caller,
+) -> Result<hyper::Request<Full<Bytes>>, String> {
     let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
     let mut req = hyper::Request::builder()
         .method(method.clone())
         .uri(path)
         .header("host", server_name);
-    // The caller's own credentials stay here; the user goes in the front proxy's headers.
     for (k, v) in headers {
         let k = k.as_str();
         if k == "authorization" || k == "host" || k.starts_with("x-remote-") {
@@ -309,9 +384,27 @@ async fn send(
             HeaderValue::from_str(g).map_err(|e| e.to_string())?,
         );
     }
-    let req = req
-        .body(Full::new(body.clone()))
-        .map_err(|e| e.to_string())?;
+    req.body(Full::new(body)).map_err(|e| e.to_string())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn send(
+    endpoint: SocketAddr,
+    cfg: rustls::ClientConfig,
+    server_name: &str,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+    caller: &Caller,
+) -> Result<Response<Body>, String> {
+    let tls = connect(endpoint, cfg, server_name).await?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let req = request(server_name, method, uri, headers, body.clone(), caller)?;
     let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
     let (parts, body) = resp.into_parts();
     let bytes = body.collect().await.map_err(|e| e.to_string())?.to_bytes();

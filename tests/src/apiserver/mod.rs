@@ -461,12 +461,10 @@ impl ApiServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let app_inner = inner.clone();
-        let app = axum::Router::new().fallback(
-            move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
-                let inner = app_inner.clone();
-                async move { inner.handle(method, uri, headers, body).await }
-            },
-        );
+        let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+            let inner = app_inner.clone();
+            async move { inner.entry(req).await }
+        });
         tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
@@ -629,6 +627,47 @@ impl ApiServer {
 }
 
 impl Inner {
+    /// Every request: an upgrade to an aggregated API keeps its connection (see
+    /// `aggregator`), anything else is read whole and handled.
+    async fn entry(self: Arc<Self>, req: axum::extract::Request) -> Response<Body> {
+        let upgrade = req
+            .headers()
+            .get("upgrade")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"));
+        if upgrade {
+            let (method, path) = (req.method().clone(), req.uri().path().to_string());
+            let resp = match self.aggregate_upgrade(req).await {
+                Some(answer) => answer.unwrap_or_else(|e| json_response(e.code, &e.status())),
+                None => json_response(
+                    400,
+                    &ApiError::new(
+                        400,
+                        "BadRequest",
+                        format!("no websocket is served at {path}"),
+                    )
+                    .status(),
+                ),
+            };
+            self.request_log
+                .lock()
+                .unwrap()
+                .push((method, path, resp.status().as_u16()));
+            return resp;
+        }
+        let (parts, body) = req.into_parts();
+        let body = match axum::body::to_bytes(body, 64 << 20).await {
+            Ok(b) => b,
+            Err(e) => {
+                return json_response(
+                    413,
+                    &ApiError::new(413, "RequestEntityTooLarge", e.to_string()).status(),
+                )
+            }
+        };
+        self.handle(parts.method, parts.uri, parts.headers, body)
+            .await
+    }
+
     async fn handle(
         self: Arc<Self>,
         method: Method,

@@ -89,6 +89,20 @@ enum Command {
     Userlist { name: String },
     /// The guest's file systems, as its guest agent reports them.
     Fslist { name: String },
+    /// Connect to the VMI's serial console (Ctrl-] leaves).
+    Console { name: String },
+    /// Pause a running VM (`vm NAME`) or VMI (`vmi NAME`).
+    Pause {
+        #[arg(value_parser = ["vm", "vmi"])]
+        kind: String,
+        name: String,
+    },
+    /// Unpause a paused VM or VMI.
+    Unpause {
+        #[arg(value_parser = ["vm", "vmi"])]
+        kind: String,
+        name: String,
+    },
     /// Open a VNC connection to the VMI's display.
     Vnc { name: String },
     /// Print the client and server versions.
@@ -217,6 +231,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 m.name_any()
             );
         }
+        Command::Console { name } => console(&s, &name).await?,
+        Command::Pause { kind, name } => {
+            s.vmi_verb(&name, "pause")
+                .await
+                .with_context(|| format!("Error pausing {} {name}", kind_name(&kind)))?;
+            println!("{} {name} was scheduled to pause", kind_name(&kind));
+        }
+        Command::Unpause { kind, name } => {
+            s.vmi_verb(&name, "unpause")
+                .await
+                .with_context(|| format!("Error unpausing {} {name}", kind_name(&kind)))?;
+            println!("{} {name} was scheduled to unpause", kind_name(&kind));
+        }
         Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
         Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
         Command::Fslist { name } => print_query(&s, &name, "filesystemlist").await?,
@@ -244,6 +271,119 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A VM is paused through its VMI, which has its name.
+fn kind_name(kind: &str) -> &'static str {
+    if kind == "vm" {
+        "VMI of VM"
+    } else {
+        "VMI"
+    }
+}
+
+/// The escape byte that leaves the console (Ctrl-]), as KubeVirt's virtctl has it.
+const ESCAPE: u8 = 0x1d;
+
+/// The terminal in raw mode while the console is open (keys go to the guest as typed),
+/// restored however the session ends.
+struct RawTerminal(Option<libc::termios>);
+
+impl RawTerminal {
+    fn enter() -> RawTerminal {
+        // SAFETY: isatty/tcgetattr/tcsetattr on fd 0 with a termios we own.
+        unsafe {
+            if libc::isatty(0) != 1 {
+                return RawTerminal(None);
+            }
+            let mut saved: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(0, &mut saved) != 0 {
+                return RawTerminal(None);
+            }
+            let mut raw = saved;
+            libc::cfmakeraw(&mut raw);
+            libc::tcsetattr(0, libc::TCSANOW, &raw);
+            RawTerminal(Some(saved))
+        }
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        if let Some(saved) = self.0 {
+            // SAFETY: restores the settings read in `enter`.
+            unsafe {
+                libc::tcsetattr(0, libc::TCSANOW, &saved);
+            }
+        }
+    }
+}
+
+async fn console(s: &Subresources, name: &str) -> anyhow::Result<()> {
+    use futures::{SinkExt, StreamExt};
+    use std::io::{Read, Write};
+    use tokio_tungstenite::tungstenite::Message;
+    let ws = s
+        .console(name)
+        .await
+        .with_context(|| format!("Error connecting to the console of {name}"))?;
+    eprintln!("Successfully connected to {name} console. The escape sequence is ^]");
+    let _raw = RawTerminal::enter();
+    let (mut to_guest, mut from_guest) = ws.split();
+    // stdin is read on a thread of its own (a blocking read); Ctrl-] or the end of input ends
+    // the typing side.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<u8>>(16);
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1024];
+        let mut stdin = std::io::stdin().lock();
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    let chunk = &buf[..n];
+                    let end = chunk.iter().position(|&b| b == ESCAPE);
+                    let keys = chunk[..end.unwrap_or(n)].to_vec();
+                    if !keys.is_empty() && tx.blocking_send(keys).is_err() {
+                        return;
+                    }
+                    if end.is_some() {
+                        let _ = tx.blocking_send(vec![ESCAPE]);
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let typing = async {
+        while let Some(keys) = rx.recv().await {
+            if keys == [ESCAPE] {
+                return;
+            }
+            if to_guest.send(Message::Binary(keys.into())).await.is_err() {
+                return;
+            }
+        }
+        // Input ended without the escape: keep showing the console until it closes.
+        std::future::pending::<()>().await
+    };
+    let showing = async {
+        let mut out = std::io::stdout();
+        while let Some(Ok(m)) = from_guest.next().await {
+            let bytes = match m {
+                Message::Binary(b) => b.to_vec(),
+                Message::Text(t) => t.as_bytes().to_vec(),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            let _ = out.write_all(&bytes);
+            let _ = out.flush();
+        }
+    };
+    tokio::select! {
+        _ = typing => {}
+        _ = showing => {}
+    }
+    Ok(())
+}
+
 async fn print_query(s: &Subresources, name: &str, sub: &str) -> anyhow::Result<()> {
     let v = s
         .vmi_get(name, sub)
@@ -253,7 +393,7 @@ async fn print_query(s: &Subresources, name: &str, sub: &str) -> anyhow::Result<
     Ok(())
 }
 
-#[tokio::main(flavor = "current_thread")]
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {

@@ -1,0 +1,349 @@
+//! The console path end to end, every hop real: `virtctl console` → the API server's
+//! aggregation layer (websocket upgrade) → the virt-api binary → mutual TLS → this node's
+//! virt-handler → the launcher's console stream → the probe guest, which echoes what it is
+//! sent. `virtctl pause/unpause vmi` go the same way to the launcher; the guest's ticks stop
+//! and start again. Strangers on the handler's console port are refused.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use api::{VirtualMachineInstance, VmiPhase};
+use common::*;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use tests::cluster::{eventually, test_config, Cluster};
+use tests::rbac::{service_account_user, Authorizer};
+
+const USERS: &str = r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: alice-edits, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:edit"}
+subjects: [{kind: User, name: alice}]
+"#;
+
+/// Builds virt-api and virtctl (another package's binaries) and returns their directory.
+fn virt_api_bins() -> PathBuf {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "virt-api", "--bins"])
+        .current_dir(tests::repo_root())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    tests::repo_root().join("target/debug")
+}
+
+/// The virt-handler Pod as the DaemonSet's would be seen: on `node`, its console port named.
+async fn handler_pod(cluster: &Cluster, node: &str, console: std::net::SocketAddr) {
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), "microvirt");
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": format!("virt-handler-{node}"), "namespace": "microvirt",
+                     "labels": {"app.kubernetes.io/name": "virt-handler"}},
+        "spec": {"nodeName": node, "containers": [{"name": "virt-handler", "image": "virt-handler",
+                 "ports": [{"name": "console", "containerPort": console.port()}]}]}
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    pods.patch_status(
+        &format!("virt-handler-{node}"),
+        &PatchParams::default(),
+        &Patch::Merge(
+            serde_json::json!({"status": {"phase": "Running", "podIP": console.ip().to_string()}}),
+        ),
+    )
+    .await
+    .unwrap();
+}
+
+/// virt-api under its service account, reaching handlers with its client certificate.
+async fn start_virt_api(
+    cluster: &Cluster,
+    bins: &Path,
+    work: &Path,
+    node_ca: &Path,
+    client: &Path,
+) -> Proc {
+    let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
+    let services: Api<DynamicObject> =
+        Api::all_with(cluster.client.clone(), &ApiResource::from_gvk(&gvk));
+    let text = std::fs::read_to_string(tests::repo_root().join("deploy/virt-api.yaml")).unwrap();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+        if v["kind"] == "APIService" {
+            let obj: DynamicObject = serde_json::from_value(v).unwrap();
+            services.create(&PostParams::default(), &obj).await.unwrap();
+        }
+    }
+    let kubeconfig = work.join("virt-api.kubeconfig");
+    cluster.api.write_kubeconfig(
+        &kubeconfig,
+        Some(&service_account_user("microvirt", "virt-api")),
+    );
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let child = Command::new(bins.join("virt-api"))
+        .args(["--listen", &addr.to_string()])
+        .arg(format!("--handler-ca={}", node_ca.display()))
+        .arg(format!(
+            "--handler-client-cert={}",
+            client.join("tls.crt").display()
+        ))
+        .arg(format!(
+            "--handler-client-key={}",
+            client.join("tls.key").display()
+        ))
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAMESPACE", "microvirt")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    cluster
+        .api
+        .set_service_endpoint("microvirt", "virt-api", addr);
+    let c = cluster.client.clone();
+    eventually(
+        "virt-api behind the API server",
+        Duration::from_secs(20),
+        || async {
+            let req = http::Request::get("/apis/subresources.kubevirt.io/v1/version")
+                .body(Vec::new())
+                .unwrap();
+            c.request_text(req).await.ok()
+        },
+    )
+    .await;
+    Proc(child, Some(addr), None)
+}
+
+/// A `virtctl console` session: its output gathered as it comes, its input ours to type.
+struct ConsoleSession {
+    child: std::process::Child,
+    output: Arc<Mutex<String>>,
+}
+
+impl ConsoleSession {
+    fn open(bins: &Path, kubeconfig: &Path, vmi: &str) -> ConsoleSession {
+        let mut child = Command::new(bins.join("virtctl"))
+            .args(["console", vmi])
+            .env("KUBECONFIG", kubeconfig)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let output = Arc::new(Mutex::new(String::new()));
+        let mut stdout = child.stdout.take().unwrap();
+        let sink = output.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        ConsoleSession { child, output }
+    }
+
+    fn text(&self) -> String {
+        self.output.lock().unwrap().clone()
+    }
+
+    fn ticks(&self) -> usize {
+        self.text().matches("tick ").count()
+    }
+
+    fn type_bytes(&mut self, bytes: &[u8]) {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        stdin.write_all(bytes).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    async fn wait_for(&self, what: &str, timeout: Duration) {
+        let started = Instant::now();
+        while !self.text().contains(what) {
+            assert!(
+                started.elapsed() < timeout,
+                "{what:?} never came; the console showed: {}",
+                self.text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Drop for ConsoleSession {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn virtctl(bins: &Path, kubeconfig: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(bins.join("virtctl"))
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_pause_and_unpause_through_every_hop() {
+    tests::require_kvm();
+    let bins = virt_api_bins();
+    let work = tests::probe_workdir("mv-console");
+    let pods_dir = work.join("pods");
+    let cluster = Cluster::start().await;
+    cluster.api.enforce_rbac(
+        Authorizer::from_dir(&tests::repo_root().join("deploy/rbac")).with_yaml(USERS),
+    );
+    let _controller = cluster.replica(test_config(), None);
+    // The node's certificate (the cluster's node CA) and virt-api's client certificate (its
+    // own CA).
+    let node_dir = tests::tls::write_dirs(&work.join("node-pki"), &[NODE]).remove(0);
+    let api_dir = tests::tls::write_dirs(&work.join("api-pki"), &["virt-api"]).remove(0);
+    let handler = start_handler_args(
+        NODE,
+        &cluster,
+        &pods_dir,
+        &work,
+        Some(&node_dir),
+        &[format!(
+            "--api-client-ca={}",
+            api_dir.join("ca.crt").display()
+        )],
+    );
+    let console_addr = handler.2.expect("the handler serves consoles");
+    handler_pod(&cluster, NODE, console_addr).await;
+    let _virt_api =
+        start_virt_api(&cluster, &bins, &work, &node_dir.join("ca.crt"), &api_dir).await;
+
+    // The probe's console test echoes every byte it is sent, and ticks meanwhile.
+    cluster.apply_yaml::<VirtualMachineInstance>(VMI).await;
+    let pod = launcher_pod_of(&cluster, "probe").await;
+    let uid = pod.metadata.uid.clone().unwrap();
+    cluster
+        .kubelet_run(pod.metadata.name.as_deref().unwrap(), NODE)
+        .await;
+    let _launcher = start_launcher(&pods_dir, &uid, &work);
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    eventually("VMI Running", Duration::from_secs(60), || async {
+        let v = vmis.get("probe").await.unwrap();
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+
+    let alice = work.join("alice.kubeconfig");
+    cluster.api.write_kubeconfig(&alice, Some("alice"));
+    let mut session = ConsoleSession::open(&bins, &alice, "probe");
+    let t = Duration::from_secs(60);
+    session.wait_for("tick ", t).await;
+    session.type_bytes(b"hi");
+    session.wait_for("echo h", t).await;
+    session.wait_for("echo i", t).await;
+
+    // Pause: the guest stops ticking; unpause: it goes on.
+    let out = virtctl(&bins, &alice, &["pause", "vmi", "probe"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eventually("Paused=True", Duration::from_secs(20), || async {
+        let v = vmis.get("probe").await.unwrap();
+        (condition(&v, "Paused").map(|c| c.0).as_deref() == Some("True")).then_some(())
+    })
+    .await;
+    let out = virtctl(&bins, &alice, &["pause", "vmi", "probe"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("VMI is already paused"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = session.ticks();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(session.ticks(), held, "the guest ticked while paused");
+    let out = virtctl(&bins, &alice, &["unpause", "vmi", "probe"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let started = Instant::now();
+    while session.ticks() <= held {
+        assert!(started.elapsed() < t, "no tick after unpause");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Ctrl-] leaves; the guest runs on.
+    session.type_bytes(&[0x1d]);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = session.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "Ctrl-] did not leave the console"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success());
+    assert_eq!(
+        vmis.get("probe").await.unwrap().status.unwrap().phase,
+        Some(VmiPhase::Running)
+    );
+
+    // Strangers on the handler's console port: without a client certificate 401; with a
+    // certificate from another CA (the node's own) the handshake fails.
+    let url = format!(
+        "https://{NODE}:{}/v1/namespaces/default/virtualmachineinstances/probe/pause",
+        console_addr.port()
+    );
+    let resolve = format!("{NODE}:{}:{}", console_addr.port(), console_addr.ip());
+    let ca = node_dir.join("ca.crt");
+    let out = Command::new("curl")
+        .args(["-sS", "-X", "PUT", "--resolve", &resolve, "--cacert"])
+        .arg(&ca)
+        .arg(&url)
+        .output()
+        .unwrap();
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        body.contains("\"code\":401"),
+        "{body}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new("curl")
+        .args(["-s", "-X", "PUT", "--resolve", &resolve, "--cacert"])
+        .arg(&ca)
+        .arg("--cert")
+        .arg(node_dir.join("tls.crt"))
+        .arg("--key")
+        .arg(node_dir.join("tls.key"))
+        .arg(&url)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a certificate from another CA was accepted: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(condition(&vmis.get("probe").await.unwrap(), "Paused").is_none());
+    drop(handler);
+    let _ = std::fs::remove_dir_all(work);
+}
