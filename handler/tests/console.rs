@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 use api::{VirtualMachineInstance, VmiPhase};
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{
-    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
-};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use tests::cluster::{eventually, test_config, Cluster};
-use tests::rbac::{service_account_user, Authorizer};
+use tests::rbac::Authorizer;
 
 const USERS: &str = r#"
 apiVersion: rbac.authorization.k8s.io/v1
@@ -60,69 +58,6 @@ async fn handler_pod(cluster: &Cluster, node: &str, console: std::net::SocketAdd
     )
     .await
     .unwrap();
-}
-
-/// virt-api under its service account, reaching handlers with its client certificate.
-async fn start_virt_api(
-    cluster: &Cluster,
-    bins: &Path,
-    work: &Path,
-    node_ca: &Path,
-    client: &Path,
-) -> Proc {
-    let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
-    let services: Api<DynamicObject> =
-        Api::all_with(cluster.client.clone(), &ApiResource::from_gvk(&gvk));
-    let text = std::fs::read_to_string(tests::repo_root().join("deploy/virt-api.yaml")).unwrap();
-    for doc in serde_yaml::Deserializer::from_str(&text) {
-        let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
-        if v["kind"] == "APIService" {
-            let obj: DynamicObject = serde_json::from_value(v).unwrap();
-            services.create(&PostParams::default(), &obj).await.unwrap();
-        }
-    }
-    let kubeconfig = work.join("virt-api.kubeconfig");
-    cluster.api.write_kubeconfig(
-        &kubeconfig,
-        Some(&service_account_user("microvirt", "virt-api")),
-    );
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let child = Command::new(bins.join("virt-api"))
-        .args(["--listen", &addr.to_string()])
-        .arg(format!("--handler-ca={}", node_ca.display()))
-        .arg(format!(
-            "--handler-client-cert={}",
-            client.join("tls.crt").display()
-        ))
-        .arg(format!(
-            "--handler-client-key={}",
-            client.join("tls.key").display()
-        ))
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAMESPACE", "microvirt")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    cluster
-        .api
-        .set_service_endpoint("microvirt", "virt-api", addr);
-    let c = cluster.client.clone();
-    eventually(
-        "virt-api behind the API server",
-        Duration::from_secs(20),
-        || async {
-            let req = http::Request::get("/apis/subresources.kubevirt.io/v1/version")
-                .body(Vec::new())
-                .unwrap();
-            c.request_text(req).await.ok()
-        },
-    )
-    .await;
-    Proc(child, Some(addr), None)
 }
 
 /// A `virtctl console` session: its output gathered as it comes, its input ours to type.
@@ -228,8 +163,16 @@ async fn console_pause_and_unpause_through_every_hop() {
     );
     let console_addr = handler.2.expect("the handler serves consoles");
     handler_pod(&cluster, NODE, console_addr).await;
+    let handler_flags = [
+        format!("--handler-ca={}", node_dir.join("ca.crt").display()),
+        format!(
+            "--handler-client-cert={}",
+            api_dir.join("tls.crt").display()
+        ),
+        format!("--handler-client-key={}", api_dir.join("tls.key").display()),
+    ];
     let _virt_api =
-        start_virt_api(&cluster, &bins, &work, &node_dir.join("ca.crt"), &api_dir).await;
+        tests::virt_api::start(&cluster, &bins.join("virt-api"), &work, &handler_flags).await;
 
     // The probe's console test echoes every byte it is sent, and ticks meanwhile.
     cluster.apply_yaml::<VirtualMachineInstance>(VMI).await;

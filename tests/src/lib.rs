@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod discovery;
 pub mod rbac;
 pub mod tls;
+pub mod virt_api;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -45,7 +45,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         )
         .route(
             &format!("{base}/namespaces/{{namespace}}/{{resource}}/{{name}}/{{verb}}/{{detail}}"),
-            any(call_detail),
+            any(call),
         )
         .fallback(|| async {
             SubresourceError::new(
@@ -126,7 +126,7 @@ pub fn server_version() -> Value {
     })
 }
 
-#[derive(Deserialize)]
+/// The object a route names, and the subresource (`vnc/screenshot` for nested ones).
 struct Target {
     version: String,
     namespace: String,
@@ -135,14 +135,22 @@ struct Target {
     verb: String,
 }
 
-#[derive(Deserialize)]
-struct TargetDetail {
-    version: String,
-    namespace: String,
-    resource: String,
-    name: String,
-    verb: String,
-    detail: String,
+impl Target {
+    fn from_params(mut p: std::collections::HashMap<String, String>) -> (Target, String) {
+        let mut take = |k: &str| p.remove(k).unwrap_or_default();
+        let t = Target {
+            version: take("version"),
+            namespace: take("namespace"),
+            resource: take("resource"),
+            name: take("name"),
+            verb: take("verb"),
+        };
+        let sub = match p.remove("detail") {
+            Some(d) => format!("{}/{d}", t.verb),
+            None => t.verb.clone(),
+        };
+        (t, sub)
+    }
 }
 
 /// What a subresource does.
@@ -205,40 +213,13 @@ fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), Su
 async fn call(
     State(state): State<Arc<ApiState>>,
     Extension(peer): Extension<PeerCertificate>,
-    Path(t): Path<Target>,
+    Path(params): Path<std::collections::HashMap<String, String>>,
     method: Method,
     headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
     body: Bytes,
 ) -> Response {
-    let request = Call {
-        peer: &peer,
-        headers: &headers,
-        method: &method,
-        ws: ws.ok(),
-        body,
-    };
-    let r = handle(&state, request, &t, &t.verb).await;
-    r.unwrap_or_else(IntoResponse::into_response)
-}
-
-async fn call_detail(
-    State(state): State<Arc<ApiState>>,
-    Extension(peer): Extension<PeerCertificate>,
-    Path(t): Path<TargetDetail>,
-    method: Method,
-    headers: HeaderMap,
-    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
-    body: Bytes,
-) -> Response {
-    let sub = format!("{}/{}", t.verb, t.detail);
-    let target = Target {
-        version: t.version,
-        namespace: t.namespace,
-        resource: t.resource,
-        name: t.name,
-        verb: t.verb,
-    };
+    let (target, sub) = Target::from_params(params);
     let request = Call {
         peer: &peer,
         headers: &headers,

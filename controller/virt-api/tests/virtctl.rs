@@ -6,14 +6,14 @@
 //! KubeVirt's `kubevirt.io:edit` / `kubevirt.io:view` roles.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use api::{RunStrategy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::api::Api;
 use kube::ResourceExt;
 use tests::cluster::{eventually, test_config, Cluster, Replica, NS};
-use tests::rbac::{service_account_user, Authorizer};
+use tests::rbac::Authorizer;
 
 const T: Duration = Duration::from_secs(20);
 
@@ -35,26 +35,18 @@ subjects: [{kind: User, name: bob}]
 struct Bench {
     c: Cluster,
     controller: Option<Replica>,
-    virt_api: std::process::Child,
-    virt_api_addr: std::net::SocketAddr,
+    virt_api: tests::virt_api::VirtApi,
     dir: PathBuf,
 }
 
 impl Drop for Bench {
     fn drop(&mut self) {
-        let _ = self.virt_api.kill();
-        let _ = self.virt_api.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn free_port() -> std::net::SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
 }
 
 impl Bench {
@@ -65,54 +57,18 @@ impl Bench {
         let dir = std::env::temp_dir().join(format!("mv-virtctl-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        // The APIServices as deployed (their caBundle is virt-api's to publish).
-        let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
-        let services: Api<DynamicObject> =
-            Api::all_with(c.client.clone(), &ApiResource::from_gvk(&gvk));
-        let text = std::fs::read_to_string(repo().join("deploy/virt-api.yaml")).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
-            if v["kind"] == "APIService" {
-                let obj: DynamicObject = serde_json::from_value(v).unwrap();
-                services.create(&PostParams::default(), &obj).await.unwrap();
-            }
-        }
-        let kubeconfig = dir.join("virt-api.kubeconfig");
-        c.api.write_kubeconfig(
-            &kubeconfig,
-            Some(&service_account_user("microvirt", "virt-api")),
-        );
-        let addr = free_port();
-        let virt_api = Command::new(env!("CARGO_BIN_EXE_virt-api"))
-            .args(["--listen", &addr.to_string(), "--service", "virt-api"])
-            .env("KUBECONFIG", &kubeconfig)
-            .env("POD_NAMESPACE", "microvirt")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        c.api.set_service_endpoint("microvirt", "virt-api", addr);
+        let virt_api =
+            tests::virt_api::start(&c, Path::new(env!("CARGO_BIN_EXE_virt-api")), &dir, &[]).await;
         for user in ["alice", "bob"] {
             c.api
                 .write_kubeconfig(&dir.join(format!("{user}.kubeconfig")), Some(user));
         }
-        let bench = Bench {
+        Bench {
             controller: Some(c.replica(test_config(), None)),
             c,
             virt_api,
-            virt_api_addr: addr,
             dir,
-        };
-        // Up once the API server reaches it with the CA bundle it published.
-        let client = bench.c.client.clone();
-        eventually("virt-api serving through the API server", T, || async {
-            let req = http::Request::get("/apis/subresources.kubevirt.io/v1/version")
-                .body(Vec::new())
-                .unwrap();
-            client.request_text(req).await.ok()
-        })
-        .await;
-        bench
+        }
     }
 
     /// Runs virtctl as `user`, as `kubectl virt` would.
@@ -330,7 +286,7 @@ async fn who_may_do_what_and_answers_for_what_microvirt_lacks() {
 
     // Straight to virt-api, past the API server: the identity headers alone are not believed.
     let out = tokio::task::spawn_blocking({
-        let addr = b.virt_api_addr;
+        let addr = b.virt_api.addr;
         move || {
             Command::new("curl")
                 .args(["-sk", "-X", "PUT", "-H", "X-Remote-User: system:admin", "-H", "X-Remote-Group: system:masters"])

@@ -145,13 +145,30 @@ fn dry_run(on: bool) -> serde_json::Value {
     }
 }
 
-fn scheduled(name: &str, what: &str, dry: bool) {
+/// A VM verb, and KubeVirt's words for its outcome.
+async fn vm_verb(
+    s: &Subresources,
+    name: &str,
+    verb: &str,
+    body: serde_json::Value,
+    dry: bool,
+) -> anyhow::Result<()> {
+    let doing = match verb {
+        "start" => "starting",
+        "stop" => "stopping",
+        "restart" => "restarting",
+        _ => "migrating",
+    };
+    s.vm_verb(name, verb, &body)
+        .await
+        .with_context(|| format!("Error {doing} VirtualMachine {name}"))?;
     let note = if dry {
         " (dry run: nothing changed)"
     } else {
         ""
     };
-    println!("VM {name} was scheduled to {what}{note}");
+    println!("VM {name} was scheduled to {verb}{note}");
+    Ok(())
 }
 
 /// KubeVirt's rule: a grace period only together with --force.
@@ -172,10 +189,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             dry_run: dry,
         } => {
             let body = json!({"paused": paused, "dryRun": dry_run(dry)});
-            s.vm_verb(&name, "start", &body)
-                .await
-                .with_context(|| format!("Error starting VirtualMachine {name}"))?;
-            scheduled(&name, "start", dry);
+            vm_verb(&s, &name, "start", body, dry).await?;
         }
         Command::Stop {
             name,
@@ -183,15 +197,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             force,
             dry_run: dry,
         } => {
-            let g = grace(force, grace_period)?;
             let mut body = json!({"dryRun": dry_run(dry)});
-            if let Some(g) = g {
+            if let Some(g) = grace(force, grace_period)? {
                 body["gracePeriod"] = json!(g);
             }
-            s.vm_verb(&name, "stop", &body)
-                .await
-                .with_context(|| format!("Error stopping VirtualMachine {name}"))?;
-            scheduled(&name, "stop", dry);
+            vm_verb(&s, &name, "stop", body, dry).await?;
         }
         Command::Restart {
             name,
@@ -199,21 +209,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             force,
             dry_run: dry,
         } => {
-            let g = grace(force, grace_period)?;
             let mut body = json!({"dryRun": dry_run(dry)});
-            if let Some(g) = g {
+            if let Some(g) = grace(force, grace_period)? {
                 body["gracePeriodSeconds"] = json!(g);
             }
-            s.vm_verb(&name, "restart", &body)
-                .await
-                .with_context(|| format!("Error restarting VirtualMachine {name}"))?;
-            scheduled(&name, "restart", dry);
+            vm_verb(&s, &name, "restart", body, dry).await?;
         }
         Command::Migrate { name, dry_run: dry } => {
-            s.vm_verb(&name, "migrate", &json!({"dryRun": dry_run(dry)}))
-                .await
-                .with_context(|| format!("Error migrating VirtualMachine {name}"))?;
-            scheduled(&name, "migrate", dry);
+            vm_verb(&s, &name, "migrate", json!({"dryRun": dry_run(dry)}), dry).await?;
         }
         Command::MigrateCancel { name } => {
             let vmims: Api<VirtualMachineInstanceMigration> =
@@ -284,35 +287,23 @@ fn kind_name(kind: &str) -> &'static str {
 const ESCAPE: u8 = 0x1d;
 
 /// The terminal in raw mode while the console is open (keys go to the guest as typed),
-/// restored however the session ends.
-struct RawTerminal(Option<libc::termios>);
+/// restored however the session ends. Only when stdin is a terminal: piped input is passed as
+/// it comes.
+struct RawTerminal(bool);
 
 impl RawTerminal {
     fn enter() -> RawTerminal {
-        // SAFETY: isatty/tcgetattr/tcsetattr on fd 0 with a termios we own.
-        unsafe {
-            if libc::isatty(0) != 1 {
-                return RawTerminal(None);
-            }
-            let mut saved: libc::termios = std::mem::zeroed();
-            if libc::tcgetattr(0, &mut saved) != 0 {
-                return RawTerminal(None);
-            }
-            let mut raw = saved;
-            libc::cfmakeraw(&mut raw);
-            libc::tcsetattr(0, libc::TCSANOW, &raw);
-            RawTerminal(Some(saved))
-        }
+        use std::io::IsTerminal;
+        RawTerminal(
+            std::io::stdin().is_terminal() && crossterm::terminal::enable_raw_mode().is_ok(),
+        )
     }
 }
 
 impl Drop for RawTerminal {
     fn drop(&mut self) {
-        if let Some(saved) = self.0 {
-            // SAFETY: restores the settings read in `enter`.
-            unsafe {
-                libc::tcsetattr(0, libc::TCSANOW, &saved);
-            }
+        if self.0 {
+            let _ = crossterm::terminal::disable_raw_mode();
         }
     }
 }
