@@ -163,13 +163,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                     .webhook_service
                     .clone()
                     .unwrap_or_else(|| "virt-controller-webhook".into());
-                let ns = &args.namespace;
-                let names = vec![
-                    svc.clone(),
-                    format!("{svc}.{ns}"),
-                    format!("{svc}.{ns}.svc"),
-                    format!("{svc}.{ns}.svc.cluster.local"),
-                ];
+                let names = controller_runtime::tls::service_dns_names(&svc, &args.namespace);
                 let (cert, pem) = ServingCert::self_signed(names).map_err(anyhow::Error::msg)?;
                 (
                     cert.server_config(None).map_err(anyhow::Error::msg)?,

@@ -287,6 +287,20 @@ async fn console_pause_and_unpause_through_every_hop() {
         String::from_utf8_lossy(&out.stdout)
     );
     assert!(condition(&vmis.get("probe").await.unwrap(), "Paused").is_none());
+
+    // The node's handler gone: a clear answer within seconds, not a hang.
     drop(handler);
+    let asked = Instant::now();
+    let out = virtctl(&bins, &alice, &["pause", "vmi", "probe"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cannot be reached"),
+        "{err}"
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
     let _ = std::fs::remove_dir_all(work);
 }

@@ -47,6 +47,16 @@ impl PeerCertificate {
     }
 }
 
+/// The DNS names a Service `service` in `namespace` is reached by, for its certificate.
+pub fn service_dns_names(service: &str, namespace: &str) -> Vec<String> {
+    vec![
+        service.to_string(),
+        format!("{service}.{namespace}"),
+        format!("{service}.{namespace}.svc"),
+        format!("{service}.{namespace}.svc.cluster.local"),
+    ]
+}
+
 /// A serving certificate and key, as DER.
 pub struct ServingCert {
     pub chain: Vec<CertificateDer<'static>>,

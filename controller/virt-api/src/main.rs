@@ -67,13 +67,7 @@ async fn main() -> anyhow::Result<()> {
             None,
         ),
         _ => {
-            let (svc, ns) = (&args.service, &args.namespace);
-            let names = vec![
-                svc.clone(),
-                format!("{svc}.{ns}"),
-                format!("{svc}.{ns}.svc"),
-                format!("{svc}.{ns}.svc.cluster.local"),
-            ];
+            let names = controller_runtime::tls::service_dns_names(&args.service, &args.namespace);
             let (cert, pem) = ServingCert::self_signed(names).map_err(anyhow::Error::msg)?;
             (cert, Some(pem))
         }

@@ -41,6 +41,32 @@ struct Global {
     kubeconfig: Option<PathBuf>,
 }
 
+/// How a stop (or the stop of a restart) goes.
+#[derive(Args)]
+struct Stopping {
+    /// Shorten the guest's shutdown to this many seconds (with --force).
+    #[arg(long)]
+    grace_period: Option<i64>,
+    /// Force the stop (with --grace-period).
+    #[arg(long)]
+    force: bool,
+    /// Check the request without changing anything.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+impl Stopping {
+    /// The options body, the grace period under `grace_field` (KubeVirt names it
+    /// `gracePeriod` for stop, `gracePeriodSeconds` for restart).
+    fn body(&self, grace_field: &str) -> anyhow::Result<serde_json::Value> {
+        let mut body = json!({"dryRun": dry_run(self.dry_run)});
+        if let Some(g) = grace(self.force, self.grace_period)? {
+            body[grace_field] = json!(g);
+        }
+        Ok(body)
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Start a virtual machine.
@@ -56,24 +82,14 @@ enum Command {
     /// Stop a virtual machine.
     Stop {
         name: String,
-        /// Shorten the guest's shutdown to this many seconds (with --force).
-        #[arg(long)]
-        grace_period: Option<i64>,
-        /// Force the stop (with --grace-period).
-        #[arg(long)]
-        force: bool,
-        #[arg(long)]
-        dry_run: bool,
+        #[command(flatten)]
+        how: Stopping,
     },
     /// Restart a virtual machine.
     Restart {
         name: String,
-        #[arg(long)]
-        grace_period: Option<i64>,
-        #[arg(long)]
-        force: bool,
-        #[arg(long)]
-        dry_run: bool,
+        #[command(flatten)]
+        how: Stopping,
     },
     /// Live-migrate a virtual machine to another node.
     Migrate {
@@ -127,6 +143,10 @@ async fn connect(g: &Global) -> anyhow::Result<Subresources> {
             )?,
         },
     };
+    // kube's clients retry 503s for up to minutes; a person at a terminal (or a script) is
+    // told at once, as KubeVirt's virtctl does.
+    let mut config = config;
+    config.default_retry = false;
     let namespace = g
         .namespace
         .clone()
@@ -191,29 +211,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let body = json!({"paused": paused, "dryRun": dry_run(dry)});
             vm_verb(&s, &name, "start", body, dry).await?;
         }
-        Command::Stop {
-            name,
-            grace_period,
-            force,
-            dry_run: dry,
-        } => {
-            let mut body = json!({"dryRun": dry_run(dry)});
-            if let Some(g) = grace(force, grace_period)? {
-                body["gracePeriod"] = json!(g);
-            }
-            vm_verb(&s, &name, "stop", body, dry).await?;
+        Command::Stop { name, how } => {
+            vm_verb(&s, &name, "stop", how.body("gracePeriod")?, how.dry_run).await?;
         }
-        Command::Restart {
-            name,
-            grace_period,
-            force,
-            dry_run: dry,
-        } => {
-            let mut body = json!({"dryRun": dry_run(dry)});
-            if let Some(g) = grace(force, grace_period)? {
-                body["gracePeriodSeconds"] = json!(g);
-            }
-            vm_verb(&s, &name, "restart", body, dry).await?;
+        Command::Restart { name, how } => {
+            let body = how.body("gracePeriodSeconds")?;
+            vm_verb(&s, &name, "restart", body, how.dry_run).await?;
         }
         Command::Migrate { name, dry_run: dry } => {
             vm_verb(&s, &name, "migrate", json!({"dryRun": dry_run(dry)}), dry).await?;
@@ -235,18 +238,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Console { name } => console(&s, &name).await?,
-        Command::Pause { kind, name } => {
-            s.vmi_verb(&name, "pause")
-                .await
-                .with_context(|| format!("Error pausing {} {name}", kind_name(&kind)))?;
-            println!("{} {name} was scheduled to pause", kind_name(&kind));
-        }
-        Command::Unpause { kind, name } => {
-            s.vmi_verb(&name, "unpause")
-                .await
-                .with_context(|| format!("Error unpausing {} {name}", kind_name(&kind)))?;
-            println!("{} {name} was scheduled to unpause", kind_name(&kind));
-        }
+        Command::Pause { kind, name } => pause(&s, &kind, &name, true).await?,
+        Command::Unpause { kind, name } => pause(&s, &kind, &name, false).await?,
         Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
         Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
         Command::Fslist { name } => print_query(&s, &name, "filesystemlist").await?,
@@ -271,6 +264,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// pause / unpause of a VMI (a VM's is its VMI, which has its name).
+async fn pause(s: &Subresources, kind: &str, name: &str, pause: bool) -> anyhow::Result<()> {
+    let (verb, doing) = if pause {
+        ("pause", "pausing")
+    } else {
+        ("unpause", "unpausing")
+    };
+    let what = kind_name(kind);
+    s.vmi_verb(name, verb)
+        .await
+        .with_context(|| format!("Error {doing} {what} {name}"))?;
+    println!("{what} {name} was scheduled to {verb}");
     Ok(())
 }
 
