@@ -9,6 +9,8 @@
 
 pub mod authz;
 pub mod client;
+pub mod create;
+pub mod expose;
 pub mod handlers;
 pub mod identity;
 pub mod server;

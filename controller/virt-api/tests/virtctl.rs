@@ -17,8 +17,20 @@ use tests::rbac::Authorizer;
 
 const T: Duration = Duration::from_secs(20);
 
-/// Alice may edit VMs in `default`, Bob may only look.
+/// Alice may edit VMs in `default` (and make Services, as Kubernetes' `edit` lets her), Bob
+/// may only look.
 const USERS: &str = r#"
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: services-editor, namespace: default}
+rules: [{apiGroups: [""], resources: ["services"], verbs: ["get", "create"]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: alice-services, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: services-editor}
+subjects: [{kind: User, name: alice}]
+---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: RoleBinding
 metadata: {name: alice-edits, namespace: default}
@@ -357,5 +369,121 @@ async fn kubectl_finds_the_plugin() {
         "{text}{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_vm_applies_and_expose_makes_a_service() {
+    let b = Bench::start("create").await;
+    let out = ok(&b
+        .virtctl(
+            "alice",
+            &[
+                "create",
+                "vm",
+                "--name",
+                "made",
+                "--volume-containerdisk",
+                "src:quay.io/containerdisks/fedora:40,name:root",
+                "--cloud-init-user-data",
+                "I2Nsb3VkLWNvbmZpZwo=",
+            ],
+        )
+        .await);
+    // `virtctl create vm … | kubectl apply -f -`, as the admin.
+    let admin = b.dir.join("admin.kubeconfig");
+    b.c.api.write_kubeconfig(&admin, None);
+    let applied = tokio::task::spawn_blocking(move || {
+        let mut child = Command::new("kubectl")
+            .args(["apply", "-f", "-"])
+            .env("KUBECONFIG", admin)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(out.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        applied.status.success(),
+        "{}",
+        String::from_utf8_lossy(&applied.stderr)
+    );
+    let vm = b.vm("made").await;
+    let spec = vm.spec.template.spec.clone().unwrap();
+    assert_eq!(spec.volumes[0].name, "root");
+    assert_eq!(
+        spec.volumes[0].container_disk.as_ref().unwrap().image,
+        "quay.io/containerdisks/fedora:40"
+    );
+    // A bad flag: which, and why; nothing printed to apply.
+    let out = b
+        .virtctl("alice", &["create", "vm", "--volume-pvc", "claim:x"])
+        .await;
+    let err = refused(&out);
+    assert!(
+        err.contains("--volume-pvc") && err.contains("claim"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+
+    // expose: a Service selecting the VM's Pods by its template's labels.
+    b.c.apply_yaml::<VirtualMachine>(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: labelled, namespace: default}
+spec:
+  runStrategy: Halted
+  template:
+    metadata: {labels: {app: labelled}}
+    spec:
+      domain:
+        devices: {}
+        resources: {requests: {memory: 64Mi}}
+"#,
+    )
+    .await;
+    let out = ok(&b
+        .virtctl(
+            "alice",
+            &[
+                "expose",
+                "vm",
+                "labelled",
+                "--name",
+                "labelled-ssh",
+                "--port",
+                "2222",
+                "--target-port",
+                "22",
+            ],
+        )
+        .await);
+    assert!(out.contains("labelled-ssh successfully exposed"), "{out}");
+    let svc = Api::<k8s_openapi::api::core::v1::Service>::namespaced(b.c.client.clone(), NS)
+        .get("labelled-ssh")
+        .await
+        .unwrap();
+    let spec = svc.spec.unwrap();
+    assert_eq!(spec.selector.unwrap()["app"], "labelled");
+    assert_eq!(spec.ports.unwrap()[0].port, 2222);
+    let err = refused(
+        &b.virtctl(
+            "alice",
+            &["expose", "vm", "made", "--name", "x", "--port", "80"],
+        )
+        .await,
+    );
+    assert!(err.contains("without any label"), "{err}");
     b.stop().await;
 }

@@ -73,6 +73,7 @@ const KINDS: &[Kind] = &[
     ("cdi.kubevirt.io", "v1beta1", "datavolumes", "DataVolume", true, true, None),
     ("apps", "v1", "controllerrevisions", "ControllerRevision", true, false, None),
     ("", "v1", "configmaps", "ConfigMap", true, false, None),
+    ("", "v1", "services", "Service", true, true, None),
     // The aggregation layer (see `aggregator`) and delegated authorization.
     ("apiregistration.k8s.io", "v1", "apiservices", "APIService", false, true, None),
     ("authorization.k8s.io", "v1", "subjectaccessreviews", "SubjectAccessReview", false, false, None),

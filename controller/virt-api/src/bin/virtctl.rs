@@ -123,6 +123,64 @@ enum Command {
     Vnc { name: String },
     /// Print the client and server versions.
     Version,
+    /// Write a manifest from flags (print it; `| kubectl apply -f -` creates it).
+    Create {
+        #[command(subcommand)]
+        what: Create,
+    },
+    /// Make a Service for a VM, VMI or VMI ReplicaSet.
+    Expose {
+        #[arg(value_parser = ["vm", "vmi", "vmirs", "virtualmachine", "virtualmachineinstance", "virtualmachineinstancereplicaset"])]
+        kind: String,
+        name: String,
+        /// The Service's name.
+        #[arg(long = "name")]
+        service_name: String,
+        #[arg(long)]
+        port: i32,
+        /// The port in the guest (default: --port).
+        #[arg(long)]
+        target_port: Option<i32>,
+        #[arg(long = "type", default_value = "ClusterIP")]
+        service_type: String,
+        #[arg(long, default_value = "TCP")]
+        protocol: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum Create {
+    /// A VirtualMachine.
+    Vm {
+        /// The VM's name (default: vm-<random>).
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long, default_value = "Always")]
+        run_strategy: String,
+        #[arg(long, default_value_t = 180)]
+        termination_grace_period: i64,
+        /// Guest memory, when no instance type sizes the VM (default 512Mi).
+        #[arg(long)]
+        memory: Option<String>,
+        /// `[kind/]name` (kind default: VirtualMachineClusterInstancetype).
+        #[arg(long)]
+        instancetype: Option<String>,
+        /// `[kind/]name` (kind default: VirtualMachineClusterPreference).
+        #[arg(long)]
+        preference: Option<String>,
+        /// `src:IMAGE[,name:NAME]`; repeatable.
+        #[arg(long)]
+        volume_containerdisk: Vec<String>,
+        /// `src:CLAIM[,name:NAME]`; repeatable.
+        #[arg(long)]
+        volume_pvc: Vec<String>,
+        /// `src:[NAMESPACE/]DATASOURCE[,name:NAME][,size:SIZE]`; repeatable.
+        #[arg(long)]
+        volume_datasource: Vec<String>,
+        /// The cloud-init user data, base64-encoded.
+        #[arg(long)]
+        cloud_init_user_data: Option<String>,
+    },
 }
 
 async fn connect(g: &Global) -> anyhow::Result<Subresources> {
@@ -200,9 +258,129 @@ fn grace(force: bool, grace_period: Option<i64>) -> anyhow::Result<Option<i64>> 
     }
 }
 
+/// `create vm`: needs no cluster.
+fn create(what: Create) -> anyhow::Result<()> {
+    let Create::Vm {
+        name,
+        run_strategy,
+        termination_grace_period,
+        memory,
+        instancetype,
+        preference,
+        volume_containerdisk,
+        volume_pvc,
+        volume_datasource,
+        cloud_init_user_data,
+    } = what;
+    let name = name.unwrap_or_else(|| {
+        let n = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default();
+        format!("vm-{:05x}", n & 0xfffff)
+    });
+    let flags = virt_api::create::VmFlags {
+        name,
+        run_strategy,
+        termination_grace_period,
+        memory,
+        instancetype,
+        preference,
+        container_disks: volume_containerdisk,
+        pvcs: volume_pvc,
+        data_sources: volume_datasource,
+        cloud_init_user_data,
+    };
+    let vm = virt_api::create::vm_manifest(&flags).map_err(anyhow::Error::msg)?;
+    print!("{}", serde_yaml::to_string(&vm)?);
+    Ok(())
+}
+
+/// An API error in the API server's own words (kube's Display repeats them with the whole
+/// Status).
+fn api_error(e: kube::Error) -> anyhow::Error {
+    match e {
+        kube::Error::Api(s) => anyhow::Error::msg(s.message),
+        other => other.into(),
+    }
+}
+
+/// `expose`: the Service for what `kind`/`name` is, by its Pods' labels.
+async fn expose(
+    s: &Subresources,
+    kind: &str,
+    name: &str,
+    flags: virt_api::expose::ExposeFlags,
+) -> anyhow::Result<()> {
+    use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
+    let ns = s.namespace.clone();
+    let (kind, labels) = match kind {
+        "vm" | "virtualmachine" => {
+            let vm = Api::<VirtualMachine>::namespaced(s.client.clone(), &ns)
+                .get(name)
+                .await?;
+            let labels = vm.spec.template.metadata.and_then(|m| m.labels);
+            ("VirtualMachine", labels.unwrap_or_default())
+        }
+        "vmi" | "virtualmachineinstance" => {
+            let vmi = Api::<VirtualMachineInstance>::namespaced(s.client.clone(), &ns)
+                .get(name)
+                .await
+                .map_err(api_error)?;
+            (
+                "VirtualMachineInstance",
+                vmi.metadata.labels.unwrap_or_default(),
+            )
+        }
+        _ => {
+            let rs = Api::<VirtualMachineInstanceReplicaSet>::namespaced(s.client.clone(), &ns)
+                .get(name)
+                .await
+                .map_err(api_error)?;
+            let labels = rs.spec.selector.match_labels.unwrap_or_default();
+            ("VirtualMachineInstanceReplicaSet", labels)
+        }
+    };
+    let svc =
+        virt_api::expose::service(kind, name, &ns, labels, &flags).map_err(anyhow::Error::msg)?;
+    Api::<k8s_openapi::api::core::v1::Service>::namespaced(s.client.clone(), &ns)
+        .create(&Default::default(), &svc)
+        .await
+        .map_err(api_error)
+        .with_context(|| format!("Error exposing {kind} {name}"))?;
+    println!(
+        "Service {} successfully exposed for {kind} {name}",
+        flags.service_name
+    );
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    let command = match cli.command {
+        Command::Create { what } => return create(what),
+        other => other,
+    };
     let s = connect(&cli.global).await?;
-    match cli.command {
+    match command {
+        Command::Create { .. } => unreachable!("handled above"),
+        Command::Expose {
+            kind,
+            name,
+            service_name,
+            port,
+            target_port,
+            service_type,
+            protocol,
+        } => {
+            let flags = virt_api::expose::ExposeFlags {
+                service_name,
+                port,
+                target_port,
+                service_type,
+                protocol,
+            };
+            expose(&s, &kind, &name, flags).await?;
+        }
         Command::Start {
             name,
             paused,
@@ -224,13 +402,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::MigrateCancel { name } => {
             let vmims: Api<VirtualMachineInstanceMigration> =
                 Api::namespaced(s.client.clone(), &s.namespace);
-            let all = vmims.list(&ListParams::default()).await?.items;
+            let all = vmims
+                .list(&ListParams::default())
+                .await
+                .map_err(api_error)?
+                .items;
             let Some(m) = VirtualMachineInstanceMigration::unfinished_of(&all, &name) else {
                 anyhow::bail!("Found no migration to cancel for {name}");
             };
             vmims
                 .delete(&m.name_any(), &DeleteParams::default())
                 .await
+                .map_err(api_error)
                 .with_context(|| format!("Error canceling migration {}", m.name_any()))?;
             println!(
                 "VM {name} was scheduled to cancel its migration ({})",
