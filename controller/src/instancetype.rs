@@ -43,19 +43,38 @@ fn resource(kind: &str) -> ApiResource {
     }
 }
 
-/// The spec of `m` (of `kind`), from its revision when there is one, else from the object —
-/// captured in a new revision. Returns the spec and, when a revision was made, its name.
-async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
+/// Where a spec was found: in the VM's revision, or in the object itself (not yet captured).
+enum Found<T> {
+    Revision(T),
+    Object {
+        spec: T,
+        spec_value: serde_json::Value,
+        uid: String,
+        generation: i64,
+    },
+}
+
+impl<T> Found<T> {
+    fn into_spec(self) -> T {
+        match self {
+            Found::Revision(s) | Found::Object { spec: s, .. } => s,
+        }
+    }
+}
+
+/// The spec of `m` (of `kind`), from its revision when there is one, else from the object;
+/// reads only.
+async fn find<T: DeserializeOwned>(
     client: &Client,
     vm: &VirtualMachine,
     m: &Matcher,
     kind: &str,
     namespaced: bool,
     what: &str,
-) -> Result<(T, Option<String>), ResolveError> {
+) -> Result<Found<T>, ResolveError> {
     let ns = vm.namespace().unwrap_or_default();
-    let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
     if let Some(rev) = &m.revision_name {
+        let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
         let r = revisions.get_opt(rev).await?.ok_or_else(|| {
             ResolveError::Missing(format!(
                 "spec.{what}.revisionName: ControllerRevision {ns}/{rev} is gone"
@@ -69,7 +88,7 @@ async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
             })?;
         let spec = serde_json::from_value(spec)
             .map_err(|e| ResolveError::Missing(format!("ControllerRevision {ns}/{rev}: {e}")))?;
-        return Ok((spec, None));
+        return Ok(Found::Revision(spec));
     }
     let ar = resource(kind);
     let objs: Api<DynamicObject> = if namespaced {
@@ -96,8 +115,37 @@ async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
     let spec_value = obj.data.get("spec").cloned().unwrap_or_default();
     let spec: T = serde_json::from_value(spec_value.clone())
         .map_err(|e| ResolveError::Missing(format!("{where_}: spec: {e}")))?;
-    let uid = obj.uid().unwrap_or_default();
-    let generation = obj.metadata.generation.unwrap_or(1);
+    Ok(Found::Object {
+        spec,
+        spec_value,
+        uid: obj.uid().unwrap_or_default(),
+        generation: obj.metadata.generation.unwrap_or(1),
+    })
+}
+
+/// The spec of `m` (of `kind`), from its revision when there is one, else from the object —
+/// captured in a new revision. Returns the spec and, when a revision was made, its name.
+async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
+    client: &Client,
+    vm: &VirtualMachine,
+    m: &Matcher,
+    kind: &str,
+    namespaced: bool,
+    what: &str,
+) -> Result<(T, Option<String>), ResolveError> {
+    let (spec, spec_value, uid, generation) =
+        match find(client, vm, m, kind, namespaced, what).await? {
+            Found::Revision(spec) => return Ok((spec, None)),
+            Found::Object {
+                spec,
+                spec_value,
+                uid,
+                generation,
+            } => (spec, spec_value, uid, generation),
+        };
+    let ns = vm.namespace().unwrap_or_default();
+    let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
+    let ar = resource(kind);
     let mut name = format!(
         "{}-{}-{}-{generation}",
         vm.name_any(),
@@ -133,6 +181,23 @@ async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
         Err(e) => return Err(e.into()),
     }
     Ok((spec, Some(name)))
+}
+
+/// The VM's instance type and preference as they are now, without writing anything (what
+/// `expand-spec` shows).
+pub async fn look_up(client: &Client, vm: &VirtualMachine) -> Result<Expansion, ResolveError> {
+    let mut out = Expansion::default();
+    if let Some(m) = &vm.spec.instancetype {
+        let (kind, namespaced) = instancetype_kind(m).map_err(ResolveError::Missing)?;
+        let found = find(client, vm, m, kind, namespaced, "instancetype").await?;
+        out.instancetype = Some(found.into_spec());
+    }
+    if let Some(m) = &vm.spec.preference {
+        let (kind, namespaced) = preference_kind(m).map_err(ResolveError::Missing)?;
+        let found = find(client, vm, m, kind, namespaced, "preference").await?;
+        out.preference = Some(found.into_spec());
+    }
+    Ok(out)
 }
 
 /// Resolves the VM's instance type and preference, capturing new revisions and recording their

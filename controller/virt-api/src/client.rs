@@ -59,6 +59,14 @@ impl Subresources {
         Ok(())
     }
 
+    /// `GET …/virtualmachines/{name}/{sub}`, answered with JSON (expand-spec).
+    pub async fn vm_get(&self, name: &str, sub: &str) -> Result<Value, CallError> {
+        let req = Request::get(self.path("virtualmachines", name, sub))
+            .body(Vec::new())
+            .map_err(|e| CallError::Transport(e.to_string()))?;
+        Ok(self.client.request::<Value>(req).await?)
+    }
+
     /// `GET …/virtualmachineinstances/{name}/{sub}`, answered with JSON.
     pub async fn vmi_get(&self, name: &str, sub: &str) -> Result<Value, CallError> {
         let req = Request::get(self.path("virtualmachineinstances", name, sub))

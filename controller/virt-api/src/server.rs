@@ -70,7 +70,7 @@ fn check_version(version: &str) -> Result<(), SubresourceError> {
 }
 
 /// The subresources served, as the API server's discovery lists them.
-const VM_SUBRESOURCES: [&str; 4] = ["start", "stop", "restart", "migrate"];
+const VM_SUBRESOURCES: [&str; 5] = ["start", "stop", "restart", "migrate", "expand-spec"];
 const VMI_SUBRESOURCES: [&str; 9] = [
     "console",
     "pause",
@@ -91,7 +91,14 @@ async fn discovery(Path(version): Path<String>) -> Result<Json<Value>, Subresour
     };
     let mut resources: Vec<Value> = VM_SUBRESOURCES
         .iter()
-        .map(|s| entry("virtualmachines", s, &["update"]))
+        .map(|s| {
+            let verbs: &[&str] = if *s == "expand-spec" {
+                &["get"]
+            } else {
+                &["update"]
+            };
+            entry("virtualmachines", s, verbs)
+        })
         .collect();
     resources.extend(VMI_SUBRESOURCES.iter().map(|s| {
         let verbs: &[&str] = if matches!(*s, "pause" | "unpause") {
@@ -160,6 +167,8 @@ enum Verb {
     Stop,
     Restart,
     Migrate,
+    /// The VM with its instance type and preference applied.
+    ExpandSpec,
     /// The serial console, a websocket to the VMI's node.
     Console,
     /// Pause (true) or unpause the VMI, on its node.
@@ -180,6 +189,7 @@ fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), Su
         ("virtualmachines", "stop") => put(Verb::Stop),
         ("virtualmachines", "restart") => put(Verb::Restart),
         ("virtualmachines", "migrate") => put(Verb::Migrate),
+        ("virtualmachines", "expand-spec") => get(Verb::ExpandSpec),
         ("virtualmachineinstances", "console") => get(Verb::Console),
         ("virtualmachineinstances", "pause") => put(Verb::Pause(true)),
         ("virtualmachineinstances", "unpause") => put(Verb::Pause(false)),
@@ -290,6 +300,7 @@ async fn handle(
                 .await
         }
         Verb::Migrate => calls.migrate(body).await,
+        Verb::ExpandSpec => calls.expand_spec().await,
         Verb::Pause(pause) => {
             let dialer = handlers(state)?;
             let node = calls.running_node(Some(pause)).await?;
@@ -544,6 +555,32 @@ impl Calls<'_> {
             }
         }
         Ok(StatusCode::ACCEPTED.into_response())
+    }
+
+    /// expand-spec: the VM as its VMIs are made, its instance type and preference applied to
+    /// the template (and the references to them gone); nothing is written.
+    async fn expand_spec(&self) -> Result<Response, SubresourceError> {
+        let mut vm = self.vm().await?;
+        let found = controller::instancetype::look_up(self.client, &vm)
+            .await
+            .map_err(|e| match e {
+                controller::instancetype::ResolveError::Missing(m) => {
+                    SubresourceError::bad_request(m)
+                }
+                controller::instancetype::ResolveError::Kube(e) => SubresourceError::from_kube(e),
+            })?;
+        let mut spec = vm.spec.template.spec.clone().unwrap_or_default();
+        api::instancetype::expand(
+            &mut spec,
+            found.instancetype.as_ref(),
+            found.preference.as_ref(),
+            "spec.template.spec",
+        )
+        .map_err(SubresourceError::bad_request)?;
+        vm.spec.template.spec = Some(spec);
+        vm.spec.instancetype = None;
+        vm.spec.preference = None;
+        Ok(Json(vm).into_response())
     }
 
     /// migrate: a VirtualMachineInstanceMigration for the VM's VMI (the webhook refuses one

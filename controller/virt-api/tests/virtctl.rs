@@ -487,3 +487,70 @@ spec:
     assert!(err.contains("without any label"), "{err}");
     b.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expand_shows_the_vm_as_its_instance_type_and_preference_make_it() {
+    use api::instancetype::{VirtualMachineClusterInstancetype, VirtualMachinePreference};
+    let b = Bench::start("expand").await;
+    Api::<VirtualMachineClusterInstancetype>::all(b.c.client.clone())
+        .create(
+            &Default::default(),
+            &serde_yaml::from_str(
+                "apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachineClusterInstancetype\nmetadata: {name: u1.medium}\nspec: {cpu: {guest: 4}, memory: {guest: 2Gi}}\n",
+            )
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    b.c.apply_yaml::<VirtualMachinePreference>(
+        "apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachinePreference\nmetadata: {name: cores}\nspec:\n  cpu: {preferredCPUTopology: preferCores}\n",
+    )
+    .await;
+    b.c.apply_yaml::<VirtualMachine>(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: sized, namespace: default}
+spec:
+  runStrategy: Halted
+  instancetype: {name: u1.medium}
+  preference: {kind: VirtualMachinePreference, name: cores}
+  template:
+    spec:
+      domain: {devices: {}}
+"#,
+    )
+    .await;
+    let out = ok(&b
+        .virtctl("bob", &["expand", "--vm", "sized", "-o", "json"])
+        .await);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let domain = &v["spec"]["template"]["spec"]["domain"];
+    assert_eq!(domain["cpu"]["cores"], 4, "{out}");
+    assert_eq!(domain["cpu"]["sockets"], 1, "{out}");
+    assert_eq!(domain["memory"]["guest"], "2Gi", "{out}");
+    assert!(
+        v["spec"]["instancetype"].is_null() && v["spec"]["preference"].is_null(),
+        "{out}"
+    );
+    // Nothing written: the VM is as it was applied (but for what virt-controller records).
+    assert!(b.vm("sized").await.spec.instancetype.is_some());
+
+    b.c.apply_yaml::<VirtualMachine>(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: unsized, namespace: default}
+spec:
+  runStrategy: Halted
+  instancetype: {name: u9.nowhere}
+  template:
+    spec:
+      domain: {devices: {}}
+"#,
+    )
+    .await;
+    let err = refused(&b.virtctl("bob", &["expand", "--vm", "unsized"]).await);
+    assert!(err.contains("\"u9.nowhere\" not found"), "{err}");
+    b.stop().await;
+}

@@ -123,6 +123,14 @@ enum Command {
     Vnc { name: String },
     /// Print the client and server versions.
     Version,
+    /// Print a VM with its instance type and preference applied.
+    Expand {
+        #[arg(long = "vm")]
+        vm: String,
+        /// yaml or json.
+        #[arg(short = 'o', long, default_value = "yaml", value_parser = ["yaml", "json"])]
+        output: String,
+    },
     /// Write a manifest from flags (print it; `| kubectl apply -f -` creates it).
     Create {
         #[command(subcommand)]
@@ -423,6 +431,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Console { name } => console(&s, &name).await?,
         Command::Pause { kind, name } => pause(&s, &kind, &name, true).await?,
         Command::Unpause { kind, name } => pause(&s, &kind, &name, false).await?,
+        Command::Expand { vm, output } => {
+            let v = s
+                .vm_get(&vm, "expand-spec")
+                .await
+                .with_context(|| format!("Error expanding VirtualMachine {vm}"))?;
+            match output.as_str() {
+                "json" => println!("{}", serde_json::to_string_pretty(&v)?),
+                _ => print!("{}", serde_yaml::to_string(&v)?),
+            }
+        }
         Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
         Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
         Command::Fslist { name } => print_query(&s, &name, "filesystemlist").await?,
