@@ -36,6 +36,10 @@ impl From<kube::Error> for CallError {
     }
 }
 
+/// A websocket through the API server.
+pub type Socket =
+    tokio_tungstenite::WebSocketStream<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>;
+
 pub struct Subresources {
     pub client: kube::Client,
     pub namespace: String,
@@ -86,17 +90,28 @@ impl Subresources {
 
     /// The VMI's serial console: a websocket with KubeVirt's `plain.kubevirt.io` subprotocol
     /// (raw bytes both ways), through the API server.
-    pub async fn console(
+    pub async fn console(&self, name: &str) -> Result<Socket, CallError> {
+        self.websocket(self.path("virtualmachineinstances", name, "console"))
+            .await
+    }
+
+    /// A TCP connection to `port` of the guest of `resource` (`virtualmachineinstances` or
+    /// `virtualmachines`) `name`, as a websocket.
+    pub async fn port_forward(
         &self,
+        resource: &str,
         name: &str,
-    ) -> Result<
-        tokio_tungstenite::WebSocketStream<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>,
-        CallError,
-    > {
+        port: u16,
+    ) -> Result<Socket, CallError> {
+        self.websocket(self.path(resource, name, &format!("portforward/{port}")))
+            .await
+    }
+
+    async fn websocket(&self, path: String) -> Result<Socket, CallError> {
         use tokio_tungstenite::tungstenite::handshake::client::generate_key;
         use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
         let key = generate_key();
-        let req = Request::get(self.path("virtualmachineinstances", name, "console"))
+        let req = Request::get(path)
             .header("connection", "Upgrade")
             .header("upgrade", "websocket")
             .header("sec-websocket-version", "13")
@@ -127,7 +142,7 @@ impl Subresources {
             .is_some_and(|v| v.as_bytes() == derive_accept_key(key.as_bytes()).as_bytes());
         if !accepted {
             return Err(CallError::Transport(
-                "the console websocket handshake was not answered properly".into(),
+                "the websocket handshake was not answered properly".into(),
             ));
         }
         let upgraded = hyper::upgrade::on(resp)

@@ -47,6 +47,10 @@ pub fn router(state: Arc<ApiState>) -> Router {
             &format!("{base}/namespaces/{{namespace}}/{{resource}}/{{name}}/{{verb}}/{{detail}}"),
             any(call),
         )
+        .route(
+            &format!("{base}/namespaces/{{namespace}}/{{resource}}/{{name}}/{{verb}}/{{detail}}/{{protocol}}"),
+            any(call),
+        )
         .fallback(|| async {
             SubresourceError::new(
                 404,
@@ -71,8 +75,9 @@ fn check_version(version: &str) -> Result<(), SubresourceError> {
 
 /// The subresources served, as the API server's discovery lists them.
 const VM_SUBRESOURCES: [&str; 5] = ["start", "stop", "restart", "migrate", "expand-spec"];
-const VMI_SUBRESOURCES: [&str; 9] = [
+const VMI_SUBRESOURCES: [&str; 10] = [
     "console",
+    "portforward",
     "pause",
     "unpause",
     "guestosinfo",
@@ -152,9 +157,10 @@ impl Target {
             name: take("name"),
             verb: take("verb"),
         };
-        let sub = match p.remove("detail") {
-            Some(d) => format!("{}/{d}", t.verb),
-            None => t.verb.clone(),
+        let sub = match (p.remove("detail"), p.remove("protocol")) {
+            (Some(d), Some(proto)) => format!("{}/{d}/{proto}", t.verb),
+            (Some(d), None) => format!("{}/{d}", t.verb),
+            _ => t.verb.clone(),
         };
         (t, sub)
     }
@@ -171,6 +177,8 @@ enum Verb {
     ExpandSpec,
     /// The serial console, a websocket to the VMI's node.
     Console,
+    /// A TCP connection to a port of the guest, as a websocket.
+    PortForward,
     /// Pause (true) or unpause the VMI, on its node.
     Pause(bool),
     /// A guest-agent query: microvirt guests have no agent channel.
@@ -191,6 +199,9 @@ fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), Su
         ("virtualmachines", "migrate") => put(Verb::Migrate),
         ("virtualmachines", "expand-spec") => get(Verb::ExpandSpec),
         ("virtualmachineinstances", "console") => get(Verb::Console),
+        ("virtualmachineinstances" | "virtualmachines", s) if s.starts_with("portforward/") => {
+            get(Verb::PortForward)
+        }
         ("virtualmachineinstances", "pause") => put(Verb::Pause(true)),
         ("virtualmachineinstances", "unpause") => put(Verb::Pause(false)),
         ("virtualmachineinstances", "guestosinfo" | "userlist" | "filesystemlist") => {
@@ -326,6 +337,34 @@ async fn handle(
                 .protocols(["plain.kubevirt.io"])
                 .on_upgrade(move |socket| splice(socket, upstream)))
         }
+        Verb::PortForward => {
+            let (port, _) = forward_port(sub)?;
+            let Some(ws) = call.ws else {
+                return Err(SubresourceError::bad_request(
+                    "portforward is a websocket: connect with `Upgrade: websocket` (`virtctl port-forward` does)",
+                ));
+            };
+            let target = calls.guest_address(port).await?;
+            // Dialled before the upgrade, so a port nobody listens on is an answer.
+            let tcp = tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                tokio::net::TcpStream::connect(target),
+            )
+            .await
+            .map_err(|_| {
+                SubresourceError::new(
+                    503,
+                    "ServiceUnavailable",
+                    format!("dialing {target}: timed out"),
+                )
+            })?
+            .map_err(|e| {
+                SubresourceError::new(503, "ServiceUnavailable", format!("dialing {target}: {e}"))
+            })?;
+            Ok(ws
+                .protocols(["plain.kubevirt.io"])
+                .on_upgrade(move |socket| splice_tcp(socket, tcp)))
+        }
         Verb::GuestAgent => {
             calls.vmi().await?;
             Err(SubresourceError::conflict(
@@ -336,6 +375,68 @@ async fn handle(
             calls.vmi().await?;
             Err(SubresourceError::bad_request(why))
         }
+    }
+}
+
+/// `portforward/{port}[/{protocol}]`: the port, and that the protocol is TCP.
+fn forward_port(sub: &str) -> Result<(u16, &str), SubresourceError> {
+    let mut parts = sub.split('/').skip(1);
+    let port = parts.next().unwrap_or_default();
+    let protocol = parts.next().unwrap_or("tcp");
+    let port: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+        SubresourceError::bad_request(format!(
+            "portforward/{port}: the port is a number from 1 to 65535"
+        ))
+    })?;
+    if protocol != "tcp" {
+        return Err(SubresourceError::bad_request(format!(
+            "portforward over {protocol:?} is not supported: only tcp"
+        )));
+    }
+    Ok((port, protocol))
+}
+
+/// A websocket and a TCP connection, bytes for binary messages, until either side ends.
+async fn splice_tcp(socket: WebSocket, tcp: tokio::net::TcpStream) {
+    use futures::{SinkExt, StreamExt};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut from_guest, mut to_guest) = tcp.into_split();
+    let (mut to_viewer, mut from_viewer) = socket.split();
+    let down = async {
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            match from_guest.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to_viewer
+                        .send(Message::Binary(buf[..n].to_vec().into()))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to_viewer.close().await;
+    };
+    let up = async {
+        while let Some(Ok(m)) = from_viewer.next().await {
+            let bytes = match m {
+                Message::Binary(b) => b.to_vec(),
+                Message::Text(t) => t.as_bytes().to_vec(),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if to_guest.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        let _ = to_guest.shutdown().await;
+    };
+    tokio::select! {
+        _ = down => {}
+        _ = up => {}
     }
 }
 
@@ -478,6 +579,25 @@ impl Calls<'_> {
         status
             .node_name
             .ok_or_else(|| SubresourceError::conflict("VMI has no node yet"))
+    }
+
+    /// Where `port` of the running VMI is reached: its first interface's address, which the
+    /// Pod network (masquerade's DNAT) carries to the guest.
+    async fn guest_address(&self, port: u16) -> Result<std::net::SocketAddr, SubresourceError> {
+        let vmi = self.vmi().await?;
+        let status = vmi.status.unwrap_or_default();
+        if status.phase != Some(api::VmiPhase::Running) {
+            return Err(SubresourceError::conflict("VMI is not running"));
+        }
+        let ip = status
+            .interfaces
+            .iter()
+            .find_map(|i| i.ip_address.clone())
+            .ok_or_else(|| SubresourceError::conflict("VMI has no IP address (yet)"))?;
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .map_err(|_| SubresourceError::internal(format!("VMI reports IP address {ip:?}")))?;
+        Ok(std::net::SocketAddr::new(ip, port))
     }
 
     /// start, stop, restart: the plan from the VM and its VMI, then its writes.

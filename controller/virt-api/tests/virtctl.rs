@@ -554,3 +554,132 @@ spec:
     assert!(err.contains("\"u9.nowhere\" not found"), "{err}");
     b.stop().await;
 }
+
+/// A TCP echo server standing in for a service in the guest: the probe guest has no TCP/IP
+/// stack, so the VMI's reported address is this host's loopback and the server listens there
+/// (what port-forward carries is the same bytes either way).
+async fn echo_server() -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((conn, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = conn.into_split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn port_forward_carries_a_tcp_connection_to_the_guest() {
+    use kube::api::{Patch, PatchParams};
+    let b = Bench::start("portforward").await;
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("srv", "Always"))
+        .await;
+    b.c.bring_up("srv", "node-a").await;
+    // virt-handler reports the guest's address.
+    b.c.api::<VirtualMachineInstance>()
+        .patch_status(
+            "srv",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}})),
+        )
+        .await
+        .unwrap();
+    let port = echo_server().await;
+
+    // --stdio, as ssh's ProxyCommand runs it.
+    let kubeconfig = b.dir.join("alice.kubeconfig");
+    let target = format!("vmi/srv.{NS}");
+    let out = tokio::task::spawn_blocking({
+        let kubeconfig = kubeconfig.clone();
+        let target = target.clone();
+        move || {
+            use std::io::Write;
+            let mut child = Command::new(env!("CARGO_BIN_EXE_virtctl"))
+                .args(["port-forward", "--stdio", &target, &port.to_string()])
+                .env("KUBECONFIG", kubeconfig)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(b"hello over a websocket\n")
+                .unwrap();
+            child.wait_with_output().unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello over a websocket\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Listening locally: any free port, printed; a connection there reaches the guest's port.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_virtctl"))
+        .args(["port-forward", "vm/srv", &format!("0:{port}")])
+        .env("KUBECONFIG", &kubeconfig)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut line)
+        .await
+        .unwrap();
+    let local: std::net::SocketAddr = line
+        .strip_prefix("Forwarding from ")
+        .and_then(|l| l.split(" -> ").next())
+        .unwrap_or_else(|| panic!("{line}"))
+        .parse()
+        .unwrap();
+    for _ in 0..2 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conn = tokio::net::TcpStream::connect(local).await.unwrap();
+        conn.write_all(b"ping").await.unwrap();
+        let mut got = [0u8; 4];
+        tokio::time::timeout(T, conn.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&got, b"ping");
+    }
+    let _ = child.kill().await;
+
+    // Nothing listening on that port: said at once. Bob may not forward.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = refused(
+        &b.virtctl(
+            "alice",
+            &["port-forward", "--stdio", "vmi/srv", &closed.to_string()],
+        )
+        .await,
+    );
+    assert!(err.contains("dialing 127.0.0.1"), "{err}");
+    let err = refused(
+        &b.virtctl(
+            "bob",
+            &["port-forward", "--stdio", "vmi/srv", &port.to_string()],
+        )
+        .await,
+    );
+    assert!(err.contains("virtualmachineinstances/portforward"), "{err}");
+    b.stop().await;
+}

@@ -107,6 +107,19 @@ enum Command {
     Fslist { name: String },
     /// Connect to the VMI's serial console (Ctrl-] leaves).
     Console { name: String },
+    /// Forward local ports to ports of a VM's guest: `vm/NAME[.NAMESPACE] LOCAL:REMOTE…`
+    /// (or `vmi/…`); with --stdio one connection on stdin/stdout (for ssh's ProxyCommand).
+    PortForward {
+        target: String,
+        #[arg(required = true)]
+        ports: Vec<String>,
+        /// Carry one connection on stdin and stdout instead of listening.
+        #[arg(long)]
+        stdio: bool,
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1")]
+        address: std::net::IpAddr,
+    },
     /// Pause a running VM (`vm NAME`) or VMI (`vmi NAME`).
     Pause {
         #[arg(value_parser = ["vm", "vmi"])]
@@ -429,6 +442,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Console { name } => console(&s, &name).await?,
+        Command::PortForward {
+            target,
+            ports,
+            stdio,
+            address,
+        } => port_forward(s, &target, &ports, stdio, address).await?,
         Command::Pause { kind, name } => pause(&s, &kind, &name, true).await?,
         Command::Unpause { kind, name } => pause(&s, &kind, &name, false).await?,
         Command::Expand { vm, output } => {
@@ -490,6 +509,155 @@ fn kind_name(kind: &str) -> &'static str {
     } else {
         "VMI"
     }
+}
+
+/// `TYPE/NAME[.NAMESPACE]` as KubeVirt's port-forward takes it: the resource and name, and
+/// the namespace when given.
+fn forward_target(target: &str) -> anyhow::Result<(&'static str, String, Option<String>)> {
+    let (kind, rest) = target
+        .split_once('/')
+        .ok_or_else(|| anyhow::anyhow!("{target:?}: give vm/NAME or vmi/NAME"))?;
+    let resource = match kind {
+        "vm" | "vms" | "virtualmachine" => "virtualmachines",
+        "vmi" | "vmis" | "virtualmachineinstance" => "virtualmachineinstances",
+        other => anyhow::bail!("{target:?}: {other:?} is not vm or vmi"),
+    };
+    Ok(match rest.split_once('.') {
+        Some((name, ns)) => (resource, name.to_string(), Some(ns.to_string())),
+        None => (resource, rest.to_string(), None),
+    })
+}
+
+/// `LOCAL:REMOTE` or `PORT` (the same on both sides).
+fn forward_ports(spec: &str) -> anyhow::Result<(u16, u16)> {
+    let parse = |p: &str| {
+        p.parse::<u16>()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| anyhow::anyhow!("{spec:?}: ports are 1 to 65535 (LOCAL:REMOTE or PORT)"))
+    };
+    match spec.split_once(':') {
+        // Local port 0: any free one (printed).
+        Some(("0", r)) => Ok((0, parse(r)?)),
+        Some((l, r)) => Ok((parse(l)?, parse(r)?)),
+        None => {
+            let p = parse(spec)?;
+            Ok((p, p))
+        }
+    }
+}
+
+/// Bytes of `io` both ways over a websocket, until either side ends.
+async fn carry<R, W>(ws: virt_api::client::Socket, mut reader: R, mut writer: W)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use futures::{SinkExt, StreamExt};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut to_guest, mut from_guest) = ws.split();
+    let up = async {
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to_guest
+                        .send(Message::Binary(buf[..n].to_vec().into()))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to_guest.close().await;
+        // The guest may still answer what it was sent.
+        std::future::pending::<()>().await
+    };
+    let down = async {
+        while let Some(Ok(m)) = from_guest.next().await {
+            let bytes = match m {
+                Message::Binary(b) => b.to_vec(),
+                Message::Text(t) => t.as_bytes().to_vec(),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if writer.write_all(&bytes).await.is_err() {
+                break;
+            }
+            let _ = writer.flush().await;
+        }
+        let _ = writer.shutdown().await;
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
+}
+
+async fn port_forward(
+    mut s: Subresources,
+    target: &str,
+    ports: &[String],
+    stdio: bool,
+    address: std::net::IpAddr,
+) -> anyhow::Result<()> {
+    let (resource, name, ns) = forward_target(target)?;
+    if let Some(ns) = ns {
+        s.namespace = ns;
+    }
+    let pairs = ports
+        .iter()
+        .map(|p| forward_ports(p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if stdio {
+        let [(_, remote)] = pairs[..] else {
+            anyhow::bail!("--stdio carries one connection: give one port");
+        };
+        let ws = s
+            .port_forward(resource, &name, remote)
+            .await
+            .with_context(|| format!("Error forwarding to port {remote} of {target}"))?;
+        carry(ws, tokio::io::stdin(), tokio::io::stdout()).await;
+        return Ok(());
+    }
+    let s = std::sync::Arc::new(s);
+    let mut listeners = Vec::new();
+    for (local, remote) in pairs {
+        let listener = tokio::net::TcpListener::bind((address, local))
+            .await
+            .with_context(|| format!("listening on {address}:{local}"))?;
+        println!("Forwarding from {} -> {remote}", listener.local_addr()?);
+        listeners.push((listener, remote));
+    }
+    let mut serving = tokio::task::JoinSet::new();
+    for (listener, remote) in listeners {
+        let s = s.clone();
+        let name = name.clone();
+        serving.spawn(async move {
+            loop {
+                let Ok((conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let s = s.clone();
+                let name = name.clone();
+                tokio::spawn(async move {
+                    match s.port_forward(resource, &name, remote).await {
+                        Ok(ws) => {
+                            let (r, w) = conn.into_split();
+                            carry(ws, r, w).await;
+                        }
+                        Err(e) => eprintln!("Error forwarding to port {remote} of {name}: {e}"),
+                    }
+                });
+            }
+        });
+    }
+    while serving.join_next().await.is_some() {}
+    Ok(())
 }
 
 /// The escape byte that leaves the console (Ctrl-]), as KubeVirt's virtctl has it.
