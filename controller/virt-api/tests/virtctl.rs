@@ -683,3 +683,138 @@ async fn port_forward_carries_a_tcp_connection_to_the_guest() {
     assert!(err.contains("virtualmachineinstances/portforward"), "{err}");
     b.stop().await;
 }
+
+/// OpenSSH's sshd on loopback, standing in for the guest's (the probe has no TCP/IP stack):
+/// a host key and root's authorized key made for the test. Killed on drop.
+struct Sshd(std::process::Child);
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sshd(dir: &Path) -> (Sshd, u16, PathBuf) {
+    assert!(
+        Path::new("/usr/sbin/sshd").exists(),
+        "needs OpenSSH's sshd (openssh-server, installed by scripts/install-prerequisites)"
+    );
+    std::fs::create_dir_all("/run/sshd").unwrap();
+    let keygen = |path: &Path| {
+        let ok = Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+            .arg(path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+    };
+    keygen(&dir.join("host_key"));
+    keygen(&dir.join("user_key"));
+    std::fs::copy(dir.join("user_key.pub"), dir.join("authorized_keys")).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = dir.join("sshd_config");
+    std::fs::write(
+        &config,
+        format!(
+            "ListenAddress 127.0.0.1\nPort {port}\nHostKey {}\nPidFile {}\nAuthorizedKeysFile {}\nStrictModes no\nPermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nSubsystem sftp internal-sftp\n",
+            dir.join("host_key").display(),
+            dir.join("sshd.pid").display(),
+            dir.join("authorized_keys").display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new("/usr/sbin/sshd")
+        .args(["-D", "-e", "-f"])
+        .arg(&config)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "sshd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (Sshd(child), port, dir.join("user_key"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ssh_and_scp_go_through_port_forward() {
+    use kube::api::{Patch, PatchParams};
+    let b = Bench::start("ssh").await;
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("shell", "Always"))
+        .await;
+    b.c.bring_up("shell", "node-a").await;
+    b.c.api::<VirtualMachineInstance>()
+        .patch_status(
+            "shell",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}})),
+        )
+        .await
+        .unwrap();
+    let (_sshd, port, key) = sshd(&b.dir);
+    let port = port.to_string();
+    let key = key.to_string_lossy().into_owned();
+    let opts = [
+        "--local-ssh-opts=-o StrictHostKeyChecking=no",
+        "--local-ssh-opts=-o UserKnownHostsFile=/dev/null",
+        "--local-ssh-opts=-o LogLevel=ERROR",
+    ];
+    let mut args = vec!["ssh", "root@vm/shell", "-p", &port, "-i", &key];
+    args.extend(opts);
+    args.extend(["--command", "echo hello from $(hostname -s) && echo done"]);
+    let out = ok(&b.virtctl("alice", &args).await);
+    assert!(
+        out.contains("hello from") && out.ends_with("done\n"),
+        "{out}"
+    );
+
+    // scp there and back.
+    let sent = b.dir.join("sent.txt");
+    std::fs::write(&sent, "a file for the guest\n").unwrap();
+    let remote = format!(
+        "root@vmi/shell.{NS}:{}",
+        b.dir.join("in-guest.txt").display()
+    );
+    let mut args = vec![
+        "scp",
+        sent.to_str().unwrap(),
+        &remote,
+        "-p",
+        &port,
+        "-i",
+        &key,
+    ];
+    args.extend(opts);
+    ok(&b.virtctl("alice", &args).await);
+    let back = b.dir.join("back.txt");
+    let mut args = vec![
+        "scp",
+        &remote,
+        back.to_str().unwrap(),
+        "-p",
+        &port,
+        "-i",
+        &key,
+    ];
+    args.extend(opts);
+    ok(&b.virtctl("alice", &args).await);
+    assert_eq!(
+        std::fs::read_to_string(back).unwrap(),
+        "a file for the guest\n"
+    );
+
+    // Neither side remote: said which shape is wanted.
+    let err = refused(&b.virtctl("alice", &["scp", "a", "b"]).await);
+    assert!(err.contains("[user@]vm|vmi/NAME[.NS]:PATH"), "{err}");
+    b.stop().await;
+}

@@ -41,6 +41,22 @@ struct Global {
     kubeconfig: Option<PathBuf>,
 }
 
+/// What `ssh` and `scp` pass on to the local ssh.
+#[derive(Args)]
+struct SshOptions {
+    /// The guest's ssh port.
+    #[arg(short = 'p', long, default_value_t = 22)]
+    port: u16,
+    /// The user (else the one in the target, else ssh's default).
+    #[arg(short = 'l', long)]
+    username: Option<String>,
+    #[arg(short = 'i', long)]
+    identity_file: Option<PathBuf>,
+    /// More options for the local ssh (e.g. `-o StrictHostKeyChecking=no`); repeatable.
+    #[arg(long, allow_hyphen_values = true)]
+    local_ssh_opts: Vec<String>,
+}
+
 /// How a stop (or the stop of a restart) goes.
 #[derive(Args)]
 struct Stopping {
@@ -119,6 +135,26 @@ enum Command {
         /// Where to listen.
         #[arg(long, default_value = "127.0.0.1")]
         address: std::net::IpAddr,
+    },
+    /// ssh into a VM's guest through port-forward: `[user@]vm|vmi/NAME[.NAMESPACE]`, the
+    /// local `ssh` with virtctl as its ProxyCommand.
+    Ssh {
+        target: String,
+        #[command(flatten)]
+        ssh: SshOptions,
+        /// Run this command instead of a shell.
+        #[arg(short = 'c', long)]
+        command: Option<String>,
+    },
+    /// Copy files to or from a VM's guest: one of SRC and DST is `[user@]vm|vmi/NAME[.NS]:PATH`.
+    Scp {
+        source: String,
+        destination: String,
+        #[command(flatten)]
+        ssh: SshOptions,
+        /// Copy directories.
+        #[arg(short = 'r', long)]
+        recursive: bool,
     },
     /// Pause a running VM (`vm NAME`) or VMI (`vmi NAME`).
     Pause {
@@ -442,6 +478,52 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Console { name } => console(&s, &name).await?,
+        Command::Ssh {
+            target,
+            ssh,
+            command,
+        } => {
+            let remote = SshTarget::parse(&target, &s.namespace)?;
+            let mut args = ssh_args(&cli.global, &ssh, &remote)?;
+            args.push(remote.host_with_user(ssh.username.as_deref()));
+            args.extend(command);
+            exec_local("ssh", &args)?;
+        }
+        Command::Scp {
+            source,
+            destination,
+            ssh,
+            recursive,
+        } => {
+            let (target, path, local_is_source) =
+                match (remote_spec(&source), remote_spec(&destination)) {
+                    (Some((t, p)), None) => (t, p, false),
+                    (None, Some((t, p))) => (t, p, true),
+                    _ => anyhow::bail!(
+                        "exactly one of {source:?} and {destination:?} must be [user@]vm|vmi/NAME[.NS]:PATH"
+                    ),
+                };
+            let r = SshTarget::parse(target, &s.namespace)?;
+            let mut args = ssh_args(&cli.global, &ssh, &r)?;
+            if recursive {
+                args.push("-r".into());
+            }
+            // scp takes a '/' before the ':' for a local path: the host goes by a name without
+            // one, its key checked under ssh's name for it.
+            args.extend(["-o".to_string(), format!("HostKeyAlias={}", r.host())]);
+            let host = format!("{}.{}.{}", r.kind, r.name, r.namespace);
+            let user = ssh.username.as_deref().or(r.user.as_deref());
+            let remote = match user {
+                Some(u) => format!("{u}@{host}:{path}"),
+                None => format!("{host}:{path}"),
+            };
+            if local_is_source {
+                args.extend([source, remote]);
+            } else {
+                args.extend([remote, destination]);
+            }
+            exec_local("scp", &args)?;
+        }
         Command::PortForward {
             target,
             ports,
@@ -509,6 +591,106 @@ fn kind_name(kind: &str) -> &'static str {
     } else {
         "VMI"
     }
+}
+
+/// `[user@]TYPE/NAME[.NS]:PATH` split into the target and the path, when `spec` is one.
+fn remote_spec(spec: &str) -> Option<(&str, &str)> {
+    let (target, path) = spec.split_once(':')?;
+    let host = target.rsplit_once('@').map_or(target, |(_, h)| h);
+    let (kind, _) = host.split_once('/')?;
+    [
+        "vm",
+        "vmi",
+        "vms",
+        "vmis",
+        "virtualmachine",
+        "virtualmachineinstance",
+    ]
+    .contains(&kind)
+    .then_some((target, path))
+}
+
+/// An ssh target: `[user@]TYPE/NAME[.NAMESPACE]`.
+struct SshTarget {
+    user: Option<String>,
+    kind: String,
+    name: String,
+    namespace: String,
+}
+
+impl SshTarget {
+    fn parse(text: &str, default_namespace: &str) -> anyhow::Result<SshTarget> {
+        let (user, rest) = match text.split_once('@') {
+            Some((u, r)) => (Some(u.to_string()), r),
+            None => (None, text),
+        };
+        let (resource, name, ns) = forward_target(rest)?;
+        let kind = if resource == "virtualmachines" {
+            "vm"
+        } else {
+            "vmi"
+        };
+        Ok(SshTarget {
+            user,
+            kind: kind.into(),
+            name,
+            namespace: ns.unwrap_or_else(|| default_namespace.to_string()),
+        })
+    }
+
+    /// `TYPE/NAME.NAMESPACE`: what ssh knows the host as (its known_hosts entry), and what the
+    /// ProxyCommand forwards to.
+    fn host(&self) -> String {
+        format!("{}/{}.{}", self.kind, self.name, self.namespace)
+    }
+
+    fn host_with_user(&self, user: Option<&str>) -> String {
+        match user.or(self.user.as_deref()) {
+            Some(u) => format!("{u}@{}", self.host()),
+            None => self.host(),
+        }
+    }
+}
+
+/// The local ssh's options: this virtctl (with the same kubeconfig and context) as its
+/// ProxyCommand, then the identity and the user's own options.
+fn ssh_args(g: &Global, o: &SshOptions, target: &SshTarget) -> anyhow::Result<Vec<String>> {
+    let me = std::env::current_exe().context("finding virtctl's own path for the ProxyCommand")?;
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
+    let mut proxy = vec![quote(&me.to_string_lossy())];
+    if let Some(k) = &g.kubeconfig {
+        proxy.push(format!("--kubeconfig={}", quote(&k.to_string_lossy())));
+    }
+    if let Some(c) = &g.context {
+        proxy.push(format!("--context={}", quote(c)));
+    }
+    proxy.extend([
+        "port-forward".into(),
+        "--stdio".into(),
+        quote(&target.host()),
+        o.port.to_string(),
+    ]);
+    let mut args = vec![
+        "-o".to_string(),
+        format!("ProxyCommand={}", proxy.join(" ")),
+    ];
+    if let Some(i) = &o.identity_file {
+        args.push("-i".into());
+        args.push(i.to_string_lossy().into_owned());
+    }
+    for opt in &o.local_ssh_opts {
+        args.extend(opt.split_whitespace().map(str::to_string));
+    }
+    Ok(args)
+}
+
+/// Runs the local `program` with `args`, and ends with its exit status.
+fn exec_local(program: &str, args: &[String]) -> anyhow::Result<()> {
+    let status = std::process::Command::new(program)
+        .args(args)
+        .status()
+        .with_context(|| format!("running the local {program} (is it installed?)"))?;
+    std::process::exit(status.code().unwrap_or(1));
 }
 
 /// `TYPE/NAME[.NAMESPACE]` as KubeVirt's port-forward takes it: the resource and name, and
