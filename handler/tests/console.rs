@@ -25,6 +25,12 @@ kind: RoleBinding
 metadata: {name: alice-edits, namespace: default}
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:edit"}
 subjects: [{kind: User, name: alice}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: bob-views, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:view"}
+subjects: [{kind: User, name: bob}]
 "#;
 
 /// Builds virt-api and virtctl (another package's binaries) and returns their directory.
@@ -197,6 +203,24 @@ async fn console_pause_and_unpause_through_every_hop() {
     session.type_bytes(b"hi");
     session.wait_for("echo h", t).await;
     session.wait_for("echo i", t).await;
+
+    // A second viewer gets the recent history first, then sees what the first one types.
+    let second = ConsoleSession::open(&bins, &alice, "probe");
+    second.wait_for("echo i", t).await;
+    session.type_bytes(b"!");
+    session.wait_for("echo !", t).await;
+    second.wait_for("echo !", t).await;
+    drop(second);
+    // Bob may look at VMs, not at their consoles.
+    let bob = work.join("bob.kubeconfig");
+    cluster.api.write_kubeconfig(&bob, Some("bob"));
+    let out = virtctl(&bins, &bob, &["console", "probe"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("cannot get resource \"virtualmachineinstances/console\""),
+        "{err}"
+    );
 
     // Pause: the guest stops ticking; unpause: it goes on.
     let out = virtctl(&bins, &alice, &["pause", "vmi", "probe"]);
