@@ -313,8 +313,8 @@ async fn handle(
         Verb::Migrate => calls.migrate(body).await,
         Verb::ExpandSpec => calls.expand_spec().await,
         Verb::Pause(pause) => {
-            let dialer = handlers(state)?;
             let node = calls.running_node(Some(pause)).await?;
+            let dialer = handlers(state)?;
             let verb = if pause { "pause" } else { "unpause" };
             dialer
                 .lifecycle(calls.client, &node, calls.namespace, calls.name, verb)
@@ -327,8 +327,8 @@ async fn handle(
                     "console is a websocket: connect with `Upgrade: websocket` and the subprotocol plain.kubevirt.io (`virtctl console` does)",
                 ));
             };
-            let dialer = handlers(state)?;
             let node = calls.running_node(None).await?;
+            let dialer = handlers(state)?;
             // Connected before the upgrade, so a node that cannot be reached is an answer.
             let upstream = dialer
                 .console(calls.client, &node, calls.namespace, calls.name)

@@ -227,6 +227,14 @@ async fn start_stop_and_restart_through_the_api_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_makes_a_migration_and_migrate_cancel_removes_it() {
     let b = Bench::start("migrate").await;
+    // virt-controller's webhook in the admission path, as deployed.
+    let webhook = tests::admission::start_webhook(
+        Some(b.c.client.clone()),
+        api::migratability::EvictionStrategy::None,
+    )
+    .await;
+    b.c.api
+        .set_object_admission(Some(std::sync::Arc::new(webhook).object_admission()));
     b.c.apply_yaml::<VirtualMachine>(&vm_yaml("db", "Always"))
         .await;
     let err = refused(&b.virtctl("alice", &["migrate", "nope"]).await);
@@ -255,6 +263,50 @@ async fn migrate_makes_a_migration_and_migrate_cancel_removes_it() {
     .await;
     let err = refused(&b.virtctl("alice", &["migrate-cancel", "db"]).await);
     assert!(err.contains("Found no migration to cancel for db"), "{err}");
+
+    // A VMI that cannot be live-migrated (bridge binding on the Pod network): the webhook's
+    // reason reaches the user, and no migration is made.
+    b.c.apply_yaml::<VirtualMachine>(
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: pinned, namespace: default}
+spec:
+  runStrategy: Always
+  template:
+    spec:
+      domain:
+        devices:
+          interfaces: [{name: default, bridge: {}}]
+        resources: {requests: {memory: 64Mi}}
+      networks: [{name: default, pod: {}}]
+"#,
+    )
+    .await;
+    b.c.bring_up("pinned", "node-a").await;
+    eventually("LiveMigratable=False published", T, || async {
+        let v =
+            b.c.api::<VirtualMachineInstance>()
+                .get("pinned")
+                .await
+                .unwrap();
+        let s = v.status?;
+        api::conditions::find(&s.conditions, "LiveMigratable")
+            .filter(|c| c.status == "False")
+            .map(|_| ())
+    })
+    .await;
+    let err = refused(&b.virtctl("alice", &["migrate", "pinned"]).await);
+    assert!(
+        err.contains("cannot be live-migrated") && err.contains("InterfaceNotLiveMigratable"),
+        "{err}"
+    );
+    assert!(vmims
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
     b.stop().await;
 }
 
@@ -285,6 +337,14 @@ async fn who_may_do_what_and_answers_for_what_microvirt_lacks() {
     assert!(err.contains("no graphics device"), "{err}");
     let err = refused(&b.virtctl("alice", &["start", "app", "--paused"]).await);
     assert!(err.contains("startStrategy"), "{err}");
+    // A stopped VM has no console to open.
+    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("off", "Halted"))
+        .await;
+    let err = refused(&b.virtctl("alice", &["console", "off"]).await);
+    assert!(
+        err.contains("virtualmachineinstances.kubevirt.io \"off\" not found"),
+        "{err}"
+    );
     let err = refused(&b.virtctl("alice", &["start", "ghost"]).await);
     assert!(err.contains("\"ghost\" not found"), "{err}");
     let err = refused(
