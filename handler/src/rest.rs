@@ -8,17 +8,15 @@ use std::sync::Arc;
 
 use api::protocol::{Request, Response as LauncherResponse};
 use api::{VirtualMachineInstance, VmiPhase};
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{Extension, Json, Router};
 use controller_runtime::tls::PeerCertificate;
-use futures::{SinkExt, StreamExt};
 use kube::Api;
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::context::Context;
 use crate::launcher::LauncherClient;
@@ -271,42 +269,6 @@ async fn console(
 }
 
 async fn relay(socket: WebSocket, launcher: LauncherClient) {
-    let (mut from_launcher, mut to_launcher) = launcher.into_stream();
-    let (mut to_viewer, mut from_viewer) = socket.split();
-    let out = async {
-        let mut buf = vec![0u8; 16 * 1024];
-        loop {
-            match from_launcher.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if to_viewer
-                        .send(Message::Binary(buf[..n].to_vec().into()))
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = to_viewer.close().await;
-    };
-    let input = async {
-        while let Some(Ok(m)) = from_viewer.next().await {
-            let bytes = match m {
-                Message::Binary(b) => b.to_vec(),
-                Message::Text(t) => t.as_bytes().to_vec(),
-                Message::Close(_) => break,
-                _ => continue,
-            };
-            if to_launcher.write_all(&bytes).await.is_err() {
-                break;
-            }
-        }
-    };
-    // Either side ending ends the session.
-    tokio::select! {
-        _ = out => {}
-        _ = input => {}
-    }
+    let (from_launcher, to_launcher) = launcher.into_stream();
+    controller_runtime::websocket::relay(socket, from_launcher, to_launcher).await;
 }

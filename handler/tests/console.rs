@@ -18,20 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use tests::cluster::{eventually, test_config, Cluster};
 use tests::rbac::Authorizer;
-
-const USERS: &str = r#"
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: alice-edits, namespace: default}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:edit"}
-subjects: [{kind: User, name: alice}]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: bob-views, namespace: default}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:view"}
-subjects: [{kind: User, name: bob}]
-"#;
+use tests::virt_api::grant;
 
 /// Builds virt-api and virtctl (another package's binaries) and returns their directory.
 fn virt_api_bins() -> PathBuf {
@@ -149,7 +136,9 @@ async fn console_pause_and_unpause_through_every_hop() {
     let pods_dir = work.join("pods");
     let cluster = Cluster::start().await;
     cluster.api.enforce_rbac(
-        Authorizer::from_dir(&tests::repo_root().join("deploy/rbac")).with_yaml(USERS),
+        Authorizer::from_dir(&tests::repo_root().join("deploy/rbac"))
+            .with_yaml(&grant("alice", "kubevirt.io:edit", "default"))
+            .with_yaml(&grant("bob", "kubevirt.io:view", "default")),
     );
     let _controller = cluster.replica(test_config(), None);
     // The node's certificate (the cluster's node CA) and virt-api's client certificate (its

@@ -11,6 +11,15 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use crate::cluster::{eventually, Cluster};
 use crate::rbac::service_account_user;
 
+/// A RoleBinding (YAML) giving `user` the ClusterRole `role` in `namespace`, for
+/// `Authorizer::with_yaml`.
+pub fn grant(user: &str, role: &str, namespace: &str) -> String {
+    format!(
+        "---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {{name: {user}-{}, namespace: {namespace}}}\nroleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: \"{role}\"}}\nsubjects: [{{kind: User, name: {user}}}]\n",
+        role.replace([':', '.'], "-")
+    )
+}
+
 /// A running virt-api, killed on drop.
 pub struct VirtApi {
     child: Child,

@@ -8,7 +8,8 @@
 //! - [`backoff`]: per-object exponential retry (client-go's per-item rate limiter);
 //! - [`events`]: Events that never fail a reconcile;
 //! - [`metrics_http`]: the `/metrics` and `/healthz` endpoint;
-//! - [`tls`]: HTTPS serving with optional client certificates (webhook, virt-api).
+//! - [`tls`]: HTTPS serving with optional client certificates (webhook, virt-api);
+//! - [`websocket`]: a byte stream carried over a websocket (consoles, port-forward).
 
 pub mod backoff;
 pub mod conditions;
@@ -17,6 +18,7 @@ pub mod metrics_http;
 pub mod objects;
 pub mod time;
 pub mod tls;
+pub mod websocket;
 
 pub use backoff::RetryBackoff;
 pub use conditions::{remove_condition, set_condition};

@@ -363,7 +363,10 @@ async fn handle(
             })?;
             Ok(ws
                 .protocols(["plain.kubevirt.io"])
-                .on_upgrade(move |socket| splice_tcp(socket, tcp)))
+                .on_upgrade(move |socket| {
+                    let (r, w) = tcp.into_split();
+                    controller_runtime::websocket::relay(socket, r, w)
+                }))
         }
         Verb::GuestAgent => {
             calls.vmi().await?;
@@ -394,50 +397,6 @@ fn forward_port(sub: &str) -> Result<(u16, &str), SubresourceError> {
         )));
     }
     Ok((port, protocol))
-}
-
-/// A websocket and a TCP connection, bytes for binary messages, until either side ends.
-async fn splice_tcp(socket: WebSocket, tcp: tokio::net::TcpStream) {
-    use futures::{SinkExt, StreamExt};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let (mut from_guest, mut to_guest) = tcp.into_split();
-    let (mut to_viewer, mut from_viewer) = socket.split();
-    let down = async {
-        let mut buf = vec![0u8; 32 * 1024];
-        loop {
-            match from_guest.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if to_viewer
-                        .send(Message::Binary(buf[..n].to_vec().into()))
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = to_viewer.close().await;
-    };
-    let up = async {
-        while let Some(Ok(m)) = from_viewer.next().await {
-            let bytes = match m {
-                Message::Binary(b) => b.to_vec(),
-                Message::Text(t) => t.as_bytes().to_vec(),
-                Message::Close(_) => break,
-                _ => continue,
-            };
-            if to_guest.write_all(&bytes).await.is_err() {
-                break;
-            }
-        }
-        let _ = to_guest.shutdown().await;
-    };
-    tokio::select! {
-        _ = down => {}
-        _ = up => {}
-    }
 }
 
 fn handlers(state: &ApiState) -> Result<&HandlerDialer, SubresourceError> {

@@ -14,12 +14,12 @@ use kube::api::Api;
 use kube::ResourceExt;
 use tests::cluster::{eventually, test_config, Cluster, Replica, NS};
 use tests::rbac::Authorizer;
+use tests::virt_api::grant;
 
 const T: Duration = Duration::from_secs(20);
 
-/// Alice may edit VMs in `default` (and make Services, as Kubernetes' `edit` lets her), Bob
-/// may only look.
-const USERS: &str = r#"
+/// Alice may make Services too, as Kubernetes' `edit` lets her.
+const SERVICES_EDITOR: &str = r#"
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata: {name: services-editor, namespace: default}
@@ -30,18 +30,6 @@ kind: RoleBinding
 metadata: {name: alice-services, namespace: default}
 roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: services-editor}
 subjects: [{kind: User, name: alice}]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: alice-edits, namespace: default}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:edit"}
-subjects: [{kind: User, name: alice}]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: {name: bob-views, namespace: default}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "kubevirt.io:view"}
-subjects: [{kind: User, name: bob}]
 "#;
 
 struct Bench {
@@ -64,8 +52,13 @@ fn repo() -> PathBuf {
 impl Bench {
     async fn start(tag: &str) -> Bench {
         let c = Cluster::start().await;
-        c.api
-            .enforce_rbac(Authorizer::from_dir(&repo().join("deploy/rbac")).with_yaml(USERS));
+        c.api.enforce_rbac(
+            Authorizer::from_dir(&repo().join("deploy/rbac"))
+                .with_yaml(SERVICES_EDITOR)
+                // Alice may edit VMs in `default`, Bob may only look.
+                .with_yaml(&grant("alice", "kubevirt.io:edit", NS))
+                .with_yaml(&grant("bob", "kubevirt.io:view", NS)),
+        );
         let dir = std::env::temp_dir().join(format!("mv-virtctl-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -100,6 +93,22 @@ impl Bench {
 
     async fn vm(&self, name: &str) -> VirtualMachine {
         self.c.api::<VirtualMachine>().get(name).await.unwrap()
+    }
+
+    /// A running VM `name` whose guest virt-handler reports at this host's loopback address
+    /// (where the tests' stand-in guest services listen).
+    async fn running_at_loopback(&self, name: &str) {
+        use kube::api::{Patch, PatchParams};
+        self.c
+            .apply_yaml::<VirtualMachine>(&vm_yaml(name, "Always"))
+            .await;
+        self.c.bring_up(name, "node-a").await;
+        let status = serde_json::json!({"status": {"interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}});
+        self.c
+            .api::<VirtualMachineInstance>()
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .unwrap();
     }
 
     async fn stop(mut self) {
@@ -637,20 +646,8 @@ async fn echo_server() -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn port_forward_carries_a_tcp_connection_to_the_guest() {
-    use kube::api::{Patch, PatchParams};
     let b = Bench::start("portforward").await;
-    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("srv", "Always"))
-        .await;
-    b.c.bring_up("srv", "node-a").await;
-    // virt-handler reports the guest's address.
-    b.c.api::<VirtualMachineInstance>()
-        .patch_status(
-            "srv",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"status": {"interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}})),
-        )
-        .await
-        .unwrap();
+    b.running_at_loopback("srv").await;
     let port = echo_server().await;
 
     // --stdio, as ssh's ProxyCommand runs it.
@@ -808,19 +805,8 @@ fn sshd(dir: &Path) -> (Sshd, u16, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ssh_and_scp_go_through_port_forward() {
-    use kube::api::{Patch, PatchParams};
     let b = Bench::start("ssh").await;
-    b.c.apply_yaml::<VirtualMachine>(&vm_yaml("shell", "Always"))
-        .await;
-    b.c.bring_up("shell", "node-a").await;
-    b.c.api::<VirtualMachineInstance>()
-        .patch_status(
-            "shell",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"status": {"interfaces": [{"name": "default", "ipAddress": "127.0.0.1"}]}})),
-        )
-        .await
-        .unwrap();
+    b.running_at_loopback("shell").await;
     let (_sshd, port, key) = sshd(&b.dir);
     let port = port.to_string();
     let key = key.to_string_lossy().into_owned();
