@@ -229,8 +229,23 @@ async fn console_pause_and_unpause_through_every_hop() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let held = session.ticks();
+    // Ticks the guest wrote before it paused may still be on their way through the hops: wait
+    // until none has come for a while (a running guest ticks several times a second, so this
+    // never settles if the pause did not hold), then none may come at all.
+    let settling = Instant::now();
+    let mut held = session.ticks();
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = session.ticks();
+        if now == held {
+            break;
+        }
+        held = now;
+        assert!(
+            settling.elapsed() < t,
+            "the guest kept ticking while paused"
+        );
+    }
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(session.ticks(), held, "the guest ticked while paused");
     let out = virtctl(&bins, &alice, &["unpause", "vmi", "probe"]);
