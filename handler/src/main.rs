@@ -122,46 +122,18 @@ async fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            // A CA file not installed yet (an optional ConfigMap) means no console server,
-            // not a node agent that does not start.
-            let api_client_ca = api_client_ca.filter(|ca| {
-                let there = ca.exists();
-                if !there {
-                    tracing::warn!(path = %ca.display(), "--api-client-ca does not exist (yet)");
-                }
-                there
-            });
-            let console = match (&migration_tls, &api_client_ca) {
-                (Some(tls), Some(ca)) => {
-                    let built = std::fs::read_to_string(ca)
-                        .map_err(|e| format!("--api-client-ca {}: {e}", ca.display()))
-                        .and_then(|pem| handler::rest::Serving::tls_config(tls, &pem));
-                    let tls = match built {
-                        Ok(t) => t,
-                        Err(e) => {
-                            eprintln!("virt-handler: console server: {e}");
-                            return ExitCode::from(2);
-                        }
-                    };
-                    let listener = match tokio::net::TcpListener::bind(&console_addr).await {
-                        Ok(l) => l,
-                        Err(e) => {
-                            eprintln!("virt-handler: --console-addr {console_addr}: {e}");
-                            return ExitCode::from(2);
-                        }
-                    };
-                    if let Ok(a) = listener.local_addr() {
-                        eprintln!("virt-handler: console server on https://{a}");
-                    }
-                    Some(handler::rest::Serving {
-                        listener,
-                        tls,
-                        api_client_name,
-                    })
-                }
-                _ => {
-                    tracing::warn!("no --api-client-ca or --migration-tls-dir: no console server (virt-api cannot reach consoles or pause VMIs on this node)");
-                    None
+            let console = match console_server(
+                migration_tls.as_ref(),
+                api_client_ca,
+                &console_addr,
+                api_client_name,
+            )
+            .await
+            {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("virt-handler: {e}");
+                    return ExitCode::from(2);
                 }
             };
             let mut config = handler::HandlerConfig::new(node_name);
@@ -178,4 +150,42 @@ async fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
     }
+}
+
+/// The server virt-api reaches this node's consoles and pause/unpause through: with this
+/// node's certificate and virt-api's CA, else (either missing) none, said in the log. A CA file
+/// not installed yet (an optional ConfigMap) means no console server, not a node agent that
+/// does not start.
+async fn console_server(
+    node_tls: Option<&api::protocol::MigrationTls>,
+    api_client_ca: Option<PathBuf>,
+    addr: &str,
+    api_client_name: String,
+) -> Result<Option<handler::rest::Serving>, String> {
+    let api_client_ca = api_client_ca.filter(|ca| {
+        let there = ca.exists();
+        if !there {
+            tracing::warn!(path = %ca.display(), "--api-client-ca does not exist (yet)");
+        }
+        there
+    });
+    let (Some(tls), Some(ca)) = (node_tls, api_client_ca) else {
+        tracing::warn!("no --api-client-ca or --migration-tls-dir: no console server (virt-api cannot reach consoles or pause VMIs on this node)");
+        return Ok(None);
+    };
+    let pem = std::fs::read_to_string(&ca)
+        .map_err(|e| format!("--api-client-ca {}: {e}", ca.display()))?;
+    let tls = handler::rest::Serving::tls_config(tls, &pem)
+        .map_err(|e| format!("console server: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("--console-addr {addr}: {e}"))?;
+    if let Ok(a) = listener.local_addr() {
+        eprintln!("virt-handler: console server on https://{a}");
+    }
+    Ok(Some(handler::rest::Serving {
+        listener,
+        tls,
+        api_client_name,
+    }))
 }

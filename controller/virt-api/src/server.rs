@@ -312,62 +312,9 @@ async fn handle(
         }
         Verb::Migrate => calls.migrate(body).await,
         Verb::ExpandSpec => calls.expand_spec().await,
-        Verb::Pause(pause) => {
-            let node = calls.running_node(Some(pause)).await?;
-            let dialer = handlers(state)?;
-            let verb = if pause { "pause" } else { "unpause" };
-            dialer
-                .lifecycle(calls.client, &node, calls.namespace, calls.name, verb)
-                .await?;
-            Ok(StatusCode::OK.into_response())
-        }
-        Verb::Console => {
-            let Some(ws) = call.ws else {
-                return Err(SubresourceError::bad_request(
-                    "console is a websocket: connect with `Upgrade: websocket` and the subprotocol plain.kubevirt.io (`virtctl console` does)",
-                ));
-            };
-            let node = calls.running_node(None).await?;
-            let dialer = handlers(state)?;
-            // Connected before the upgrade, so a node that cannot be reached is an answer.
-            let upstream = dialer
-                .console(calls.client, &node, calls.namespace, calls.name)
-                .await?;
-            Ok(ws
-                .protocols(["plain.kubevirt.io"])
-                .on_upgrade(move |socket| splice(socket, upstream)))
-        }
-        Verb::PortForward => {
-            let (port, _) = forward_port(sub)?;
-            let Some(ws) = call.ws else {
-                return Err(SubresourceError::bad_request(
-                    "portforward is a websocket: connect with `Upgrade: websocket` (`virtctl port-forward` does)",
-                ));
-            };
-            let target = calls.guest_address(port).await?;
-            // Dialled before the upgrade, so a port nobody listens on is an answer.
-            let tcp = tokio::time::timeout(
-                std::time::Duration::from_secs(5),
-                tokio::net::TcpStream::connect(target),
-            )
-            .await
-            .map_err(|_| {
-                SubresourceError::new(
-                    503,
-                    "ServiceUnavailable",
-                    format!("dialing {target}: timed out"),
-                )
-            })?
-            .map_err(|e| {
-                SubresourceError::new(503, "ServiceUnavailable", format!("dialing {target}: {e}"))
-            })?;
-            Ok(ws
-                .protocols(["plain.kubevirt.io"])
-                .on_upgrade(move |socket| {
-                    let (r, w) = tcp.into_split();
-                    controller_runtime::websocket::relay(socket, r, w)
-                }))
-        }
+        Verb::Pause(pause) => calls.pause(handlers(state), pause).await,
+        Verb::Console => calls.console(handlers(state), call.ws).await,
+        Verb::PortForward => calls.port_forward(forward_port(sub)?.0, call.ws).await,
         Verb::GuestAgent => {
             calls.vmi().await?;
             Err(SubresourceError::conflict(
@@ -538,6 +485,76 @@ impl Calls<'_> {
         status
             .node_name
             .ok_or_else(|| SubresourceError::conflict("VMI has no node yet"))
+    }
+
+    /// pause / unpause on the VMI's node.
+    async fn pause(
+        &self,
+        dialer: Result<&HandlerDialer, SubresourceError>,
+        pause: bool,
+    ) -> Result<Response, SubresourceError> {
+        let node = self.running_node(Some(pause)).await?;
+        let verb = if pause { "pause" } else { "unpause" };
+        dialer?
+            .lifecycle(self.client, &node, self.namespace, self.name, verb)
+            .await?;
+        Ok(StatusCode::OK.into_response())
+    }
+
+    /// The console: the node's console websocket, connected before the upgrade so that a node
+    /// that cannot be reached is an answer, then spliced to the caller's.
+    async fn console(
+        &self,
+        dialer: Result<&HandlerDialer, SubresourceError>,
+        ws: Option<WebSocketUpgrade>,
+    ) -> Result<Response, SubresourceError> {
+        let Some(ws) = ws else {
+            return Err(SubresourceError::bad_request(
+                "console is a websocket: connect with `Upgrade: websocket` and the subprotocol plain.kubevirt.io (`virtctl console` does)",
+            ));
+        };
+        let node = self.running_node(None).await?;
+        let upstream = dialer?
+            .console(self.client, &node, self.namespace, self.name)
+            .await?;
+        Ok(ws
+            .protocols(["plain.kubevirt.io"])
+            .on_upgrade(move |socket| splice(socket, upstream)))
+    }
+
+    /// portforward: the guest's port dialled before the upgrade, so that a port nobody
+    /// listens on is an answer, then carried over the websocket.
+    async fn port_forward(
+        &self,
+        port: u16,
+        ws: Option<WebSocketUpgrade>,
+    ) -> Result<Response, SubresourceError> {
+        let Some(ws) = ws else {
+            return Err(SubresourceError::bad_request(
+                "portforward is a websocket: connect with `Upgrade: websocket` (`virtctl port-forward` does)",
+            ));
+        };
+        let target = self.guest_address(port).await?;
+        let unreachable = |why: String| {
+            SubresourceError::new(
+                503,
+                "ServiceUnavailable",
+                format!("dialing {target}: {why}"),
+            )
+        };
+        let tcp = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            tokio::net::TcpStream::connect(target),
+        )
+        .await
+        .map_err(|_| unreachable("timed out".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+        Ok(ws
+            .protocols(["plain.kubevirt.io"])
+            .on_upgrade(move |socket| {
+                let (r, w) = tcp.into_split();
+                controller_runtime::websocket::relay(socket, r, w)
+            }))
     }
 
     /// Where `port` of the running VMI is reached: its first interface's address, which the

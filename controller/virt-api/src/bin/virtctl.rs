@@ -412,6 +412,97 @@ async fn expose(
     Ok(())
 }
 
+/// migrate-cancel: the VMI's unfinished migration deleted (the VM stays where it runs).
+async fn migrate_cancel(s: &Subresources, name: &str) -> anyhow::Result<()> {
+    let vmims: Api<VirtualMachineInstanceMigration> =
+        Api::namespaced(s.client.clone(), &s.namespace);
+    let all = vmims
+        .list(&ListParams::default())
+        .await
+        .map_err(api_error)?
+        .items;
+    let Some(m) = VirtualMachineInstanceMigration::unfinished_of(&all, name) else {
+        anyhow::bail!("Found no migration to cancel for {name}");
+    };
+    vmims
+        .delete(&m.name_any(), &DeleteParams::default())
+        .await
+        .map_err(api_error)
+        .with_context(|| format!("Error canceling migration {}", m.name_any()))?;
+    println!(
+        "VM {name} was scheduled to cancel its migration ({})",
+        m.name_any()
+    );
+    Ok(())
+}
+
+/// scp's arguments: exactly one of `source` and `destination` is in the guest.
+fn scp_args(
+    g: &Global,
+    namespace: &str,
+    ssh: &SshOptions,
+    recursive: bool,
+    source: String,
+    destination: String,
+) -> anyhow::Result<Vec<String>> {
+    let (target, path, local_is_source) = match (remote_spec(&source), remote_spec(&destination)) {
+        (Some((t, p)), None) => (t, p, false),
+        (None, Some((t, p))) => (t, p, true),
+        _ => anyhow::bail!(
+            "exactly one of {source:?} and {destination:?} must be [user@]vm|vmi/NAME[.NS]:PATH"
+        ),
+    };
+    let r = SshTarget::parse(target, namespace)?;
+    let mut args = ssh_args(g, ssh, &r)?;
+    if recursive {
+        args.push("-r".into());
+    }
+    // scp takes a '/' before the ':' for a local path: the host goes by a name without one,
+    // its key checked under ssh's name for it.
+    args.extend(["-o".to_string(), format!("HostKeyAlias={}", r.host())]);
+    let host = format!("{}.{}.{}", r.kind, r.name, r.namespace);
+    let remote = match ssh.username.as_deref().or(r.user.as_deref()) {
+        Some(u) => format!("{u}@{host}:{path}"),
+        None => format!("{host}:{path}"),
+    };
+    if local_is_source {
+        args.extend([source, remote]);
+    } else {
+        args.extend([remote, destination]);
+    }
+    Ok(args)
+}
+
+/// expand: expand-spec, printed as YAML or JSON.
+async fn expand(s: &Subresources, vm: &str, output: &str) -> anyhow::Result<()> {
+    let v = s
+        .vm_get(vm, "expand-spec")
+        .await
+        .with_context(|| format!("Error expanding VirtualMachine {vm}"))?;
+    match output {
+        "json" => println!("{}", serde_json::to_string_pretty(&v)?),
+        _ => print!("{}", serde_yaml::to_string(&v)?),
+    }
+    Ok(())
+}
+
+/// version: the client's, then virt-api's.
+async fn version(s: &Subresources) -> anyhow::Result<()> {
+    println!(
+        "Client Version: version.Info{{GitVersion:\"v{}-microvirt\"}}",
+        env!("CARGO_PKG_VERSION")
+    );
+    let v = s
+        .server_version()
+        .await
+        .context("Error getting the server version")?;
+    println!(
+        "Server Version: version.Info{{GitVersion:{}}}",
+        v.get("gitVersion").cloned().unwrap_or_default()
+    );
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let command = match cli.command {
         Command::Create { what } => return create(what),
@@ -456,27 +547,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate { name, dry_run: dry } => {
             vm_verb(&s, &name, "migrate", json!({"dryRun": dry_run(dry)}), dry).await?;
         }
-        Command::MigrateCancel { name } => {
-            let vmims: Api<VirtualMachineInstanceMigration> =
-                Api::namespaced(s.client.clone(), &s.namespace);
-            let all = vmims
-                .list(&ListParams::default())
-                .await
-                .map_err(api_error)?
-                .items;
-            let Some(m) = VirtualMachineInstanceMigration::unfinished_of(&all, &name) else {
-                anyhow::bail!("Found no migration to cancel for {name}");
-            };
-            vmims
-                .delete(&m.name_any(), &DeleteParams::default())
-                .await
-                .map_err(api_error)
-                .with_context(|| format!("Error canceling migration {}", m.name_any()))?;
-            println!(
-                "VM {name} was scheduled to cancel its migration ({})",
-                m.name_any()
-            );
-        }
+        Command::MigrateCancel { name } => migrate_cancel(&s, &name).await?,
         Command::Console { name } => console(&s, &name).await?,
         Command::Ssh {
             target,
@@ -495,33 +566,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             ssh,
             recursive,
         } => {
-            let (target, path, local_is_source) =
-                match (remote_spec(&source), remote_spec(&destination)) {
-                    (Some((t, p)), None) => (t, p, false),
-                    (None, Some((t, p))) => (t, p, true),
-                    _ => anyhow::bail!(
-                        "exactly one of {source:?} and {destination:?} must be [user@]vm|vmi/NAME[.NS]:PATH"
-                    ),
-                };
-            let r = SshTarget::parse(target, &s.namespace)?;
-            let mut args = ssh_args(&cli.global, &ssh, &r)?;
-            if recursive {
-                args.push("-r".into());
-            }
-            // scp takes a '/' before the ':' for a local path: the host goes by a name without
-            // one, its key checked under ssh's name for it.
-            args.extend(["-o".to_string(), format!("HostKeyAlias={}", r.host())]);
-            let host = format!("{}.{}.{}", r.kind, r.name, r.namespace);
-            let user = ssh.username.as_deref().or(r.user.as_deref());
-            let remote = match user {
-                Some(u) => format!("{u}@{host}:{path}"),
-                None => format!("{host}:{path}"),
-            };
-            if local_is_source {
-                args.extend([source, remote]);
-            } else {
-                args.extend([remote, destination]);
-            }
+            let args = scp_args(
+                &cli.global,
+                &s.namespace,
+                &ssh,
+                recursive,
+                source,
+                destination,
+            )?;
             exec_local("scp", &args)?;
         }
         Command::PortForward {
@@ -532,16 +584,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => port_forward(s, &target, &ports, stdio, address).await?,
         Command::Pause { kind, name } => pause(&s, &kind, &name, true).await?,
         Command::Unpause { kind, name } => pause(&s, &kind, &name, false).await?,
-        Command::Expand { vm, output } => {
-            let v = s
-                .vm_get(&vm, "expand-spec")
-                .await
-                .with_context(|| format!("Error expanding VirtualMachine {vm}"))?;
-            match output.as_str() {
-                "json" => println!("{}", serde_json::to_string_pretty(&v)?),
-                _ => print!("{}", serde_yaml::to_string(&v)?),
-            }
-        }
+        Command::Expand { vm, output } => expand(&s, &vm, &output).await?,
         Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
         Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
         Command::Fslist { name } => print_query(&s, &name, "filesystemlist").await?,
@@ -551,20 +594,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("Error connecting to VNC of {name}"))?;
         }
-        Command::Version => {
-            println!(
-                "Client Version: version.Info{{GitVersion:\"v{}-microvirt\"}}",
-                env!("CARGO_PKG_VERSION")
-            );
-            let v = s
-                .server_version()
-                .await
-                .context("Error getting the server version")?;
-            println!(
-                "Server Version: version.Info{{GitVersion:{}}}",
-                v.get("gitVersion").cloned().unwrap_or_default()
-            );
-        }
+        Command::Version => version(&s).await?,
     }
     Ok(())
 }
