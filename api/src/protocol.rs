@@ -15,7 +15,9 @@
 //! `tcp:HOST:PORT` (or plain `HOST:PORT`) and `unix:PATH`. 4 adds `AttachNetwork`: the
 //! message carries open file descriptors (SCM_RIGHTS) — each NIC's TAP and the socket its DHCP
 //! server answers on — which virt-handler made in the Pod's network namespace, so the launcher
-//! needs no NET_ADMIN. A
+//! needs no NET_ADMIN. 5 adds `SoftReboot`: the guest is asked to reboot (Ctrl-Alt-Del, the
+//! signal Linux's init turns into a clean reboot) and its reset restarts it in the same
+//! launcher, as a guest-initiated reboot does since this version; the status counts reboots. A
 //! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
 //! `Hello` with the version the client asked for; a version-1 client sees version 1 exactly.
 
@@ -24,13 +26,14 @@ use serde::{Deserialize, Serialize};
 use crate::VirtualMachineInstance;
 
 /// The newest version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The oldest version a launcher still serves.
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 /// The version that introduced each request beyond version 1.
 pub const SNAPSHOT_SINCE: u32 = 2;
 pub const MIGRATION_SINCE: u32 = 3;
 pub const NETWORK_SINCE: u32 = 4;
+pub const REBOOT_SINCE: u32 = 5;
 
 /// The longest control-socket line either side reads (requests and answers, newline
 /// included). The largest real message is a VMI spec or a status report, well under this; a
@@ -67,6 +70,9 @@ pub enum Request {
         grace_period_seconds: Option<u64>,
     },
     Kill,
+    /// Ask the guest to reboot; the VM restarts in this launcher when it resets. Refused
+    /// while paused. Since version 5.
+    SoftReboot,
     Status,
     Console,
     Events,
@@ -335,6 +341,9 @@ pub struct StatusReport {
     /// restarts before the VM starts does not wire it twice. Since version 4.
     #[serde(default)]
     pub network_attached: bool,
+    /// How often the guest rebooted in place (its reset restarted it here). Since version 5.
+    #[serde(default)]
+    pub reboots: u32,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]

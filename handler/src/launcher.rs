@@ -5,7 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use api::protocol::{Request, Response, StatusReport, PROTOCOL_VERSION};
+use api::protocol::{Request, Response, StatusReport, NETWORK_SINCE, PROTOCOL_VERSION};
+
+/// The oldest protocol version virt-handler still drives: the Pod network's hand-over
+/// (`AttachNetwork`) is how every launcher it starts gets its NICs.
+pub const OLDEST_SPOKEN: u32 = NETWORK_SINCE;
 use api::VirtualMachineInstance;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -195,6 +199,8 @@ pub struct LauncherClient {
     reader: BufReader<tokio::net::unix::OwnedReadHalf>,
     writer: tokio::net::unix::OwnedWriteHalf,
     pub launcher_version: String,
+    /// The protocol version this connection speaks (the newest both sides do).
+    pub protocol_version: u32,
     /// The launcher's PID (in this process's PID namespace, from the socket's peer
     /// credentials): the way into its Pod's network namespace.
     pub pid: Option<u32>,
@@ -220,33 +226,55 @@ impl LauncherClient {
         path: &Path,
         timeout: Duration,
     ) -> Result<LauncherClient, LauncherError> {
-        Self::open(path, timeout, connect_pod_socket(pods_dir, path)).await
+        Self::open(path, timeout, || connect_pod_socket(pods_dir, path)).await
     }
 
     /// Connects to the socket at `path` as it is (a launcher the caller started itself; no
     /// link is followed).
     pub async fn connect(path: &Path, timeout: Duration) -> Result<LauncherClient, LauncherError> {
         let root = path.parent().unwrap_or(Path::new("/"));
-        Self::open(path, timeout, connect_unix_beneath(root, path)).await
+        Self::open(path, timeout, || connect_unix_beneath(root, path)).await
     }
 
-    /// Greets the launcher `connecting` reaches, all within `timeout`.
-    async fn open(
+    /// Greets the launcher `connect` reaches, each attempt within `timeout`: in the newest
+    /// protocol version, and again in each older one down to `OLDEST_SPOKEN` while the launcher
+    /// answers that it does not speak it — so a launcher of an older release, still running its
+    /// guest, keeps being served by a newer handler.
+    async fn open<F, Fut>(
         path: &Path,
         timeout: Duration,
-        connecting: impl std::future::Future<Output = std::io::Result<UnixStream>>,
-    ) -> Result<LauncherClient, LauncherError> {
-        let stream = tokio::time::timeout(timeout, connecting)
-            .await
-            .map_err(|_| LauncherError::Timeout(timeout))?
-            .map_err(|source| LauncherError::Connect {
-                path: path.display().to_string(),
-                source,
-            })?;
-        Self::greet(stream, timeout).await
+        connect: F,
+    ) -> Result<LauncherClient, LauncherError>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = std::io::Result<UnixStream>>,
+    {
+        let mut version = PROTOCOL_VERSION;
+        loop {
+            let stream = tokio::time::timeout(timeout, connect())
+                .await
+                .map_err(|_| LauncherError::Timeout(timeout))?
+                .map_err(|source| LauncherError::Connect {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+            match Self::greet(stream, timeout, version).await {
+                Err(LauncherError::Refused(m))
+                    if version > OLDEST_SPOKEN && m.contains("is not supported") =>
+                {
+                    tracing::debug!(version, "launcher speaks an older protocol: {m}");
+                    version -= 1;
+                }
+                r => return r,
+            }
+        }
     }
 
-    async fn greet(stream: UnixStream, timeout: Duration) -> Result<LauncherClient, LauncherError> {
+    async fn greet(
+        stream: UnixStream,
+        timeout: Duration,
+        version: u32,
+    ) -> Result<LauncherClient, LauncherError> {
         let pid = stream
             .peer_cred()
             .ok()
@@ -258,15 +286,11 @@ impl LauncherClient {
             reader: BufReader::new(r),
             writer: w,
             launcher_version: String::new(),
+            protocol_version: version,
             pid,
             timeout,
         };
-        match c
-            .call(&Request::Hello {
-                version: PROTOCOL_VERSION,
-            })
-            .await?
-        {
+        match c.call(&Request::Hello { version }).await? {
             Response::Hello { launcher, .. } => c.launcher_version = launcher,
             Response::Error { message } => return Err(LauncherError::Refused(message)),
             other => return Err(LauncherError::Garbage(format!("{other:?}"))),
@@ -395,7 +419,6 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         for (i, answer) in [
             "HTTP/1.1 400 Bad Request\r\n\r\n".to_string(),
-            "{\"response\":\"error\",\"message\":\"protocol version 3 is not supported\"}\n".into(),
             "{\"response\":\"pong\"}\n".into(),
         ]
         .into_iter()
@@ -416,10 +439,6 @@ mod tests {
             match i {
                 0 => assert!(
                     matches!(e, LauncherError::Garbage(ref g) if g.starts_with("HTTP/1.1")),
-                    "{e}"
-                ),
-                1 => assert!(
-                    matches!(e, LauncherError::Refused(ref m) if m.contains("not supported")),
                     "{e}"
                 ),
                 _ => assert!(matches!(e, LauncherError::Garbage(_)), "{e}"),
@@ -444,6 +463,57 @@ mod tests {
             .err()
             .unwrap();
         assert!(matches!(e, LauncherError::Timeout(_)), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A launcher of an older release: greeted again in each older version it may speak; one
+    /// that speaks none of them is a refusal with its words.
+    #[tokio::test]
+    async fn older_launchers_are_greeted_in_their_version() {
+        let dir = std::env::temp_dir().join(format!("mvh-ver-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for speaks in [Some(OLDEST_SPOKEN), None] {
+            let path = dir.join("l.sock");
+            let _ = std::fs::remove_file(&path);
+            let l = tokio::net::UnixListener::bind(&path).unwrap();
+            let server = tokio::spawn(async move {
+                let mut asked = Vec::new();
+                while let Ok((s, _)) = l.accept().await {
+                    let (r, mut w) = s.into_split();
+                    let mut line = String::new();
+                    BufReader::new(r).read_line(&mut line).await.unwrap();
+                    let Ok(Request::Hello { version }) = serde_json::from_str(&line) else {
+                        panic!("{line}");
+                    };
+                    asked.push(version);
+                    let answer = if Some(version) == speaks {
+                        format!("{{\"response\":\"hello\",\"version\":{version},\"launcher\":\"old\"}}\n")
+                    } else {
+                        format!("{{\"response\":\"error\",\"message\":\"protocol version {version} is not supported\"}}\n")
+                    };
+                    w.write_all(answer.as_bytes()).await.unwrap();
+                    if Some(version) == speaks || version == OLDEST_SPOKEN {
+                        return asked;
+                    }
+                }
+                asked
+            });
+            let r = LauncherClient::connect(&path, Duration::from_secs(5)).await;
+            let asked = server.await.unwrap();
+            assert_eq!(
+                asked,
+                (OLDEST_SPOKEN..=PROTOCOL_VERSION).rev().collect::<Vec<_>>()
+            );
+            match (speaks, r) {
+                (Some(v), Ok(c)) => {
+                    assert_eq!(c.protocol_version, v);
+                    assert_eq!(c.launcher_version, "old");
+                }
+                (None, Err(LauncherError::Refused(m))) => assert!(m.contains("not supported")),
+                (_, r) => panic!("{:?}", r.map(|c| c.protocol_version)),
+            }
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 

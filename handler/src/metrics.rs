@@ -365,6 +365,7 @@ mod tests {
                     ..Default::default()
                 }],
                 network_attached: true,
+                reboots: 0,
             },
         );
         m.record_migration(

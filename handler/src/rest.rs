@@ -1,12 +1,12 @@
 //! virt-handler's server for virt-api (KubeVirt's console server on :8186): a VMI's serial
-//! console as a websocket, and pause / unpause, for the VMIs that run on this node. Mutual
+//! console as a websocket, pause / unpause and soft reboot, for the VMIs that run on this node. Mutual
 //! TLS: the node's own certificate (the one its migrations use) serves; only a client whose
 //! certificate chains to virt-api's CA and names virt-api is answered — a tenant's Pod on the
 //! node network must not reach another tenant's console.
 
 use std::sync::Arc;
 
-use api::protocol::{Request, Response as LauncherResponse};
+use api::protocol::{Request, Response as LauncherResponse, REBOOT_SINCE};
 use api::{VirtualMachineInstance, VmiPhase};
 use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
@@ -95,6 +95,7 @@ pub fn router(ctx: Arc<Context>, api_client_name: String) -> Router {
         .route(&format!("{base}/console"), get(console))
         .route(&format!("{base}/pause"), put(pause))
         .route(&format!("{base}/unpause"), put(unpause))
+        .route(&format!("{base}/softreboot"), put(soft_reboot))
         .with_state(Arc::new(RestState {
             ctx,
             api_client_name,
@@ -194,6 +195,16 @@ async fn lifecycle(
     let r = async {
         check_caller(state, peer)?;
         let mut launcher = launcher_of(&state.ctx, ns, name).await?;
+        if req == Request::SoftReboot && launcher.protocol_version < REBOOT_SINCE {
+            return Err(RestError::new(
+                StatusCode::CONFLICT,
+                "Conflict",
+                format!(
+                    "the launcher of VMI {ns}/{name} ({}) speaks control protocol {}, and soft reboot needs {REBOOT_SINCE}: restart the VM to move it to a current launcher",
+                    launcher.launcher_version, launcher.protocol_version
+                ),
+            ));
+        }
         tracing::info!(namespace = ns, name, request = ?req, "lifecycle request from virt-api");
         match launcher.call(&req).await {
             Ok(LauncherResponse::Ok) => Ok(StatusCode::OK.into_response()),
@@ -230,6 +241,15 @@ async fn unpause(
     Path((ns, name)): Path<(String, String)>,
 ) -> Response {
     lifecycle(&state, &peer, &ns, &name, Request::Resume).await
+}
+
+/// Soft reboot: the guest is asked to reboot and restarts in the same launcher.
+async fn soft_reboot(
+    State(state): State<Arc<RestState>>,
+    Extension(peer): Extension<PeerCertificate>,
+    Path((ns, name)): Path<(String, String)>,
+) -> Response {
+    lifecycle(&state, &peer, &ns, &name, Request::SoftReboot).await
 }
 
 /// The console: the launcher's console stream (recent history first, then what the guest

@@ -292,6 +292,7 @@ mod tests {
             disks: vec![],
             nics: vec![],
             network_attached: false,
+            reboots: 0,
         }
     }
 

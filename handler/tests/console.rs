@@ -2,7 +2,8 @@
 //! aggregation layer (websocket upgrade) → the virt-api binary → mutual TLS → this node's
 //! virt-handler → the launcher's console stream → the probe guest, which echoes what it is
 //! sent. `virtctl pause/unpause vmi` go the same way to the launcher; the guest's ticks stop
-//! and start again. Strangers on the handler's console port are refused.
+//! and start again. `virtctl soft-reboot` reboots the guest in its launcher, the VMI and the
+//! console staying. Strangers on the handler's console port are refused.
 
 mod common;
 
@@ -129,7 +130,7 @@ fn virtctl(bins: &Path, kubeconfig: &Path, args: &[&str]) -> std::process::Outpu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn console_pause_and_unpause_through_every_hop() {
+async fn console_pause_unpause_and_soft_reboot_through_every_hop() {
     tests::require_kvm();
     let bins = virt_api_bins();
     let work = tests::probe_workdir("mv-console");
@@ -170,7 +171,12 @@ async fn console_pause_and_unpause_through_every_hop() {
         tests::virt_api::start(&cluster, &bins.join("virt-api"), &work, &handler_flags).await;
 
     // The probe's console test echoes every byte it is sent, and ticks meanwhile.
-    cluster.apply_yaml::<VirtualMachineInstance>(VMI).await;
+    // With probe.cad=reboot it also reboots on Ctrl-Alt-Del, as Linux's init does.
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(
+            &VMI.replace("probe.test=console", "probe.test=console probe.cad=reboot"),
+        )
+        .await;
     let pod = launcher_pod_of(&cluster, "probe").await;
     let uid = pod.metadata.uid.clone().unwrap();
     cluster
@@ -248,6 +254,12 @@ async fn console_pause_and_unpause_through_every_hop() {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(session.ticks(), held, "the guest ticked while paused");
+    let out = virtctl(&bins, &alice, &["soft-reboot", "probe"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("VMI is paused"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = virtctl(&bins, &alice, &["unpause", "vmi", "probe"]);
     assert!(
         out.status.success(),
@@ -259,6 +271,51 @@ async fn console_pause_and_unpause_through_every_hop() {
         assert!(started.elapsed() < t, "no tick after unpause");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // Soft reboot: the guest reboots in its launcher; the VMI, its Pod and the console stay.
+    let hellos = || {
+        session
+            .text()
+            .matches("microvirt probe guest: hello")
+            .count()
+    };
+    let before = hellos();
+    let out = virtctl(&bins, &bob, &["soft-reboot", "probe"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("cannot update resource \"virtualmachineinstances/softreboot\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = virtctl(&bins, &alice, &["soft-reboot", "probe"]);
+    assert!(
+        out.status.success()
+            && String::from_utf8_lossy(&out.stdout)
+                .contains("VMI probe was scheduled to soft-reboot"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    session.wait_for("probe: ctrl-alt-del, rebooting", t).await;
+    let started = Instant::now();
+    while hellos() <= before {
+        assert!(
+            started.elapsed() < t,
+            "the guest did not boot again:\n{}",
+            session.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ticks = session.ticks();
+    while session.ticks() <= ticks {
+        assert!(started.elapsed() < t, "no tick after the reboot");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let v = vmis.get("probe").await.unwrap();
+    assert_eq!(v.status.as_ref().unwrap().phase, Some(VmiPhase::Running));
+    assert_eq!(
+        launcher_pod_of(&cluster, "probe").await.metadata.uid,
+        Some(uid.clone())
+    );
 
     // Ctrl-] leaves; the guest runs on.
     session.type_bytes(&[0x1d]);

@@ -762,3 +762,91 @@ fn a_console_client_that_never_reads_stops_nothing() {
     );
     assert_eq!(l.exit_code(), Some(0));
 }
+
+/// SoftReboot: the guest gets Ctrl-Alt-Del, reboots (a reset through the keyboard controller),
+/// and its reset restarts it in the same launcher — status Running throughout, the console
+/// attached across the reboot, its input reaching the new guest. Refused while paused; once a
+/// shutdown was asked for, the reset ends the VM.
+#[test]
+fn a_soft_reboot_restarts_the_guest_in_the_same_launcher() {
+    let l = Launcher::start("softreboot");
+    let mut c = l.client();
+    let mut events = l.client();
+    events.call(Request::Events);
+    let mut con = l.client();
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("console probe.cad=reboot", 30)),
+    });
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    assert_eq!(con.call(Request::Console), Response::Ok);
+    let mut seen = String::new();
+    read_until(&mut con.inp, &mut seen, "tick 1\n");
+
+    assert_eq!(c.call(Request::Pause), Response::Ok);
+    assert_eq!(
+        c.call(Request::SoftReboot),
+        Response::Error {
+            message: "VMI is paused".into()
+        }
+    );
+    assert_eq!(c.call(Request::Resume), Response::Ok);
+    assert_eq!(events.recv(), Response::Event(Event::Paused));
+    assert_eq!(events.recv(), Response::Event(Event::Resumed));
+
+    assert_eq!(c.call(Request::SoftReboot), Response::Ok);
+    read_until(&mut con.inp, &mut seen, "probe: ctrl-alt-del, rebooting");
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    let after = seen
+        .split("rebooting")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let mut again = after.clone();
+    read_until(&mut con.inp, &mut again, "tick 1\n");
+    assert!(again.contains("microvirt probe guest: hello"), "{again}");
+    let s = c.status();
+    assert_eq!((s.state, s.reboots), (VmState::Running, 1));
+    assert!(s.end.is_none());
+
+    // The new guest reads the same console input; a power-off still ends the VM.
+    con.out.write_all(b"ok\n").unwrap();
+    read_until(
+        &mut con.inp,
+        &mut again,
+        "PROBE RESULT console OK received=ok",
+    );
+    assert_eq!(
+        events.recv(),
+        Response::Event(Event::ShutDown {
+            reason: "guest powered off".into()
+        })
+    );
+    drop(l);
+
+    // A shutdown asked for: the guest's reboot on Ctrl-Alt-Del ends the VM, not a loop.
+    let l = Launcher::start("softreboot-stop");
+    let mut c = l.client();
+    let mut events = l.client();
+    events.call(Request::Events);
+    c.call(Request::Sync {
+        vmi: Box::new(probe_vmi("console probe.cad=reboot", 30)),
+    });
+    assert_eq!(events.recv(), Response::Event(Event::Started));
+    assert_eq!(
+        c.call(Request::Shutdown {
+            grace_period_seconds: None
+        }),
+        Response::Ok
+    );
+    assert_eq!(
+        events.recv(),
+        Response::Event(Event::ShutDown {
+            reason: "guest requested a reset".into()
+        })
+    );
+    assert_eq!(c.status().reboots, 0);
+    assert!(matches!(
+        c.call(Request::SoftReboot),
+        Response::Error { message } if message.starts_with("the VM has ended")
+    ));
+}

@@ -75,11 +75,12 @@ fn check_version(version: &str) -> Result<(), SubresourceError> {
 
 /// The subresources served, as the API server's discovery lists them.
 const VM_SUBRESOURCES: [&str; 5] = ["start", "stop", "restart", "migrate", "expand-spec"];
-const VMI_SUBRESOURCES: [&str; 10] = [
+const VMI_SUBRESOURCES: [&str; 11] = [
     "console",
     "portforward",
     "pause",
     "unpause",
+    "softreboot",
     "guestosinfo",
     "userlist",
     "filesystemlist",
@@ -106,7 +107,7 @@ async fn discovery(Path(version): Path<String>) -> Result<Json<Value>, Subresour
         })
         .collect();
     resources.extend(VMI_SUBRESOURCES.iter().map(|s| {
-        let verbs: &[&str] = if matches!(*s, "pause" | "unpause") {
+        let verbs: &[&str] = if matches!(*s, "pause" | "unpause" | "softreboot") {
             &["update"]
         } else {
             &["get"]
@@ -166,6 +167,34 @@ impl Target {
     }
 }
 
+/// What virt-api asks of a VMI's node's virt-handler (its path there is the subresource's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NodeCall {
+    Pause,
+    Unpause,
+    SoftReboot,
+}
+
+impl NodeCall {
+    fn subresource(self) -> &'static str {
+        match self {
+            NodeCall::Pause => "pause",
+            NodeCall::Unpause => "unpause",
+            NodeCall::SoftReboot => "softreboot",
+        }
+    }
+
+    /// Why a VMI paused (or not) cannot take this call, in KubeVirt's words.
+    fn refused(self, paused: bool) -> Option<&'static str> {
+        match (self, paused) {
+            (NodeCall::Pause, true) => Some("VMI is already paused"),
+            (NodeCall::Unpause, false) => Some("VMI is not paused"),
+            (NodeCall::SoftReboot, true) => Some("VMI is paused"),
+            _ => None,
+        }
+    }
+}
+
 /// What a subresource does.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Verb {
@@ -179,8 +208,8 @@ enum Verb {
     Console,
     /// A TCP connection to a port of the guest, as a websocket.
     PortForward,
-    /// Pause (true) or unpause the VMI, on its node.
-    Pause(bool),
+    /// Pause, unpause or soft-reboot the VMI, on its node.
+    OnNode(NodeCall),
     /// A guest-agent query: microvirt guests have no agent channel.
     GuestAgent,
     /// A device microvirt VMs do not have.
@@ -202,8 +231,9 @@ fn verb_of(resource: &str, sub: &str) -> Result<(Verb, Method, &'static str), Su
         ("virtualmachineinstances" | "virtualmachines", s) if s.starts_with("portforward/") => {
             get(Verb::PortForward)
         }
-        ("virtualmachineinstances", "pause") => put(Verb::Pause(true)),
-        ("virtualmachineinstances", "unpause") => put(Verb::Pause(false)),
+        ("virtualmachineinstances", "pause") => put(Verb::OnNode(NodeCall::Pause)),
+        ("virtualmachineinstances", "unpause") => put(Verb::OnNode(NodeCall::Unpause)),
+        ("virtualmachineinstances", "softreboot") => put(Verb::OnNode(NodeCall::SoftReboot)),
         ("virtualmachineinstances", "guestosinfo" | "userlist" | "filesystemlist") => {
             get(Verb::GuestAgent)
         }
@@ -312,7 +342,7 @@ async fn handle(
         }
         Verb::Migrate => calls.migrate(body).await,
         Verb::ExpandSpec => calls.expand_spec().await,
-        Verb::Pause(pause) => calls.pause(handlers(state), pause).await,
+        Verb::OnNode(c) => calls.on_node(handlers(state), c).await,
         Verb::Console => calls.console(handlers(state), call.ws).await,
         Verb::PortForward => calls.port_forward(forward_port(sub)?.0, call.ws).await,
         Verb::GuestAgent => {
@@ -466,35 +496,31 @@ impl Calls<'_> {
         })
     }
 
-    /// The node of the running VMI; with `pausing`, also that it is not already in the state
-    /// asked for (KubeVirt's words).
-    async fn running_node(&self, pausing: Option<bool>) -> Result<String, SubresourceError> {
+    /// The node of the running VMI; with `call`, also that the VMI's pause state allows it
+    /// (KubeVirt's words).
+    async fn running_node(&self, call: Option<NodeCall>) -> Result<String, SubresourceError> {
         let vmi = self.vmi().await?;
         let status = vmi.status.unwrap_or_default();
         if status.phase != Some(api::VmiPhase::Running) {
             return Err(SubresourceError::conflict("VMI is not running"));
         }
         let paused = api::conditions::is_true(&status.conditions, api::conditions::PAUSED);
-        match pausing {
-            Some(true) if paused => {
-                return Err(SubresourceError::conflict("VMI is already paused"))
-            }
-            Some(false) if !paused => return Err(SubresourceError::conflict("VMI is not paused")),
-            _ => {}
+        if let Some(why) = call.and_then(|c| c.refused(paused)) {
+            return Err(SubresourceError::conflict(why));
         }
         status
             .node_name
             .ok_or_else(|| SubresourceError::conflict("VMI has no node yet"))
     }
 
-    /// pause / unpause on the VMI's node.
-    async fn pause(
+    /// pause / unpause / softreboot on the VMI's node.
+    async fn on_node(
         &self,
         dialer: Result<&HandlerDialer, SubresourceError>,
-        pause: bool,
+        call: NodeCall,
     ) -> Result<Response, SubresourceError> {
-        let node = self.running_node(Some(pause)).await?;
-        let verb = if pause { "pause" } else { "unpause" };
+        let node = self.running_node(Some(call)).await?;
+        let verb = call.subresource();
         dialer?
             .lifecycle(self.client, &node, self.namespace, self.name, verb)
             .await?;

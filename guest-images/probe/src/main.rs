@@ -225,7 +225,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
             result(n == 8, format_args!("popcnt executed natively, result={n}"))
         }
         "reset" => hw::i8042_reset(),
-        "console" => console_test(),
+        "console" => console_test(boot.param("probe.cad") == Some("reboot")),
         "flood" => flood_test(boot),
         "i8042flood" => i8042_flood_test(boot),
         "keyboard" => keyboard_test(),
@@ -370,11 +370,23 @@ fn keyboard_test() -> ! {
 
 /// Prints `tick N` lines while waiting for console input, echoes what arrives, and finishes
 /// when a line ends: exercises serial input and gives the host a guest that runs until told.
-fn console_test() -> ! {
+/// With `probe.cad=reboot` it also reads the keyboard once per tick and, on Ctrl-Alt-Del,
+/// reboots as Linux's init does (a reset through the keyboard controller).
+fn console_test(reboot_on_cad: bool) -> ! {
     let mut line = [0u8; 64];
     let mut len = 0;
     let mut tick = 0u64;
+    let mut keys = [0u8; 4];
     loop {
+        // SAFETY: port I/O to the keyboard controller; the probe owns the machine.
+        while reboot_on_cad && unsafe { hw::inb(0x64) } & 1 != 0 {
+            keys = [keys[1], keys[2], keys[3], unsafe { hw::inb(0x60) }];
+            // Ctrl, Alt, Del (extended) make codes in the translated set 1.
+            if keys == [0x1d, 0x38, 0xe0, 0x53] {
+                let _ = writeln!(Serial, "probe: ctrl-alt-del, rebooting");
+                hw::i8042_reset();
+            }
+        }
         for _ in 0..20_000 {
             if let Some(b) = hw::serial_read() {
                 if b == b'\n' || b == b'\r' {

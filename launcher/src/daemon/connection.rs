@@ -91,6 +91,7 @@ fn too_old(req: &Request, version: u32) -> Option<String> {
         | Request::MigrateOut { .. }
         | Request::CancelMigration => ("migration", MIGRATION_SINCE),
         Request::AttachNetwork { .. } => ("attachNetwork", NETWORK_SINCE),
+        Request::SoftReboot => ("softReboot", REBOOT_SINCE),
         _ => return None,
     };
     (version < since).then(|| {

@@ -1,7 +1,8 @@
 //! The daemon's VM through its life, as one value. The protocol's verbs move it: `Sync` (or a
 //! VM adopted from `run --socket`) starts it, `PrepareMigrationTarget` waits for one and its
-//! arrival starts it, `Pause`/`Resume` flip it, its end (or a `MigrateOut` that handed it
-//! over) ends it. `status` reads the protocol's `VmState` off it; nothing else keeps flags
+//! arrival starts it, `Pause`/`Resume` flip it, `Shutdown` marks it stopping, a guest reset
+//! that nobody asked to stop reboots it in place (KubeVirt keeps a VMI through a guest reboot),
+//! its end (or a `MigrateOut` that handed it over) ends it. `status` reads the protocol's `VmState` off it; nothing else keeps flags
 //! that would have to agree.
 
 use api::protocol::VmState;
@@ -14,8 +15,12 @@ pub enum Lifecycle<V> {
     Empty,
     /// A migration target's listener waits for the source.
     AwaitingMigration,
-    /// The VM runs (or is paused).
-    Running { vm: V, paused: bool },
+    /// The VM runs (or is paused); `stopping` once a graceful shutdown was asked for (the
+    /// guest's reset then ends it instead of rebooting it).
+    Running { vm: V, paused: bool, stopping: bool },
+    /// The guest reset and its VM (stopped, kept for its counters) is being replaced by a new
+    /// one built from the same VMI.
+    Rebooting { vm: V },
     /// The VM ended: how, and where it went when it left by migration.
     Ended {
         vm: V,
@@ -30,6 +35,7 @@ impl<V: Clone> Lifecycle<V> {
         match self {
             Lifecycle::Running { vm, .. } => Ok(vm.clone()),
             Lifecycle::Ended { end, .. } => Err(format!("the VM has ended ({end})")),
+            Lifecycle::Rebooting { .. } => Err("the VM is rebooting; try again shortly".into()),
             Lifecycle::Empty | Lifecycle::AwaitingMigration => Err("no VM: send Sync first".into()),
         }
     }
@@ -37,7 +43,9 @@ impl<V: Clone> Lifecycle<V> {
     /// The VM, running or ended (its counters outlive it).
     pub fn any_vm(&self) -> Option<&V> {
         match self {
-            Lifecycle::Running { vm, .. } | Lifecycle::Ended { vm, .. } => Some(vm),
+            Lifecycle::Running { vm, .. }
+            | Lifecycle::Rebooting { vm }
+            | Lifecycle::Ended { vm, .. } => Some(vm),
             _ => None,
         }
     }
@@ -47,7 +55,7 @@ impl<V: Clone> Lifecycle<V> {
             Lifecycle::Empty => VmState::NoVm,
             Lifecycle::AwaitingMigration => VmState::WaitingForMigration,
             Lifecycle::Running { paused: true, .. } => VmState::Paused,
-            Lifecycle::Running { .. } => VmState::Running,
+            Lifecycle::Running { .. } | Lifecycle::Rebooting { .. } => VmState::Running,
             Lifecycle::Ended { end, .. } => match end {
                 VmEnd::Migrated => VmState::Migrated,
                 VmEnd::PoweredOff | VmEnd::Reset | VmEnd::Stopped => VmState::ShutDown,
@@ -95,7 +103,11 @@ impl<V: Clone> Lifecycle<V> {
     pub fn start(&mut self, vm: V) -> Result<(), String> {
         match self {
             Lifecycle::Empty | Lifecycle::AwaitingMigration => {
-                *self = Lifecycle::Running { vm, paused: false };
+                *self = Lifecycle::Running {
+                    vm,
+                    paused: false,
+                    stopping: false,
+                };
                 Ok(())
             }
             _ => Err("this launcher already has a VM".into()),
@@ -109,9 +121,58 @@ impl<V: Clone> Lifecycle<V> {
         }
     }
 
+    /// Shutdown: the guest was asked to power off, so its reset ends it.
+    pub fn set_stopping(&mut self) {
+        if let Lifecycle::Running { stopping, .. } = self {
+            *stopping = true;
+        }
+    }
+
+    /// SoftReboot: the running VM to ask, unless it is paused (KubeVirt's words) or stopping.
+    pub fn vm_to_reboot(&self) -> Result<V, String> {
+        match self {
+            Lifecycle::Running { paused: true, .. } => Err("VMI is paused".into()),
+            Lifecycle::Running { stopping: true, .. } => {
+                Err("the VM is shutting down; it will not reboot".into())
+            }
+            _ => self.vm(),
+        }
+    }
+
+    /// The VM ended as `end`: true when that is a guest reset nobody asked to stop, which
+    /// moves it to `Rebooting` (the caller builds the new VM and calls `rebooted`); otherwise
+    /// the VM has ended (see `finish`).
+    pub fn end_or_reboot(&mut self, end: VmEnd) -> bool {
+        match self {
+            Lifecycle::Running {
+                vm,
+                stopping: false,
+                ..
+            } if end == VmEnd::Reset => {
+                *self = Lifecycle::Rebooting { vm: vm.clone() };
+                true
+            }
+            _ => {
+                self.finish(end);
+                false
+            }
+        }
+    }
+
+    /// The rebooted guest's new VM runs.
+    pub fn rebooted(&mut self, vm: V) {
+        if let Lifecycle::Rebooting { .. } = self {
+            *self = Lifecycle::Running {
+                vm,
+                paused: false,
+                stopping: false,
+            };
+        }
+    }
+
     /// The VM ended as `end`. A hand-over already recorded (see [`Self::handed_over`]) stays.
     pub fn finish(&mut self, end: VmEnd) {
-        if let Lifecycle::Running { vm, .. } = self {
+        if let Lifecycle::Running { vm, .. } | Lifecycle::Rebooting { vm } = self {
             *self = Lifecycle::Ended {
                 vm: vm.clone(),
                 end,
@@ -169,12 +230,14 @@ mod tests {
         let mut a = Lifecycle::Running {
             vm: (),
             paused: true,
+            stopping: false,
         };
         a.handed_over("tcp:t:1".into());
         a.finish(VmEnd::Migrated);
         let mut b = Lifecycle::Running {
             vm: (),
             paused: false,
+            stopping: false,
         };
         b.finish(VmEnd::Migrated);
         b.handed_over("tcp:t:1".into());
@@ -190,5 +253,44 @@ mod tests {
         l.await_migration().unwrap();
         l.start(()).unwrap();
         assert_eq!(l.state(), VmState::Running);
+    }
+
+    #[test]
+    fn a_guest_reset_reboots_in_place_unless_a_shutdown_was_asked_for() {
+        let mut l = Lifecycle::<u8>::Empty;
+        l.start(1).unwrap();
+        assert!(l.end_or_reboot(VmEnd::Reset));
+        assert_eq!(l.state(), VmState::Running, "a reboot is not an end");
+        assert!(l.vm().unwrap_err().contains("rebooting"));
+        assert_eq!(
+            l.any_vm(),
+            Some(&1),
+            "the old VM's counters until the new one runs"
+        );
+        l.rebooted(2);
+        assert_eq!(l.vm(), Ok(2));
+        l.set_paused(true);
+        assert_eq!(l.vm_to_reboot().unwrap_err(), "VMI is paused");
+        l.set_paused(false);
+        assert_eq!(l.vm_to_reboot(), Ok(2));
+        l.set_stopping();
+        assert!(l.vm_to_reboot().unwrap_err().contains("shutting down"));
+        assert!(
+            !l.end_or_reboot(VmEnd::Reset),
+            "a stopping guest's reset ends it"
+        );
+        assert_eq!(l.state(), VmState::ShutDown);
+
+        let mut l = Lifecycle::<u8>::Empty;
+        l.start(1).unwrap();
+        assert!(!l.end_or_reboot(VmEnd::TripleFault { vcpu: 0 }));
+        assert_eq!(l.state(), VmState::Crashed);
+        // A reboot whose new VM could not be built ends as the reset it was.
+        let mut l = Lifecycle::<u8>::Empty;
+        l.start(1).unwrap();
+        assert!(l.end_or_reboot(VmEnd::Reset));
+        l.finish(VmEnd::Reset);
+        assert_eq!(l.state(), VmState::ShutDown);
+        assert_eq!(l.any_vm(), Some(&1));
     }
 }

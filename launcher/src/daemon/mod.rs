@@ -189,12 +189,32 @@ struct Inner {
     grace_seconds: u64,
     console_input: Option<std::fs::File>,
     ephemeral: Vec<PathBuf>,
+    /// The VMI the VM was built from (Sync or an arrived migration): a guest reboot builds the
+    /// next VM from it. None for a VM adopted from `run`/`restore`, whose reset ends it.
+    vmi: Option<VirtualMachineInstance>,
+    /// In-place reboots so far.
+    reboots: u32,
     /// Set to abort the MigrateOut in progress.
     migration_abort: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// The Pod network virt-handler wired (AttachNetwork), by VMI interface name.
     network: Vec<AttachedNic>,
     /// What the status reports per NIC, in the VM's NIC order.
     nic_info: Vec<NicInfo>,
+}
+
+impl Inner {
+    /// Records what the daemon keeps about the VM it now runs.
+    fn keep(&mut self, vm: &Vm, origin: VmOrigin) {
+        self.name = Some(origin.name);
+        self.started = Some(Instant::now());
+        self.vcpus = vm.info.vcpus as u32;
+        self.memory_mib = vm.info.memory_mib;
+        self.software_emulated = vm.info.acceleration.is_software_emulated();
+        self.grace_seconds = origin.grace;
+        self.console_input = origin.input;
+        self.ephemeral = origin.ephemeral;
+        self.vmi = origin.vmi;
+    }
 }
 
 /// A NIC handed over by virt-handler: its TAP (kept, so a failed start can be retried), and
@@ -320,18 +340,28 @@ fn dup_for_vm(fd: &OwnedFd) -> Result<i32, String> {
     Ok(d)
 }
 
-/// A VMI ready to become a VM here: its config, and what to clean up if it never does.
+/// A VMI ready to become a VM here: its config, and what the daemon keeps while it runs.
 struct PreparedVmi {
     config: vmm::VmConfig,
+    origin: VmOrigin,
+}
+
+/// What the daemon keeps about the VM it runs besides the VM itself.
+struct VmOrigin {
     name: String,
     grace: u64,
-    input: std::fs::File,
+    /// The write end of the guest's console input.
+    input: Option<std::fs::File>,
+    /// Files made for this VM alone (cloud-init disks), removed when it ends.
     ephemeral: Vec<PathBuf>,
+    /// See `Inner::vmi`.
+    vmi: Option<VirtualMachineInstance>,
 }
 
 impl PreparedVmi {
+    /// It will never run: its files go.
     fn discard(self) {
-        for f in self.ephemeral {
+        for f in self.origin.ephemeral {
             let _ = std::fs::remove_file(f);
         }
     }
@@ -406,7 +436,9 @@ impl Daemon {
     }
 
     /// A VMI turned into a VM config with the console wired to this daemon.
-    fn prepare(&self, mut vmi: VirtualMachineInstance) -> Result<PreparedVmi, String> {
+    fn prepare(&self, vmi: VirtualMachineInstance) -> Result<PreparedVmi, String> {
+        let source = vmi.clone();
+        let mut vmi = vmi;
         default_vmi_spec(&mut vmi.spec);
         validate_vmi(&vmi).map_err(|e| e.to_string())?;
         let name = vmi.metadata.name.clone().unwrap_or_else(|| "vm".into());
@@ -424,15 +456,18 @@ impl Daemon {
         config.serial.input = SerialInput::Fd(fds[0]);
         Ok(PreparedVmi {
             config,
-            name,
-            grace: vmi
-                .spec
-                .termination_grace_period_seconds
-                .unwrap_or(30)
-                .max(0) as u64,
-            // SAFETY: we own the write end.
-            input: unsafe { std::fs::File::from_raw_fd(fds[1]) },
-            ephemeral,
+            origin: VmOrigin {
+                name,
+                grace: vmi
+                    .spec
+                    .termination_grace_period_seconds
+                    .unwrap_or(30)
+                    .max(0) as u64,
+                // SAFETY: we own the write end.
+                input: Some(unsafe { std::fs::File::from_raw_fd(fds[1]) }),
+                ephemeral,
+                vmi: Some(source),
+            },
         })
     }
 
@@ -546,7 +581,7 @@ impl Daemon {
         let p = self.prepare(vmi)?;
         match Vm::build(&p.config) {
             Ok(vm) => {
-                self.install(Arc::new(vm), p.name, p.grace, Some(p.input), p.ephemeral);
+                self.install(Arc::new(vm), p.origin);
                 Ok(())
             }
             Err(e) => {
@@ -597,7 +632,7 @@ impl Daemon {
             drop(listener);
             match arrived {
                 Ok(vm) => {
-                    me.install(Arc::new(vm), p.name, p.grace, Some(p.input), p.ephemeral);
+                    me.install(Arc::new(vm), p.origin);
                     me.emit(Event::MigratedIn);
                 }
                 Err(reason) => {
@@ -703,27 +738,20 @@ impl Daemon {
     /// Takes charge of a VM built elsewhere (`virt-launcher run --socket` and `restore
     /// --socket`): the control protocol then drives it as if a client had Synced it.
     pub fn adopt(self: &Arc<Self>, vm: Arc<Vm>, name: String, grace_seconds: u64) {
-        self.install(vm, name, grace_seconds, None, Vec::new());
+        let origin = VmOrigin {
+            name,
+            grace: grace_seconds,
+            input: None,
+            ephemeral: Vec::new(),
+            vmi: None,
+        };
+        self.install(vm, origin);
     }
 
-    fn install(
-        self: &Arc<Self>,
-        vm: Arc<Vm>,
-        name: String,
-        grace_seconds: u64,
-        console_input: Option<std::fs::File>,
-        ephemeral: Vec<PathBuf>,
-    ) {
+    fn install(self: &Arc<Self>, vm: Arc<Vm>, origin: VmOrigin) {
         {
             let mut g = self.inner.lock().unwrap();
-            g.name = Some(name);
-            g.started = Some(Instant::now());
-            g.vcpus = vm.info.vcpus as u32;
-            g.memory_mib = vm.info.memory_mib;
-            g.software_emulated = vm.info.acceleration.is_software_emulated();
-            g.grace_seconds = grace_seconds;
-            g.console_input = console_input;
-            g.ephemeral = ephemeral;
+            g.keep(&vm, origin);
             if let Err(e) = g.life.start(vm.clone()) {
                 // Only one VM per launcher: callers check first, so this is a race lost.
                 tracing::error!("{e}; the new VM is stopped");
@@ -776,19 +804,39 @@ impl Daemon {
         })
     }
 
-    /// Waits for the VM's end, then records it, cleans up and tells event listeners.
-    fn watch(&self, vm: Arc<Vm>) {
+    /// Waits for the VM's end, then records it, cleans up and tells event listeners — or, for
+    /// a guest that reset without being asked to stop, reboots it in place.
+    fn watch(self: &Arc<Self>, vm: Arc<Vm>) {
         let end = vm.end_signal().wait();
-        let ephemeral = {
+        let (ephemeral, reboot) = {
             let mut g = self.inner.lock().unwrap();
-            g.life.finish(end.clone());
+            let reboot = match g.vmi.clone() {
+                Some(vmi) => g.life.end_or_reboot(end.clone()).then_some(vmi),
+                None => {
+                    g.life.finish(end.clone());
+                    None
+                }
+            };
             g.console_input = None;
-            std::mem::take(&mut g.ephemeral)
+            (std::mem::take(&mut g.ephemeral), reboot)
         };
         // Stop and join the VM's threads (the last Arc drops the Vm).
         vm.stop();
+        drop(vm);
         for f in ephemeral {
             let _ = std::fs::remove_file(f);
+        }
+        if let Some(vmi) = reboot {
+            match self.reboot(vmi) {
+                Ok(()) => return,
+                Err(why) => {
+                    self.inner.lock().unwrap().life.finish(end);
+                    let reason = format!("the guest reset and could not be restarted: {why}");
+                    tracing::error!("{reason}");
+                    self.emit(Event::Crashed { reason });
+                    return;
+                }
+            }
         }
         let reason = end.to_string();
         self.emit(match end {
@@ -796,6 +844,48 @@ impl Daemon {
             VmEnd::PoweredOff | VmEnd::Reset | VmEnd::Stopped => Event::ShutDown { reason },
             _ => Event::Crashed { reason },
         });
+    }
+
+    /// The guest reset: a new VM from the same VMI (the same TAPs, disks and console; guest
+    /// memory starts afresh as on a real reset), in this launcher, so the VMI and its Pod stay.
+    /// The rebuild in the same process is how Cloud Hypervisor reboots too.
+    fn reboot(self: &Arc<Self>, vmi: VirtualMachineInstance) -> Result<(), String> {
+        let p = self.prepare(vmi)?;
+        let vm = match Vm::build(&p.config) {
+            Ok(vm) => Arc::new(vm),
+            Err(e) => {
+                p.discard();
+                return Err(e.to_string());
+            }
+        };
+        {
+            let mut g = self.inner.lock().unwrap();
+            g.keep(&vm, p.origin);
+            g.reboots += 1;
+            g.life.rebooted(vm.clone());
+            tracing::info!(reboots = g.reboots, "the guest rebooted in place");
+        }
+        self.emit(Event::Started);
+        let me = self.clone();
+        std::thread::spawn(move || me.watch(vm));
+        Ok(())
+    }
+
+    /// SoftReboot: Ctrl-Alt-Del, which Linux's init (busybox and systemd alike) turns into a
+    /// clean reboot; the reset that ends it restarts the VM here (see `watch`). KubeVirt asks
+    /// through ACPI or its guest agent; microvirt's machines have neither, and this is the
+    /// signal they do have.
+    fn soft_reboot(&self) -> Result<(), String> {
+        let g = self.inner.lock().unwrap();
+        let vm = g.life.vm_to_reboot()?;
+        if g.vmi.is_none() {
+            return Err(
+                "this VM was not started from a VMI (run/restore --socket): a reset ends it".into(),
+            );
+        }
+        drop(g);
+        vm.ctrl_alt_del();
+        Ok(())
     }
 
     fn status(&self) -> StatusReport {
@@ -855,13 +945,19 @@ impl Daemon {
             disks,
             nics,
             network_attached: !g.network.is_empty(),
+            reboots: g.reboots,
         }
     }
 
     /// Graceful shutdown: the guest gets Ctrl-Alt-Del and `grace` seconds to end, then it is
     /// killed.
     pub fn shutdown(&self, grace: Option<u64>) -> Result<(), String> {
-        let vm = self.vm()?;
+        let vm = {
+            let mut g = self.inner.lock().unwrap();
+            let vm = g.life.vm()?;
+            g.life.set_stopping();
+            vm
+        };
         vm.ctrl_alt_del();
         let grace = grace.unwrap_or_else(|| self.inner.lock().unwrap().grace_seconds);
         std::thread::spawn(move || {
@@ -900,6 +996,7 @@ impl Daemon {
                 self.emit(Event::Resumed);
             })),
             Request::Kill => ok(self.vm().map(|vm| vm.stop())),
+            Request::SoftReboot => ok(self.soft_reboot()),
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),

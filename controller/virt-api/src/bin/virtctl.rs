@@ -168,6 +168,9 @@ enum Command {
         kind: String,
         name: String,
     },
+    /// Ask the guest of a running VMI to reboot; the VMI and its Pod stay.
+    #[command(name = "soft-reboot")]
+    SoftReboot { name: String },
     /// Open a VNC connection to the VMI's display.
     Vnc { name: String },
     /// Print the client and server versions.
@@ -584,6 +587,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => port_forward(s, &target, &ports, stdio, address).await?,
         Command::Pause { kind, name } => pause(&s, &kind, &name, true).await?,
         Command::Unpause { kind, name } => pause(&s, &kind, &name, false).await?,
+        Command::SoftReboot { name } => {
+            s.vmi_verb(&name, "softreboot")
+                .await
+                .with_context(|| format!("Error soft rebooting VMI {name}"))?;
+            println!("VMI {name} was scheduled to soft-reboot");
+        }
         Command::Expand { vm, output } => expand(&s, &vm, &output).await?,
         Command::Guestosinfo { name } => print_query(&s, &name, "guestosinfo").await?,
         Command::Userlist { name } => print_query(&s, &name, "userlist").await?,
