@@ -160,11 +160,7 @@ pub fn conflicts(spec: &VirtualMachineInstanceSpec, base: &str) -> Vec<String> {
     let mut out = Vec::new();
     let d = &spec.domain;
     if let Some(c) = &d.cpu {
-        for (f, v) in [
-            ("sockets", c.sockets),
-            ("cores", c.cores),
-            ("threads", c.threads),
-        ] {
+        for (f, v) in c.topology() {
             if v.is_some() {
                 out.push(format!("{base}.domain.cpu.{f}"));
             }

@@ -280,6 +280,17 @@ pub struct Cpu {
     pub extra: Extra,
 }
 
+impl Cpu {
+    /// The topology fields by their manifest names, in KubeVirt's order.
+    pub fn topology(&self) -> [(&'static str, Option<u32>); 3] {
+        [
+            ("sockets", self.sockets),
+            ("cores", self.cores),
+            ("threads", self.threads),
+        ]
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CpuFeature {

@@ -329,11 +329,7 @@ fn validate_memory(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
 fn validate_cpu(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
     let d = &spec.domain;
     if let Some(c) = &d.cpu {
-        for (f, v) in [
-            ("sockets", c.sockets),
-            ("cores", c.cores),
-            ("threads", c.threads),
-        ] {
+        for (f, v) in c.topology() {
             if v == Some(0) {
                 e.add(format!("{p}.domain.cpu.{f}"), "must be at least 1");
             }

@@ -290,5 +290,11 @@ async fn console(
 
 async fn relay(socket: WebSocket, launcher: LauncherClient) {
     let (from_launcher, to_launcher) = launcher.into_stream();
-    controller_runtime::websocket::relay(socket, from_launcher, to_launcher).await;
+    controller_runtime::websocket::relay(
+        socket,
+        from_launcher,
+        to_launcher,
+        controller_runtime::websocket::AtEnd::Stop,
+    )
+    .await;
 }

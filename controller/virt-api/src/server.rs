@@ -579,7 +579,12 @@ impl Calls<'_> {
             .protocols(["plain.kubevirt.io"])
             .on_upgrade(move |socket| {
                 let (r, w) = tcp.into_split();
-                controller_runtime::websocket::relay(socket, r, w)
+                controller_runtime::websocket::relay(
+                    socket,
+                    r,
+                    w,
+                    controller_runtime::websocket::AtEnd::Stop,
+                )
             }))
     }
 

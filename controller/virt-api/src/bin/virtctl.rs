@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use api::VirtualMachineInstanceMigration;
 use clap::{Args, Parser, Subcommand};
+use controller_runtime::websocket::{relay, AtEnd};
 use kube::api::{Api, DeleteParams, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::ResourceExt;
@@ -768,57 +769,6 @@ fn forward_ports(spec: &str) -> anyhow::Result<(u16, u16)> {
     }
 }
 
-/// Bytes of `io` both ways over a websocket, until either side ends.
-async fn carry<R, W>(ws: virt_api::client::Socket, mut reader: R, mut writer: W)
-where
-    R: tokio::io::AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
-{
-    use futures::{SinkExt, StreamExt};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio_tungstenite::tungstenite::Message;
-    let (mut to_guest, mut from_guest) = ws.split();
-    let up = async {
-        let mut buf = vec![0u8; 32 * 1024];
-        loop {
-            match reader.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if to_guest
-                        .send(Message::Binary(buf[..n].to_vec().into()))
-                        .await
-                        .is_err()
-                    {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = to_guest.close().await;
-        // The guest may still answer what it was sent.
-        std::future::pending::<()>().await
-    };
-    let down = async {
-        while let Some(Ok(m)) = from_guest.next().await {
-            let bytes = match m {
-                Message::Binary(b) => b.to_vec(),
-                Message::Text(t) => t.as_bytes().to_vec(),
-                Message::Close(_) => break,
-                _ => continue,
-            };
-            if writer.write_all(&bytes).await.is_err() {
-                break;
-            }
-            let _ = writer.flush().await;
-        }
-        let _ = writer.shutdown().await;
-    };
-    tokio::select! {
-        _ = up => {}
-        _ = down => {}
-    }
-}
-
 async fn port_forward(
     mut s: Subresources,
     target: &str,
@@ -842,7 +792,13 @@ async fn port_forward(
             .port_forward(resource, &name, remote)
             .await
             .with_context(|| format!("Error forwarding to port {remote} of {target}"))?;
-        carry(ws, tokio::io::stdin(), tokio::io::stdout()).await;
+        relay(
+            ws,
+            tokio::io::stdin(),
+            tokio::io::stdout(),
+            AtEnd::AwaitPeer,
+        )
+        .await;
         return Ok(());
     }
     let s = std::sync::Arc::new(s);
@@ -869,7 +825,7 @@ async fn port_forward(
                     match s.port_forward(resource, &name, remote).await {
                         Ok(ws) => {
                             let (r, w) = conn.into_split();
-                            carry(ws, r, w).await;
+                            relay(ws, r, w, AtEnd::AwaitPeer).await;
                         }
                         Err(e) => eprintln!("Error forwarding to port {remote} of {name}: {e}"),
                     }
