@@ -12,6 +12,7 @@
 pub mod format;
 pub mod qcow2;
 pub mod sparse;
+pub mod verify;
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -30,6 +31,10 @@ pub enum ImportError {
     Format(String),
     #[error("qcow2: {0}")]
     Qcow2(String),
+    #[error(
+        "checksum mismatch: the source's bytes hash to {got}, the DataVolume expects {expected}"
+    )]
+    Checksum { expected: String, got: String },
     /// CDI's `ErrLargerPVCRequired` wording.
     #[error("Virtual image size {virtual_size} is larger than the reported available storage {available}. A larger PVC is required.")]
     LargerPvcRequired { virtual_size: u64, available: u64 },

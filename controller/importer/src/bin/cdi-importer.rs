@@ -1,0 +1,235 @@
+//! cdi-importer: fills a volume from a DataVolume's source, configured as CDI's importer Pod
+//! is (the `IMPORTER_*` environment), or from flags when run by hand. Sources: `http` (https
+//! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers) and
+//! `blank`. Exit status 0 when the volume holds the whole image, 1 otherwise (the reason on
+//! stderr, where the Pod's termination message picks it up).
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use importer::verify::Checksum;
+use importer::{import, SparseWriter};
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "Fill a volume from a DataVolume source (CDI's importer)"
+)]
+struct Args {
+    /// `http` or `blank`.
+    #[arg(long, env = "IMPORTER_SOURCE", default_value = "http")]
+    source: String,
+    /// The image's URL (http source).
+    #[arg(long, env = "IMPORTER_ENDPOINT")]
+    endpoint: Option<String>,
+    /// The size asked for (a quantity, e.g. 10Gi): the most the image may take, and what a
+    /// smaller image's volume is grown to.
+    #[arg(long, env = "IMPORTER_IMAGE_SIZE")]
+    image_size: Option<String>,
+    /// Basic auth user (the secretRef's accessKeyId).
+    #[arg(long, env = "IMPORTER_ACCESS_KEY_ID", hide_env_values = true)]
+    access_key_id: Option<String>,
+    /// Basic auth password (the secretRef's secretKey).
+    #[arg(long, env = "IMPORTER_SECRET_KEY", hide_env_values = true)]
+    secret_key: Option<String>,
+    /// A directory of PEM CA certificates to trust for https (the certConfigMap, mounted).
+    #[arg(long, env = "IMPORTER_CERT_DIR")]
+    cert_dir: Option<PathBuf>,
+    /// Extra request headers, `Name: value`, one per line in the environment.
+    #[arg(
+        long = "extra-header",
+        env = "IMPORTER_EXTRA_HEADERS",
+        value_delimiter = '\n'
+    )]
+    extra_headers: Vec<String>,
+    /// `sha256:HEX` or `sha512:HEX` of the bytes as downloaded.
+    #[arg(long, env = "IMPORTER_CHECKSUM")]
+    checksum: Option<String>,
+    /// The volume: a Filesystem claim's disk.img, or a Block claim's device.
+    #[arg(long, env = "IMPORTER_TARGET", default_value = "/data/disk.img")]
+    target: PathBuf,
+    /// Where a qcow2 image is staged (CDI's scratch space).
+    #[arg(long, env = "IMPORTER_SCRATCH", default_value = "/scratch/tmpimage")]
+    scratch: PathBuf,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("Unable to process data: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let requested = args
+        .image_size
+        .as_deref()
+        .map(api::quantity::parse_bytes)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("IMPORTER_IMAGE_SIZE: {e}"))?;
+    let target = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&args.target)
+        .with_context(|| format!("opening the volume {}", args.target.display()))?;
+    let available = available_bytes(&target, &args.target, requested)?;
+    let mut writer = SparseWriter::new(target.try_clone()?)?;
+    let virtual_size = match args.source.as_str() {
+        "blank" => {
+            let size = requested.context("a blank volume needs IMPORTER_IMAGE_SIZE")?;
+            writer.finish(size)?;
+            size
+        }
+        "http" => http_import(&args, &mut writer, available)?,
+        other => bail!("source {other:?} is not served by this importer; accepted: http, blank"),
+    };
+    // A smaller image's volume grows to the size asked for (never shrinks), as CDI resizes.
+    if let Some(size) = requested.filter(|s| *s > virtual_size) {
+        if target.metadata()?.file_type().is_file() {
+            target.set_len(size.min(available))?;
+        }
+    }
+    tracing::info!(virtual_size, "import complete");
+    Ok(())
+}
+
+/// The room the image may take: the size asked for, and no more than the volume holds.
+fn available_bytes(target: &File, path: &Path, requested: Option<u64>) -> anyhow::Result<u64> {
+    let meta = target.metadata()?;
+    use std::os::unix::fs::FileTypeExt;
+    let room = if meta.file_type().is_block_device() {
+        let mut f = target;
+        use std::io::Seek;
+        f.seek(std::io::SeekFrom::End(0))?
+    } else {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())?;
+        // SAFETY: statvfs fills the struct we own from a NUL-terminated path.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+            return Err(std::io::Error::last_os_error()).context("statvfs of the volume");
+        }
+        s.f_bavail * s.f_frsize + meta.len()
+    };
+    Ok(requested.map_or(room, |r| r.min(room)))
+}
+
+/// The image at the endpoint, downloaded, checked and converted into the volume.
+fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    let url = args
+        .endpoint
+        .as_deref()
+        .context("the http source needs IMPORTER_ENDPOINT")?;
+    let mut client = reqwest::blocking::Client::builder()
+        .connect_timeout(Duration::from_secs(30))
+        // A large image takes as long as it takes; a failed Pod is retried by the kubelet.
+        .timeout(None);
+    if let Some(dir) = &args.cert_dir {
+        for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
+            let path = entry?.path();
+            if !path.is_file() {
+                continue;
+            }
+            let pem = std::fs::read(&path)?;
+            for cert in reqwest::Certificate::from_pem_bundle(&pem)
+                .with_context(|| format!("CA certificates in {}", path.display()))?
+            {
+                client = client.add_root_certificate(cert);
+            }
+        }
+    }
+    let client = client.build()?;
+    let mut req = client.get(url);
+    if let Some(user) = &args.access_key_id {
+        req = req.basic_auth(user, args.secret_key.as_deref());
+    }
+    for h in args.extra_headers.iter().filter(|h| !h.trim().is_empty()) {
+        let (name, value) = h
+            .split_once(':')
+            .with_context(|| format!("extra header {h:?}: expected `Name: value`"))?;
+        req = req.header(name.trim(), value.trim());
+    }
+    let resp = req.send().with_context(|| format!("GET {url}"))?;
+    let status = resp.status();
+    if !status.is_success() {
+        bail!("GET {url}: HTTP {status}");
+    }
+    let total = resp.content_length();
+    let counted = Progress::new(resp, total);
+    let report = match args.checksum.as_deref().map(Checksum::parse).transpose()? {
+        Some(sum) => {
+            let mut digesting = sum.reader(counted);
+            let r = import(&mut digesting, &args.scratch, writer, available)?;
+            // Whatever the image's format stopped at, the whole download is hashed.
+            std::io::copy(&mut digesting, &mut std::io::sink())?;
+            digesting.verify()?;
+            r
+        }
+        None => import(counted, &args.scratch, writer, available)?,
+    };
+    tracing::info!(?report.compression, ?report.format, written = report.written_bytes, "converted");
+    Ok(report.virtual_size)
+}
+
+/// Bytes read so far of the download, logged as CDI reports progress, and a body cut short of
+/// its Content-Length as an error rather than a smaller image.
+struct Progress<R> {
+    inner: R,
+    done: u64,
+    total: Option<u64>,
+    logged: Instant,
+}
+
+impl<R> Progress<R> {
+    fn new(inner: R, total: Option<u64>) -> Self {
+        Progress {
+            inner,
+            done: 0,
+            total,
+            logged: Instant::now(),
+        }
+    }
+}
+
+impl<R: Read> Read for Progress<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf).map_err(|e| {
+            let of = self.total.map(|t| format!(" of {t}")).unwrap_or_default();
+            std::io::Error::new(
+                e.kind(),
+                format!("the download broke off after {}{of} bytes: {e}", self.done),
+            )
+        })?;
+        self.done += n as u64;
+        if n == 0 {
+            if let Some(t) = self.total.filter(|t| self.done < *t) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the download ended after {} of {t} bytes", self.done),
+                ));
+            }
+        }
+        if self.logged.elapsed() >= Duration::from_secs(1) || n == 0 {
+            self.logged = Instant::now();
+            match self.total {
+                Some(t) if t > 0 => {
+                    tracing::info!("{:.2}%", self.done as f64 * 100.0 / t as f64)
+                }
+                _ => tracing::info!(bytes = self.done, "N/A"),
+            }
+        }
+        Ok(n)
+    }
+}
