@@ -45,6 +45,19 @@ impl Launcher {
         c
     }
 
+    /// Syncs `vmi` and waits for it to start: the control client, an event stream past
+    /// `Started`, and a console stream.
+    fn sync_watched(&self, vmi: api::VirtualMachineInstance) -> (Client, Client, Client) {
+        let mut c = self.client();
+        let mut events = self.client();
+        events.call(Request::Events);
+        let mut con = self.client();
+        c.call(Request::Sync { vmi: Box::new(vmi) });
+        assert_eq!(events.recv(), Response::Event(Event::Started));
+        assert_eq!(con.call(Request::Console), Response::Ok);
+        (c, events, con)
+    }
+
     fn exit_code(mut self) -> Option<i32> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -256,15 +269,7 @@ fn kill_graceful_shutdown_and_sigterm() {
 
     // Shutdown: the guest gets Ctrl-Alt-Del and powers off by itself, well within the grace period.
     let l = Launcher::start("graceful");
-    let mut c = l.client();
-    let mut events = l.client();
-    events.call(Request::Events);
-    let mut con = l.client();
-    c.call(Request::Sync {
-        vmi: Box::new(probe_vmi("keyboard", 60)),
-    });
-    assert_eq!(events.recv(), Response::Event(Event::Started));
-    assert_eq!(con.call(Request::Console), Response::Ok);
+    let (mut c, mut events, mut con) = l.sync_watched(probe_vmi("keyboard", 60));
     let mut seen = String::new();
     read_until(&mut con.inp, &mut seen, "keyboard ready");
     let t = Instant::now();
@@ -293,13 +298,7 @@ fn kill_graceful_shutdown_and_sigterm() {
 
     // Shutdown with a grace period: a guest that ignores Ctrl-Alt-Del is stopped after it.
     let l = Launcher::start("grace");
-    let mut c = l.client();
-    let mut events = l.client();
-    events.call(Request::Events);
-    c.call(Request::Sync {
-        vmi: Box::new(probe_vmi("console", 30)),
-    });
-    assert_eq!(events.recv(), Response::Event(Event::Started));
+    let (mut c, mut events, _con) = l.sync_watched(probe_vmi("console", 30));
     let t = Instant::now();
     assert_eq!(
         c.call(Request::Shutdown {
@@ -770,15 +769,7 @@ fn a_console_client_that_never_reads_stops_nothing() {
 #[test]
 fn a_soft_reboot_restarts_the_guest_in_the_same_launcher() {
     let l = Launcher::start("softreboot");
-    let mut c = l.client();
-    let mut events = l.client();
-    events.call(Request::Events);
-    let mut con = l.client();
-    c.call(Request::Sync {
-        vmi: Box::new(probe_vmi("console probe.cad=reboot", 30)),
-    });
-    assert_eq!(events.recv(), Response::Event(Event::Started));
-    assert_eq!(con.call(Request::Console), Response::Ok);
+    let (mut c, mut events, mut con) = l.sync_watched(probe_vmi("console probe.cad=reboot", 30));
     let mut seen = String::new();
     read_until(&mut con.inp, &mut seen, "tick 1\n");
 
@@ -825,13 +816,7 @@ fn a_soft_reboot_restarts_the_guest_in_the_same_launcher() {
 
     // A shutdown asked for: the guest's reboot on Ctrl-Alt-Del ends the VM, not a loop.
     let l = Launcher::start("softreboot-stop");
-    let mut c = l.client();
-    let mut events = l.client();
-    events.call(Request::Events);
-    c.call(Request::Sync {
-        vmi: Box::new(probe_vmi("console probe.cad=reboot", 30)),
-    });
-    assert_eq!(events.recv(), Response::Event(Event::Started));
+    let (mut c, mut events, _con) = l.sync_watched(probe_vmi("console probe.cad=reboot", 30));
     assert_eq!(
         c.call(Request::Shutdown {
             grace_period_seconds: None

@@ -195,19 +195,7 @@ fn compressed_downloads_are_decompressed_first() {
     let w = Work::new("wrapped");
     let raw = w.path("disk.raw");
     raw_image(&raw);
-    let q = w.path("disk.qcow2");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "qcow2",
-            raw.to_str().unwrap(),
-            q.to_str().unwrap(),
-        ],
-    );
+    let q = qcow2_of(&w, &raw);
     for (src, format) in [(&raw, Format::Raw), (&q, Format::Qcow2)] {
         for (tool, ext, c) in [
             ("gzip", "gz", Compression::Gzip),
@@ -222,6 +210,14 @@ fn compressed_downloads_are_decompressed_first() {
     }
 }
 
+/// `raw` as a default qcow2 image (version 3, 64 KiB clusters), made by qemu-img.
+fn qcow2_of(w: &Work, raw: &Path) -> PathBuf {
+    let q = w.path("disk.qcow2");
+    let (r, o) = (raw.to_str().unwrap(), q.to_str().unwrap());
+    run("qemu-img", &["convert", "-f", "raw", "-O", "qcow2", r, o]);
+    q
+}
+
 fn refusal(w: &Work, image: &Path, available: u64) -> String {
     let e = import_file(w, image, &w.path("out.raw"), available).unwrap_err();
     e.to_string()
@@ -233,19 +229,7 @@ fn images_that_cannot_be_imported_are_refused_with_the_reason() {
     let raw = w.path("disk.raw");
     raw_image(&raw);
     let r = raw.to_str().unwrap();
-    let q = w.path("disk.qcow2");
-    run(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "qcow2",
-            r,
-            q.to_str().unwrap(),
-        ],
-    );
+    let q = qcow2_of(&w, &raw);
 
     // A backing file names a path on the importer's host.
     let over = w.path("over.qcow2");

@@ -21,33 +21,28 @@ pub trait Frame: Sized {
     fn payload(self) -> Payload;
 }
 
-impl Frame for axum::extract::ws::Message {
-    fn binary(bytes: Vec<u8>) -> Self {
-        Self::Binary(bytes.into())
-    }
-    fn payload(self) -> Payload {
-        match self {
-            Self::Binary(b) => Payload::Bytes(b.to_vec()),
-            Self::Text(t) => Payload::Bytes(t.as_bytes().to_vec()),
-            Self::Close(_) => Payload::Close,
-            _ => Payload::Skip,
+/// axum's and tungstenite's messages have the same variants (axum re-exports tungstenite's
+/// payload types under its own enum), so one body serves both.
+macro_rules! frame {
+    ($message:ty) => {
+        impl Frame for $message {
+            fn binary(bytes: Vec<u8>) -> Self {
+                Self::Binary(bytes.into())
+            }
+            fn payload(self) -> Payload {
+                match self {
+                    Self::Binary(b) => Payload::Bytes(b.to_vec()),
+                    Self::Text(t) => Payload::Bytes(t.as_bytes().to_vec()),
+                    Self::Close(_) => Payload::Close,
+                    _ => Payload::Skip,
+                }
+            }
         }
-    }
+    };
 }
 
-impl Frame for tungstenite::Message {
-    fn binary(bytes: Vec<u8>) -> Self {
-        Self::Binary(bytes.into())
-    }
-    fn payload(self) -> Payload {
-        match self {
-            Self::Binary(b) => Payload::Bytes(b.to_vec()),
-            Self::Text(t) => Payload::Bytes(t.as_bytes().to_vec()),
-            Self::Close(_) => Payload::Close,
-            _ => Payload::Skip,
-        }
-    }
-}
+frame!(axum::extract::ws::Message);
+frame!(tungstenite::Message);
 
 /// When the stream's reading half ends first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
