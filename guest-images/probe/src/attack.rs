@@ -131,6 +131,12 @@ fn attack(
 }
 
 fn on_disk(disk: usize, base: u64, count: &mut u32, rng: &mut Rng) {
+    chain_attacks(disk, base, count);
+    device_attacks(disk, base, count, rng);
+}
+
+/// Requests whose descriptors point where they must not, or chain where they must not.
+fn chain_attacks(disk: usize, base: u64, count: &mut u32) {
     let data = data_ptr() as u64;
     for (name, kind, addr, len) in [
         ("write-from-outside-ram", T_OUT, OUTSIDE_RAM, 512),
@@ -194,6 +200,12 @@ fn on_disk(disk: usize, base: u64, count: &mut u32, rng: &mut Rng) {
         d.q.set_desc(2, hdr + 64, 1, DESC_F_WRITE, 0);
         submit(d, 0, QUEUE_SIZE * 50 + 3)
     });
+}
+
+/// Queues of forbidden sizes, every register in every state, resets in the middle of I/O,
+/// interrupts never acknowledged.
+fn device_attacks(disk: usize, base: u64, count: &mut u32, rng: &mut Rng) {
+    let data = data_ptr() as u64;
     for size in [15u32, 0, 3, 0xffff, 1 << 15, 32] {
         attack(count, disk, base, "queue-size", |d| {
             // Redo the queue with a size the spec forbids (or above the maximum).

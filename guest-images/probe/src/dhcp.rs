@@ -265,85 +265,14 @@ fn exchange(
 ) -> Result<Line, &'static str> {
     let mut frame = [0u8; 1514];
     let mut rx = [0u8; 1514];
-    let mut body = [0u8; 400];
-    let mut lease = Lease {
-        addr: [0; 4],
-        mask: [0; 4],
-        router: [0; 4],
-        server: [0; 4],
-        dns: [0; 4],
-        mtu: 0,
-        hostname: [0; 32],
-        hostname_len: 0,
-    };
-    // DISCOVER → OFFER, then REQUEST → ACK.
-    let mut offered = None;
-    for (kind, want) in [(1u8, 2u8), (3, 5)] {
-        let mut got = false;
-        'tries: for _ in 0..TRIES {
-            let req = offered.map(|a| (a, lease.server));
-            let n = bootp(&mut body, mac, kind, req);
-            let len = udp_frame(
-                &mut frame,
-                [0xff; 6],
-                mac,
-                [0; 4],
-                [255; 4],
-                CLIENT_PORT,
-                SERVER_PORT,
-                &body[..n],
-            );
-            nic.send(&frame[..len])?;
-            for _ in 0..16 {
-                let Some(n) = nic.recv(&mut rx, SPINS) else {
-                    continue 'tries;
-                };
-                let Some((b, _, _)) = udp_payload(&rx[..n], CLIENT_PORT) else {
-                    continue;
-                };
-                match dhcp_reply(b, mac, &mut lease) {
-                    Some(6) => return Err("DHCP NAK"),
-                    Some(k) if k == want => {
-                        got = true;
-                        break 'tries;
-                    }
-                    _ => {}
-                }
-            }
-        }
-        if !got {
-            return Err(if kind == 1 {
-                "no DHCP offer"
-            } else {
-                "no DHCP ack"
-            });
-        }
-        offered = Some(lease.addr);
-    }
+    let lease = lease(&mut nic, mac, &mut frame, &mut rx)?;
     let me = lease.addr;
-    // ARP for the next hop.
     let hop = if in_subnet(peer.0, me, lease.mask) {
         peer.0
     } else {
         lease.router
     };
-    let mut hop_mac = None;
-    'arp: for _ in 0..TRIES {
-        let n = arp(&mut frame, 1, mac, me, [0; 6], hop);
-        nic.send(&frame[..n])?;
-        for _ in 0..16 {
-            let Some(n) = nic.recv(&mut rx, SPINS) else {
-                continue 'arp;
-            };
-            if let Some((spa, sha)) = handle_arp(&mut nic, &rx[..n], mac, me) {
-                if spa == hop {
-                    hop_mac = Some(sha);
-                    break 'arp;
-                }
-            }
-        }
-    }
-    let hop_mac = hop_mac.ok_or("no ARP reply from the next hop")?;
+    let hop_mac = resolve(&mut nic, (mac, me), hop, &mut frame, &mut rx)?;
     if spoof {
         // Another host's address, then another card's MAC: neither may leave the Pod.
         let mut forged_ip = me;
@@ -390,6 +319,95 @@ fn exchange(
         if spoof { " forged=2" } else { "" },
     );
     Ok(out)
+}
+
+/// DISCOVER → OFFER, then REQUEST → ACK: the lease.
+fn lease(
+    nic: &mut Nic,
+    mac: [u8; 6],
+    frame: &mut [u8; 1514],
+    rx: &mut [u8; 1514],
+) -> Result<Lease, &'static str> {
+    let mut body = [0u8; 400];
+    let mut lease = Lease {
+        addr: [0; 4],
+        mask: [0; 4],
+        router: [0; 4],
+        server: [0; 4],
+        dns: [0; 4],
+        mtu: 0,
+        hostname: [0; 32],
+        hostname_len: 0,
+    };
+    let mut offered = None;
+    for (kind, want) in [(1u8, 2u8), (3, 5)] {
+        let mut got = false;
+        'tries: for _ in 0..TRIES {
+            let req = offered.map(|a| (a, lease.server));
+            let n = bootp(&mut body, mac, kind, req);
+            let len = udp_frame(
+                frame,
+                [0xff; 6],
+                mac,
+                [0; 4],
+                [255; 4],
+                CLIENT_PORT,
+                SERVER_PORT,
+                &body[..n],
+            );
+            nic.send(&frame[..len])?;
+            for _ in 0..16 {
+                let Some(n) = nic.recv(rx, SPINS) else {
+                    continue 'tries;
+                };
+                let Some((b, _, _)) = udp_payload(&rx[..n], CLIENT_PORT) else {
+                    continue;
+                };
+                match dhcp_reply(b, mac, &mut lease) {
+                    Some(6) => return Err("DHCP NAK"),
+                    Some(k) if k == want => {
+                        got = true;
+                        break 'tries;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !got {
+            return Err(if kind == 1 {
+                "no DHCP offer"
+            } else {
+                "no DHCP ack"
+            });
+        }
+        offered = Some(lease.addr);
+    }
+    Ok(lease)
+}
+
+/// The MAC of `hop`, by ARP from `me` (MAC, address).
+fn resolve(
+    nic: &mut Nic,
+    me: ([u8; 6], [u8; 4]),
+    hop: [u8; 4],
+    frame: &mut [u8; 1514],
+    rx: &mut [u8; 1514],
+) -> Result<[u8; 6], &'static str> {
+    for _ in 0..TRIES {
+        let n = arp(frame, 1, me.0, me.1, [0; 6], hop);
+        nic.send(&frame[..n])?;
+        for _ in 0..16 {
+            let Some(n) = nic.recv(rx, SPINS) else {
+                break;
+            };
+            if let Some((spa, sha)) = handle_arp(nic, &rx[..n], me.0, me.1) {
+                if spa == hop {
+                    return Ok(sha);
+                }
+            }
+        }
+    }
+    Err("no ARP reply from the next hop")
 }
 
 /// Sends `msg` from `me` (MAC, address) to `peer` through `hop_mac` until it comes back,
