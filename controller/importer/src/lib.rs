@@ -11,6 +11,7 @@
 
 pub mod format;
 pub mod qcow2;
+pub mod registry;
 pub mod sparse;
 pub mod verify;
 

@@ -1,7 +1,7 @@
 //! cdi-importer: fills a volume from a DataVolume's source, configured as CDI's importer Pod
 //! is (the `IMPORTER_*` environment), or from flags when run by hand. Sources: `http` (https
-//! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers) and
-//! `blank`. Exit status 0 when the volume holds the whole image, 1 otherwise (the reason on
+//! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers),
+//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image) and `blank`. Exit status 0 when the volume holds the whole image, 1 otherwise (the reason on
 //! stderr, where the Pod's termination message picks it up).
 
 use std::fs::File;
@@ -20,7 +20,7 @@ use importer::{import, SparseWriter};
     about = "Fill a volume from a DataVolume source (CDI's importer)"
 )]
 struct Args {
-    /// `http` or `blank`.
+    /// `http`, `registry` or `blank`.
     #[arg(long, env = "IMPORTER_SOURCE", default_value = "http")]
     source: String,
     /// The image's URL (http source).
@@ -49,6 +49,10 @@ struct Args {
     /// `sha256:HEX` or `sha512:HEX` of the bytes as downloaded.
     #[arg(long, env = "IMPORTER_CHECKSUM")]
     checksum: Option<String>,
+    /// Registries (`host:port`, comma-separated) reached over plain HTTP; localhost's always
+    /// may be.
+    #[arg(long, env = "IMPORTER_INSECURE_REGISTRIES", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
     /// The volume: a Filesystem claim's disk.img, or a Block claim's device.
     #[arg(long, env = "IMPORTER_TARGET", default_value = "/data/disk.img")]
     target: PathBuf,
@@ -93,7 +97,10 @@ fn run(args: Args) -> anyhow::Result<()> {
             size
         }
         "http" => http_import(&args, &mut writer, available)?,
-        other => bail!("source {other:?} is not served by this importer; accepted: http, blank"),
+        "registry" => registry_import(&args, &mut writer, available)?,
+        other => bail!(
+            "source {other:?} is not served by this importer; accepted: http, registry, blank"
+        ),
     };
     // A smaller image's volume grows to the size asked for (never shrinks), as CDI resizes.
     if let Some(size) = requested.filter(|s| *s > virtual_size) {
@@ -136,18 +143,11 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
         .connect_timeout(Duration::from_secs(30))
         // A large image takes as long as it takes; a failed Pod is retried by the kubelet.
         .timeout(None);
-    if let Some(dir) = &args.cert_dir {
-        for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
-            let path = entry?.path();
-            if !path.is_file() {
-                continue;
-            }
-            let pem = std::fs::read(&path)?;
-            for cert in reqwest::Certificate::from_pem_bundle(&pem)
-                .with_context(|| format!("CA certificates in {}", path.display()))?
-            {
-                client = client.add_root_certificate(cert);
-            }
+    for (path, pem) in ca_pems(args)? {
+        for cert in reqwest::Certificate::from_pem_bundle(&pem)
+            .with_context(|| format!("CA certificates in {}", path.display()))?
+        {
+            client = client.add_root_certificate(cert);
         }
     }
     let client = client.build()?;
@@ -179,6 +179,41 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
         }
         None => import(counted, &args.scratch, writer, available)?,
     };
+    tracing::info!(?report.compression, ?report.format, written = report.written_bytes, "converted");
+    Ok(report.virtual_size)
+}
+
+/// The PEM files in the certConfigMap's directory.
+fn ca_pems(args: &Args) -> anyhow::Result<Vec<(PathBuf, Vec<u8>)>> {
+    let Some(dir) = &args.cert_dir else {
+        return Ok(Vec::new());
+    };
+    let mut pems = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("{}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_file() {
+            pems.push((path.clone(), std::fs::read(&path)?));
+        }
+    }
+    Ok(pems)
+}
+
+/// The disk image of a containerDisk in a registry, its layers verified by digest.
+fn registry_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    let url = args
+        .endpoint
+        .as_deref()
+        .context("the registry source needs IMPORTER_ENDPOINT")?;
+    let access = importer::registry::RegistryAccess {
+        credentials: args.access_key_id.clone().zip(args.secret_key.clone()),
+        ca_pems: ca_pems(args)?.into_iter().map(|(_, pem)| pem).collect(),
+        insecure: args.insecure_registries.clone(),
+    };
+    let layers = args.scratch.with_extension("layers");
+    let result = importer::registry::disk_image(url, &access, &layers)
+        .and_then(|disk| import(disk, &args.scratch, writer, available));
+    let _ = std::fs::remove_dir_all(&layers);
+    let report = result?;
     tracing::info!(?report.compression, ?report.format, written = report.written_bytes, "converted");
     Ok(report.virtual_size)
 }
