@@ -2,48 +2,20 @@
 //! auth and a required header in front of the images; a server that cuts a download short.
 //! What lands in the volume is compared byte for byte with `qemu-img convert -O raw`.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Command, Output};
 
-struct Nginx {
-    child: Child,
-    dir: PathBuf,
-    port: u16,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sh(script: &str) {
-    let out = Command::new("sh").args(["-ec", script]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use common::{sh, Server as Nginx};
 
 /// nginx serving `www/` on https://localhost:PORT: `/private/` wants user `alice` (password
 /// `secret`) and the header `X-Token: abc`.
 fn nginx(tag: &str) -> Nginx {
-    let dir = std::env::temp_dir().join(format!("mv-importer-http-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let (dir, port) = Nginx::prepare(&format!("http-{tag}"));
     std::fs::create_dir_all(dir.join("www/private")).unwrap();
     std::fs::create_dir_all(dir.join("tmp")).unwrap();
     std::fs::create_dir_all(dir.join("ca")).unwrap();
@@ -56,7 +28,6 @@ fn nginx(tag: &str) -> Nginx {
          openssl x509 -req -in srv.csr -CA ca/ca.crt -CAkey ca.key -CAcreateserial -out srv.crt -days 2 -extfile ext 2>/dev/null
          printf 'alice:%s\\n' \"$(openssl passwd -apr1 secret)\" > htpasswd"
     ));
-    let port = free_port();
     let conf = format!(
         "daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log;
          {user}
@@ -83,21 +54,11 @@ fn nginx(tag: &str) -> Nginx {
         }
     );
     std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-    let child = Command::new("nginx")
+    let mut nginx = Command::new("nginx");
+    nginx
         .args(["-e", &format!("{d}/error.log"), "-c"])
-        .arg(dir.join("nginx.conf"))
-        .spawn()
-        .expect("nginx (Debian's nginx-light)");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nginx did not listen: {}",
-            std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    Nginx { child, dir, port }
+        .arg(dir.join("nginx.conf"));
+    Nginx::start(nginx, dir, port)
 }
 
 fn importer(envs: &[(&str, String)]) -> Output {

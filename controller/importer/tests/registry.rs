@@ -3,43 +3,16 @@
 //! the volume as qemu-img converts it; a missing tag, an image without /disk/ and a layer
 //! whose bytes do not match its digest are refused.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+mod common;
 
-struct Registry {
-    child: Child,
-    dir: PathBuf,
-    port: u16,
-}
+use std::path::Path;
+use std::process::{Command, Output};
 
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn sh(script: &str) -> String {
-    let out = Command::new("sh").args(["-ec", script]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{script}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
+use common::{sh, Server as Registry};
 
 fn registry() -> Registry {
-    let dir = std::env::temp_dir().join(format!("mv-importer-registry-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let (dir, port) = Registry::prepare("registry");
     std::fs::create_dir_all(dir.join("data")).unwrap();
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     std::fs::write(
         dir.join("config.yml"),
         format!(
@@ -48,21 +21,12 @@ fn registry() -> Registry {
         ),
     )
     .unwrap();
-    let child = Command::new("docker-registry")
+    let mut serve = Command::new("docker-registry");
+    serve
         .arg("serve")
         .arg(dir.join("config.yml"))
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("docker-registry (Debian's)");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the registry did not listen"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    Registry { child, dir, port }
+        .stderr(std::process::Stdio::null());
+    Registry::start(serve, dir, port)
 }
 
 /// Pushes an image whose one layer holds `files` (paths relative to the layer's root, each
