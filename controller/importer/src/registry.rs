@@ -73,6 +73,9 @@ async fn pull_layers(
     if matches!(host, "localhost" | "127.0.0.1" | "[::1]") {
         insecure.push(registry.clone());
     }
+    // The registry client's TLS takes the process's rustls provider: ring, the workspace's
+    // (see Cargo.toml); installing it twice is harmless.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let client = Client::new(ClientConfig {
         protocol: ClientProtocol::HttpsExcept(insecure),
         extra_root_certificates: access
