@@ -115,6 +115,22 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// The request's name and the protocol version that introduced it, for those newer than
+    /// version 1: both ends check a connection's version against it.
+    pub fn introduced(&self) -> Option<(&'static str, u32)> {
+        Some(match self {
+            Request::Snapshot { .. } => ("snapshot", SNAPSHOT_SINCE),
+            Request::PrepareMigrationTarget { .. }
+            | Request::MigrateOut { .. }
+            | Request::CancelMigration => ("migration", MIGRATION_SINCE),
+            Request::AttachNetwork { .. } => ("attachNetwork", NETWORK_SINCE),
+            Request::SoftReboot => ("softReboot", REBOOT_SINCE),
+            _ => return None,
+        })
+    }
+}
+
 /// One NIC of a VMI as virt-handler wired it in the Pod's network namespace.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]

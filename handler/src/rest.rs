@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use api::protocol::{Request, Response as LauncherResponse, REBOOT_SINCE};
+use api::protocol::{Request, Response as LauncherResponse};
 use api::{VirtualMachineInstance, VmiPhase};
 use axum::extract::ws::{WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
@@ -195,12 +195,15 @@ async fn lifecycle(
     let r = async {
         check_caller(state, peer)?;
         let mut launcher = launcher_of(&state.ctx, ns, name).await?;
-        if req == Request::SoftReboot && launcher.protocol_version < REBOOT_SINCE {
+        if let Some((what, since)) = req
+            .introduced()
+            .filter(|(_, since)| launcher.protocol_version < *since)
+        {
             return Err(RestError::new(
                 StatusCode::CONFLICT,
                 "Conflict",
                 format!(
-                    "the launcher of VMI {ns}/{name} ({}) speaks control protocol {}, and soft reboot needs {REBOOT_SINCE}: restart the VM to move it to a current launcher",
+                    "the launcher of VMI {ns}/{name} ({}) speaks control protocol {}, and {what} needs {since}: restart the VM to move it to a current launcher",
                     launcher.launcher_version, launcher.protocol_version
                 ),
             ));

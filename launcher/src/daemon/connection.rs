@@ -85,15 +85,7 @@ fn send(out: &mut UnixStream, r: &Response) -> std::io::Result<()> {
 
 /// Why `req` cannot be asked in protocol `version`, if it cannot.
 fn too_old(req: &Request, version: u32) -> Option<String> {
-    let (what, since) = match req {
-        Request::Snapshot { .. } => ("snapshot", SNAPSHOT_SINCE),
-        Request::PrepareMigrationTarget { .. }
-        | Request::MigrateOut { .. }
-        | Request::CancelMigration => ("migration", MIGRATION_SINCE),
-        Request::AttachNetwork { .. } => ("attachNetwork", NETWORK_SINCE),
-        Request::SoftReboot => ("softReboot", REBOOT_SINCE),
-        _ => return None,
-    };
+    let (what, since) = req.introduced()?;
     (version < since).then(|| {
         format!("{what} needs protocol version {since}; this connection speaks version {version}")
     })
