@@ -8,6 +8,7 @@
 //! Fields microvirt does not model are kept: the structs that users write carry a flattened
 //! `extra` map, so a read-modify-write never drops what another tool put there.
 
+pub mod cdi;
 pub mod closed;
 pub mod conditions;
 pub mod fields;

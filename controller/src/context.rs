@@ -33,6 +33,11 @@ pub struct ControllerConfig {
     pub drain_taint_key: Option<String>,
     /// The pause after the first failed evacuation migration of a VMI, doubling per failure.
     pub evacuation_retry_base: Duration,
+    /// Who fills DataVolumes: microvirt's importer unless CDI is installed (see `cdi`).
+    pub datavolume_import: crate::cdi::DataVolumeImport,
+    pub importer: crate::cdi::importer_pod::ImporterConfig,
+    /// How often a running import's progress is read (CDI: every reconcile, ~2 s).
+    pub import_progress_interval: Duration,
 }
 
 impl Default for ControllerConfig {
@@ -50,6 +55,9 @@ impl Default for ControllerConfig {
             default_eviction_strategy: EvictionStrategy::None,
             drain_taint_key: Some(api::labels::DEFAULT_DRAIN_TAINT.into()),
             evacuation_retry_base: Duration::from_secs(20),
+            datavolume_import: Default::default(),
+            importer: Default::default(),
+            import_progress_interval: Duration::from_secs(2),
         }
     }
 }
@@ -85,6 +93,7 @@ pub struct Context {
     pub backoff: RetryBackoff,
     /// Held while a migration is admitted against the limits (see `migration.rs`).
     pub migration_admission: tokio::sync::Mutex<()>,
+    pub cdi: crate::cdi::CdiPresence,
 }
 
 impl Context {
@@ -100,6 +109,7 @@ impl Context {
             metrics,
             backoff: RetryBackoff::default(),
             migration_admission: tokio::sync::Mutex::new(()),
+            cdi: Default::default(),
         })
     }
 

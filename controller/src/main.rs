@@ -75,6 +75,19 @@ struct RunArgs {
     /// by the VMI's namespace). Without one, HostDisk allows nothing.
     #[arg(long, value_parser = parse_host_disk_prefix)]
     host_disk_prefix: Vec<String>,
+    /// Who fills DataVolumes: `auto` (microvirt's importer unless CDI is installed), `always`,
+    /// `never`.
+    #[arg(long, value_enum, default_value = "auto")]
+    datavolume_import: controller::cdi::DataVolumeImport,
+    /// The importer image (this project's `cdi-importer`).
+    #[arg(long, default_value = "quay.io/microvirt/cdi-importer:v0.1.0")]
+    importer_image: String,
+    /// Registries (`host:port`, comma-separated) importers may reach over plain HTTP.
+    #[arg(long, value_delimiter = ',')]
+    insecure_registries: Vec<String>,
+    /// Failed import attempts after which a DataVolume is Failed.
+    #[arg(long, default_value_t = 5)]
+    import_max_restarts: i32,
 }
 
 fn parse_feature_gate(s: &str) -> Result<String, String> {
@@ -103,15 +116,23 @@ fn parse_strategy(s: &str) -> Result<EvictionStrategy, String> {
 #[derive(Subcommand)]
 enum Command {
     /// Print the CustomResourceDefinitions (kubectl apply -f - installs them).
-    Crds,
+    Crds {
+        /// CDI's DataVolume CRD instead, for a cluster without CDI.
+        #[arg(long)]
+        cdi: bool,
+    },
     /// Run the controllers (uses in-cluster config or $KUBECONFIG).
     Run(Box<RunArgs>),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Crds => {
-            print!("{}", controller::crds::yaml());
+        Command::Crds { cdi } => {
+            if cdi {
+                print!("{}", controller::crds::cdi_yaml());
+            } else {
+                print!("{}", controller::crds::yaml());
+            }
             Ok(())
         }
         Command::Run(args) => {
@@ -204,6 +225,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     config.parallel_outbound_migrations_per_node = args.parallel_outbound_migrations_per_node;
     config.default_eviction_strategy = args.default_eviction_strategy;
     config.drain_taint_key = Some(args.node_drain_taint_key.clone()).filter(|k| !k.is_empty());
+    config.datavolume_import = args.datavolume_import;
+    config.importer.image = args.importer_image.clone();
+    config.importer.insecure_registries = args.insecure_registries.clone();
+    config.importer.max_restarts = args.import_max_restarts;
     controller::run::run(client, config, lease, metrics, shutdown_signal())
         .await
         .map_err(anyhow::Error::msg)

@@ -49,6 +49,7 @@ pub async fn run_controllers(
         replica_owners::<VirtualMachinePool>(&ctx, stop()),
         migrations(&ctx, stop()),
         drains(&ctx, stop()),
+        datavolumes(&ctx, stop()),
     ]);
     ctx.metrics.set_ready(true);
     tokio::select! {
@@ -160,6 +161,27 @@ fn migrations(ctx: &Arc<Context>, stop: Stop) -> Running {
                 crate::migration::error_policy,
                 ctx.clone(),
             )
+            .for_each(|_| async {}),
+    )
+}
+
+/// DataVolumes, woken by their importer Pods and claims (see `cdi`). Off entirely with
+/// `--datavolume-import never`, so a cluster without the DataVolume kind sees no watch of it.
+fn datavolumes(ctx: &Arc<Context>, stop: Stop) -> Running {
+    use api::cdi::DataVolume;
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    if ctx.config.datavolume_import == crate::cdi::DataVolumeImport::Never {
+        return stop;
+    }
+    let importers = || {
+        watcher::Config::default().labels(&api::labels::selector("app", api::cdi::importer::APP))
+    };
+    Box::pin(
+        Controller::new(all::<DataVolume>(ctx), watcher::Config::default())
+            .owns(all::<Pod>(ctx), importers())
+            .owns(all::<PersistentVolumeClaim>(ctx), importers())
+            .graceful_shutdown_on(stop)
+            .run(crate::cdi::reconcile, crate::cdi::error_policy, ctx.clone())
             .for_each(|_| async {}),
     )
 }

@@ -14,6 +14,18 @@ fn checked_in_crds_match_the_api_types() {
     assert!(on_disk == generated, "deploy/crds/microvirt.yaml drifted from the api types: run `cargo run -p controller -- crds > deploy/crds/microvirt.yaml`");
 }
 
+#[test]
+fn checked_in_cdi_crds_match_the_api_types() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cdi/datavolume-crd.yaml");
+    let generated = controller::crds::cdi_yaml();
+    if std::env::var_os("UPDATE_CRDS").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let on_disk = std::fs::read_to_string(&path).expect("deploy/cdi/datavolume-crd.yaml");
+    assert!(on_disk == generated, "deploy/cdi/datavolume-crd.yaml drifted from the api types: run `cargo run -p controller -- crds --cdi > deploy/cdi/datavolume-crd.yaml`");
+}
+
 fn crd(kind: &str) -> CustomResourceDefinition {
     controller::crds::all()
         .into_iter()

@@ -71,7 +71,12 @@ impl Cluster {
     /// An API server holding virt-controller to the RBAC rules deployed with it
     /// (`deploy/rbac/`), and an admin client for the test.
     pub async fn start() -> Cluster {
-        let api = ApiServer::start().await;
+        Self::start_with(Default::default()).await
+    }
+
+    /// `start`, with the API server made as `opts` say.
+    pub async fn start_with(opts: crate::apiserver::ApiServerOptions) -> Cluster {
+        let api = ApiServer::start_with(opts).await;
         api.enforce_rbac(Authorizer::from_dir(
             &crate::repo_root().join("deploy/rbac"),
         ));

@@ -21,7 +21,11 @@ const SERVER_VERSION: (&str, &str) = ("1", "32");
 
 fn crds() -> &'static [CustomResourceDefinition] {
     static CRDS: OnceLock<Vec<CustomResourceDefinition>> = OnceLock::new();
-    CRDS.get_or_init(controller::crds::all)
+    CRDS.get_or_init(|| {
+        let mut all = controller::crds::all();
+        all.extend(controller::crds::cdi());
+        all
+    })
 }
 
 fn crd_of(

@@ -50,6 +50,16 @@ spec:
     )
 }
 
+/// A cluster with CDI installed (its `cdis` kind served), so virt-controller leaves the
+/// DataVolumes to CDI — which the test plays.
+async fn cdi_cluster() -> Cluster {
+    Cluster::start_with(tests::apiserver::ApiServerOptions {
+        cdi_installed: true,
+        ..Default::default()
+    })
+    .await
+}
+
 fn datavolumes(c: &Cluster) -> Api<DynamicObject> {
     Api::namespaced_with(
         c.client.clone(),
@@ -82,7 +92,7 @@ async fn printable(c: &Cluster, vm: &str, want: &str) -> VirtualMachine {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_starts_once_cdi_has_populated_its_datavolume() {
-    let c = Cluster::start().await;
+    let c = cdi_cluster().await;
     let _controller = c.replica(test_config(), None);
     let vm = c.apply_yaml::<VirtualMachine>(&vm_yaml("fedora")).await;
 
@@ -160,7 +170,7 @@ fn failure_of(vm: VirtualMachine) -> api::Condition {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_import_or_a_cluster_without_cdi_is_named_on_the_vm() {
-    let c = Cluster::start().await;
+    let c = cdi_cluster().await;
     let _controller = c.replica(test_config(), None);
 
     c.apply_yaml::<VirtualMachine>(&vm_yaml("broken")).await;

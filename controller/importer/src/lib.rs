@@ -30,6 +30,9 @@ pub enum ImportError {
     Write(std::io::Error),
     #[error("{0}")]
     Format(String),
+    /// The source refused or broke off (HTTP status, registry error): another try may pass.
+    #[error("{0}")]
+    Source(String),
     #[error("qcow2: {0}")]
     Qcow2(String),
     #[error(
@@ -42,6 +45,29 @@ pub enum ImportError {
 }
 
 pub type Result<T> = std::result::Result<T, ImportError>;
+
+impl ImportError {
+    /// What the DataVolume's `Running` condition says about it: the reason, and whether
+    /// another attempt can help.
+    pub fn outcome(&self) -> api::cdi::importer::Outcome {
+        let (reason, retryable) = match self {
+            ImportError::Read(_) | ImportError::Source(_) => ("SourceError", true),
+            // A full volume stays full; any other write error may be the node's passing trouble.
+            ImportError::Write(e) => (
+                "VolumeError",
+                e.raw_os_error() != Some(libc::ENOSPC) && e.raw_os_error() != Some(libc::EDQUOT),
+            ),
+            ImportError::Format(_) | ImportError::Qcow2(_) => ("ImageFormatError", false),
+            ImportError::Checksum { .. } => ("ChecksumError", false),
+            ImportError::LargerPvcRequired { .. } => ("LargerPVCRequired", false),
+        };
+        api::cdi::importer::Outcome {
+            reason: reason.into(),
+            message: self.to_string(),
+            retryable,
+        }
+    }
+}
 
 /// What an import found and wrote.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

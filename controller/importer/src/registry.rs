@@ -95,7 +95,7 @@ async fn pull_layers(
     let (manifest, _) = client
         .pull_image_manifest(image, &auth)
         .await
-        .map_err(|e| err(&format!("manifest of {image}"), e))?;
+        .map_err(|e| ImportError::Source(format!("manifest of {image}: {e}")))?;
     std::fs::create_dir_all(scratch_dir).map_err(ImportError::Write)?;
     let mut files = Vec::new();
     for (i, layer) in manifest.layers.iter().enumerate() {
@@ -107,7 +107,7 @@ async fn pull_layers(
         client
             .pull_blob(image, layer, out)
             .await
-            .map_err(|e| err(&format!("layer {} of {image}", layer.digest), e))?;
+            .map_err(|e| ImportError::Source(format!("layer {} of {image}: {e}", layer.digest)))?;
         files.push(path);
     }
     Ok(files)

@@ -182,6 +182,8 @@ pub struct ApiServerOptions {
     pub bookmark_interval: Duration,
     /// Events kept for watch replay; older resourceVersions get 410 Gone.
     pub history_limit: usize,
+    /// Serve CDI's own `cdis.cdi.kubevirt.io` kind, as a cluster with CDI installed does.
+    pub cdi_installed: bool,
 }
 
 impl Default for ApiServerOptions {
@@ -189,6 +191,7 @@ impl Default for ApiServerOptions {
         ApiServerOptions {
             bookmark_interval: Duration::from_secs(1),
             history_limit: 100_000,
+            cdi_installed: false,
         }
     }
 }
@@ -413,8 +416,20 @@ impl ApiServer {
     pub async fn start_with(opts: ApiServerOptions) -> ApiServer {
         let (events, _) = broadcast::channel(1 << 16);
         let (watch_epoch, _) = tokio::sync::watch::channel(0);
+        let mut types = default_types();
+        if opts.cdi_installed {
+            types.push(resources::ResourceType {
+                group: "cdi.kubevirt.io",
+                version: "v1beta1",
+                plural: "cdis",
+                kind: "CDI",
+                namespaced: false,
+                status_subresource: true,
+                scale: None,
+            });
+        }
         let inner = Arc::new(Inner {
-            types: default_types(),
+            types,
             state: Mutex::new(State {
                 rv: 1,
                 objects: BTreeMap::new(),

@@ -69,8 +69,10 @@ const KINDS: &[Kind] = &[
     ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterinstancetypes", "VirtualMachineClusterInstancetype", false, false, None),
     ("instancetype.kubevirt.io", "v1beta1", "virtualmachinepreferences", "VirtualMachinePreference", true, false, None),
     ("instancetype.kubevirt.io", "v1beta1", "virtualmachineclusterpreferences", "VirtualMachineClusterPreference", false, false, None),
-    // CDI's, for dataVolumeTemplates (the tests play CDI).
+    // CDI's DataVolume (its CRD from `deploy/cdi/`), filled by virt-controller's importer.
     ("cdi.kubevirt.io", "v1beta1", "datavolumes", "DataVolume", true, true, None),
+    ("storage.k8s.io", "v1", "storageclasses", "StorageClass", false, false, None),
+    ("", "v1", "secrets", "Secret", true, false, None),
     ("apps", "v1", "controllerrevisions", "ControllerRevision", true, false, None),
     ("", "v1", "configmaps", "ConfigMap", true, false, None),
     ("", "v1", "services", "Service", true, true, None),

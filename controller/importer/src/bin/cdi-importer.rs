@@ -1,18 +1,23 @@
 //! cdi-importer: fills a volume from a DataVolume's source, configured as CDI's importer Pod
 //! is (the `IMPORTER_*` environment), or from flags when run by hand. Sources: `http` (https
 //! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers),
-//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image) and `blank`. Exit status 0 when the volume holds the whole image, 1 otherwise (the reason on
-//! stderr, where the Pod's termination message picks it up).
+//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image) and `blank`.
+//! Exit status 0 when the volume holds the whole image, 1 otherwise: the reason on stderr and,
+//! as JSON ([`api::cdi::importer::Outcome`]), in the Pod's termination message, where the
+//! DataVolume controller reads whether another attempt can help. While it runs, the progress
+//! is served as CDI's importer serves it, for the controller to show in `status.progress`.
 
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use api::cdi::importer as pod;
 use clap::Parser;
 use importer::verify::Checksum;
-use importer::{import, SparseWriter};
+use importer::{import, ImportError, SparseWriter};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -53,6 +58,22 @@ struct Args {
     /// may be.
     #[arg(long, env = "IMPORTER_INSECURE_REGISTRIES", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// Accept any server certificate (the http source's `insecureSkipVerify`).
+    #[arg(long, env = "IMPORTER_INSECURE_TLS")]
+    insecure_tls: bool,
+    /// The DataVolume's UID, the label of the progress metric.
+    #[arg(long, env = "OWNER_UID")]
+    owner_uid: Option<String>,
+    /// Where the progress is served (`POD_IP`, port 8443 as CDI's importer): none when unset.
+    #[arg(long, env = "POD_IP")]
+    pod_ip: Option<std::net::IpAddr>,
+    /// Where the outcome of a failed import is left (the container's termination message).
+    #[arg(
+        long,
+        env = "IMPORTER_TERMINATION_LOG",
+        default_value = "/dev/termination-log"
+    )]
+    termination_log: PathBuf,
     /// The volume: a Filesystem claim's disk.img, or a Block claim's device.
     #[arg(long, env = "IMPORTER_TARGET", default_value = "/data/disk.img")]
     target: PathBuf,
@@ -68,13 +89,83 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
-    if let Err(e) = run(Args::parse()) {
+    let args = Args::parse();
+    if let (Some(ip), Some(owner)) = (args.pod_ip, args.owner_uid.clone()) {
+        if let Err(e) = serve_progress(ip, owner) {
+            tracing::warn!("progress is not served: {e}");
+        }
+    }
+    if let Err(e) = run(&args) {
         eprintln!("Unable to process data: {e:#}");
+        let outcome = outcome_of(&e);
+        // A container without a termination-log file still fails with its stderr.
+        if let Ok(json) = serde_json::to_string(&outcome) {
+            let _ = std::fs::write(&args.termination_log, json);
+        }
         std::process::exit(1);
     }
 }
 
-fn run(args: Args) -> anyhow::Result<()> {
+/// What the DataVolume shows of a failure: the importer's own errors say whether to retry;
+/// a transport error may pass; anything else (the volume could not be opened, ...) is tried
+/// again too, as the kubelet restarts a failed importer.
+fn outcome_of(e: &anyhow::Error) -> pod::Outcome {
+    let message = format!("Unable to process data: {e:#}");
+    if let Some(ie) = e.downcast_ref::<ImportError>() {
+        return pod::Outcome {
+            message,
+            ..ie.outcome()
+        };
+    }
+    let reason = if e.downcast_ref::<reqwest::Error>().is_some() {
+        "SourceError"
+    } else {
+        "Error"
+    };
+    pod::Outcome {
+        reason: reason.into(),
+        message,
+        retryable: true,
+    }
+}
+
+/// Hundredths of a percent done, `u64::MAX` while the size is unknown.
+static PROGRESS: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Serves `kubevirt_cdi_import_progress_total{ownerUID}` on `ip`:8443 for the controller's
+/// scrapes. By hand: one fixed plain-text answer to a GET every two seconds needs no HTTP
+/// framework in the importer (the controller reads it with a 2 s timeout, as CDI's does).
+fn serve_progress(ip: std::net::IpAddr, owner: String) -> std::io::Result<()> {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind((ip, pod::METRICS_PORT))?;
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+            // The request is read (to its end of headers, bounded) and not otherwise looked at.
+            let mut req = [0u8; 4096];
+            let mut n = 0;
+            while n < req.len() && !req[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                match conn.read(&mut req[n..]) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => n += k,
+                }
+            }
+            let body = match PROGRESS.load(Ordering::Relaxed) {
+                u64::MAX => String::new(),
+                p => pod::progress_line(&owner, p as f64 / 100.0),
+            };
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    Ok(())
+}
+
+fn run(args: &Args) -> anyhow::Result<()> {
     let requested = args
         .image_size
         .as_deref()
@@ -96,8 +187,8 @@ fn run(args: Args) -> anyhow::Result<()> {
             writer.finish(size)?;
             size
         }
-        "http" => http_import(&args, &mut writer, available)?,
-        "registry" => registry_import(&args, &mut writer, available)?,
+        "http" => http_import(args, &mut writer, available)?,
+        "registry" => registry_import(args, &mut writer, available)?,
         other => bail!(
             "source {other:?} is not served by this importer; accepted: http, registry, blank"
         ),
@@ -108,6 +199,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             target.set_len(size.min(available))?;
         }
     }
+    PROGRESS.store(10_000, Ordering::Relaxed);
     tracing::info!(virtual_size, "import complete");
     Ok(())
 }
@@ -142,7 +234,8 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
     let mut client = reqwest::blocking::Client::builder()
         .connect_timeout(Duration::from_secs(30))
         // A large image takes as long as it takes; a failed Pod is retried by the kubelet.
-        .timeout(None);
+        .timeout(None)
+        .danger_accept_invalid_certs(args.insecure_tls);
     for (path, pem) in ca_pems(args)? {
         for cert in reqwest::Certificate::from_pem_bundle(&pem)
             .with_context(|| format!("CA certificates in {}", path.display()))?
@@ -155,7 +248,17 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
     if let Some(user) = &args.access_key_id {
         req = req.basic_auth(user, args.secret_key.as_deref());
     }
-    for h in args.extra_headers.iter().filter(|h| !h.trim().is_empty()) {
+    // secretExtraHeaders: every value of each Secret, given as variables of one prefix.
+    let secret_headers: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with(pod::ENV_SECRET_HEADER_PREFIX))
+        .map(|(_, v)| v)
+        .collect();
+    for h in args
+        .extra_headers
+        .iter()
+        .chain(&secret_headers)
+        .filter(|h| !h.trim().is_empty())
+    {
         let (name, value) = h
             .split_once(':')
             .with_context(|| format!("extra header {h:?}: expected `Name: value`"))?;
@@ -164,7 +267,7 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
     let resp = req.send().with_context(|| format!("GET {url}"))?;
     let status = resp.status();
     if !status.is_success() {
-        bail!("GET {url}: HTTP {status}");
+        return Err(ImportError::Source(format!("GET {url}: HTTP {status}")).into());
     }
     let total = resp.content_length();
     let counted = Progress::new(resp, total);
@@ -255,6 +358,9 @@ impl<R: Read> Read for Progress<R> {
                     format!("the download ended after {} of {t} bytes", self.done),
                 ));
             }
+        }
+        if let Some(t) = self.total.filter(|t| *t > 0) {
+            PROGRESS.store(self.done * 10_000 / t, Ordering::Relaxed);
         }
         if self.logged.elapsed() >= Duration::from_secs(1) || n == 0 {
             self.logged = Instant::now();

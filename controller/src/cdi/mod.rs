@@ -1,0 +1,366 @@
+//! The DataVolume controller: CDI's job for clusters without CDI. For each `cdi.kubevirt.io`
+//! DataVolume it makes the claim (`claim`), runs an importer Pod of this project's
+//! `cdi-importer` (`importer_pod`) that fills it from the source, and reports CDI's phases,
+//! conditions, `progress` and `restartCount` (`assess`). A VM with `dataVolumeTemplates` waits
+//! on the DataVolumes (`crate::datavolume`) and starts once they have Succeeded.
+//!
+//! **When CDI itself is installed, this controller does nothing.** CDI's operator creates the
+//! cluster-scoped `cdis.cdi.kubevirt.io` kind (the `CDI` resource it is installed through);
+//! when the API server serves it, every DataVolume is CDI's. That is asked of discovery at
+//! most once a minute, so installing CDI later hands new imports over to it; a DataVolume
+//! this controller has started (its importer Pod exists) it finishes. `--datavolume-import`
+//! forces either way (`always`, `never`).
+
+pub mod assess;
+pub mod claim;
+pub mod importer_pod;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use api::cdi::{DataVolume, DataVolumePhase, DataVolumeStatus};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::ResourceExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::context::{Context, Error, Result};
+use assess::{assess, Observed, PodAction};
+use importer_pod::ImportSource;
+
+pub const CONTROLLER: &str = "datavolume-controller";
+
+/// A DataVolume spec this importer cannot carry out: the field and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {reason}")]
+pub struct SpecError {
+    pub path: String,
+    pub reason: String,
+}
+
+impl SpecError {
+    pub fn new(path: &str, reason: &str) -> SpecError {
+        SpecError {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Who fills DataVolumes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DataVolumeImport {
+    /// microvirt's importer, unless CDI is installed.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// Whether CDI is installed, as last asked of discovery.
+#[derive(Default)]
+pub struct CdiPresence(tokio::sync::Mutex<Option<(Instant, bool)>>);
+
+const CDI_RECHECK: Duration = Duration::from_secs(60);
+
+impl CdiPresence {
+    async fn installed(&self, client: &kube::Client) -> Result<bool> {
+        let mut last = self.0.lock().await;
+        if let Some((at, installed)) = *last {
+            if at.elapsed() < CDI_RECHECK {
+                return Ok(installed);
+            }
+        }
+        let installed = match client
+            .list_api_group_resources("cdi.kubevirt.io/v1beta1")
+            .await
+        {
+            Ok(list) => list.resources.iter().any(|r| r.name == "cdis"),
+            Err(kube::Error::Api(s)) if s.code == 404 => false,
+            Err(e) => return Err(e.into()),
+        };
+        if installed {
+            tracing::info!(
+                "CDI is installed (cdis.cdi.kubevirt.io is served): its importer fills DataVolumes"
+            );
+        }
+        *last = Some((Instant::now(), installed));
+        Ok(installed)
+    }
+}
+
+pub fn error_policy(dv: Arc<DataVolume>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.retry(CONTROLLER, dv.as_ref(), err)
+}
+
+/// The StorageClass annotated as the default for virtualization, if the cluster has one (and
+/// serves StorageClasses to this controller).
+async fn default_virt_class(client: &kube::Client) -> Option<String> {
+    use k8s_openapi::api::storage::v1::StorageClass;
+    let classes = Api::<StorageClass>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .ok()?;
+    classes.items.into_iter().find_map(|c| {
+        (c.annotations()
+            .get(claim::DEFAULT_VIRT_CLASS)
+            .map(String::as_str)
+            == Some("true"))
+        .then(|| c.name_any())
+    })
+}
+
+/// The progress the importer serves on its Pod's IP (CDI's metric, read as CDI reads it:
+/// plain text, two seconds at most). By hand: one GET of a few hundred bytes per import.
+async fn scraped_progress(pod: &Pod, owner_uid: &str) -> Option<String> {
+    let ip: std::net::IpAddr = pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()?;
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect((ip, api::cdi::importer::METRICS_PORT))
+            .await
+            .ok()?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: importer\r\n\r\n")
+            .await
+            .ok()?;
+        let mut buf = Vec::new();
+        s.take(64 << 10).read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8_lossy(&buf);
+        api::cdi::importer::progress_of(text.split_once("\r\n\r\n")?.1, owner_uid)
+    };
+    tokio::time::timeout(Duration::from_secs(2), read)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Fails the DataVolume for a spec it cannot carry out (the field and why), once.
+async fn refuse(
+    dvs: &Api<DataVolume>,
+    dv: &DataVolume,
+    e: &SpecError,
+    ctx: &Context,
+) -> Result<Action> {
+    let mut status = dv.status.clone().unwrap_or_default();
+    if status.phase == Some(DataVolumePhase::Succeeded) {
+        return Ok(Action::await_change());
+    }
+    let now = controller_runtime::time::now_rfc3339();
+    let msg = e.to_string();
+    status.phase = Some(DataVolumePhase::Failed);
+    assess::set_condition(
+        &mut status.conditions,
+        "Running",
+        false,
+        "InvalidSpec",
+        &msg,
+        &now,
+    );
+    assess::set_condition(
+        &mut status.conditions,
+        "Ready",
+        false,
+        "InvalidSpec",
+        &msg,
+        &now,
+    );
+    if dv.status.as_ref() != Some(&status) {
+        ctx.events
+            .publish(dv, true, "InvalidSpec", "Import", msg.clone(), None)
+            .await;
+    }
+    controller_runtime::write_status(dvs, dv, status).await?;
+    Ok(Action::await_change())
+}
+
+/// One reconcile of one DataVolume.
+pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action> {
+    if dv.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
+    let ns = dv.namespace().unwrap_or_default();
+    let name = dv.name_any();
+    let client = &ctx.client;
+    let dvs: Api<DataVolume> = Api::namespaced(client.clone(), &ns);
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod_name = importer_pod::pod_name(&dv);
+    let uid = dv.uid().unwrap_or_default();
+    let pod = pods.get_opt(&pod_name).await?;
+    let ours = match ctx.config.datavolume_import {
+        DataVolumeImport::Always => true,
+        DataVolumeImport::Never => false,
+        // An import already started here is finished here.
+        DataVolumeImport::Auto => {
+            pod.as_ref()
+                .is_some_and(|p| controller_runtime::controlled_by(p, &uid))
+                || !ctx.cdi.installed(client).await?
+        }
+    };
+    if !ours {
+        return Ok(Action::requeue(CDI_RECHECK));
+    }
+    let src = match importer_pod::source_of(&dv) {
+        Ok(s) => s,
+        Err(e) => return refuse(&dvs, &dv, &e, &ctx).await,
+    };
+    let foreign = |kind: &str, n: &str| {
+        SpecError::new(
+            "metadata.name",
+            &format!("{kind} {n} exists and is not controlled by this DataVolume; delete it or name the DataVolume otherwise"),
+        )
+    };
+    if let Some(p) = &pod {
+        if !controller_runtime::controlled_by(p, &uid) {
+            return refuse(&dvs, &dv, &foreign("Pod", &pod_name), &ctx).await;
+        }
+    }
+    // A clone's source: it must exist; its size is the default, its mode decides the mount.
+    let mut source_block = false;
+    let mut spec_dv = dv.as_ref().clone();
+    if let ImportSource::Clone(c) = src {
+        let Some(source) = pvcs.get_opt(&c.name).await? else {
+            return refuse(
+                &dvs,
+                &dv,
+                &SpecError::new(
+                    "spec.source.pvc.name",
+                    &format!(
+                        "PersistentVolumeClaim {} not found in namespace {ns}",
+                        c.name
+                    ),
+                ),
+                &ctx,
+            )
+            .await;
+        };
+        let sspec = source.spec.clone().unwrap_or_default();
+        source_block = sspec.volume_mode.as_deref() == Some("Block");
+        default_clone_size(&mut spec_dv, &sspec);
+    }
+    let default_class = default_virt_class(client).await;
+    let (claim_spec, shape) = match claim::claim_spec(&spec_dv, default_class.as_deref()) {
+        Ok(s) => s,
+        Err(e) => return refuse(&dvs, &dv, &e, &ctx).await,
+    };
+    let terminal = matches!(
+        dv.status.as_ref().and_then(|s| s.phase),
+        Some(DataVolumePhase::Succeeded | DataVolumePhase::Failed)
+    );
+    let claim = match pvcs.get_opt(&name).await? {
+        Some(c) if controller_runtime::controlled_by(&c, &uid) => Some(c),
+        Some(_) => return refuse(&dvs, &dv, &foreign("PersistentVolumeClaim", &name), &ctx).await,
+        None if terminal => None,
+        None => {
+            let c = claim::claim(&dv, claim_spec, src.name());
+            match pvcs.create(&PostParams::default(), &c).await {
+                Ok(c) => Some(c),
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    return Ok(Action::requeue(Duration::from_millis(200)))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    };
+    let now = controller_runtime::time::now_rfc3339();
+    let mut a = assess(&Observed {
+        status: dv.status.as_ref(),
+        claim: claim.as_ref(),
+        pod: pod.as_ref(),
+        clone: src.is_clone(),
+        max_restarts: ctx.config.importer.max_restarts,
+        now: &now,
+    });
+    match a.pod {
+        PodAction::Keep => {}
+        PodAction::Create => {
+            let p =
+                importer_pod::render(&dv, src, &name, &shape, source_block, &ctx.config.importer);
+            match pods.create(&PostParams::default(), &p).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        PodAction::Delete => {
+            controller_runtime::delete_if_present(&pods, &pod_name, &DeleteParams::default())
+                .await?;
+        }
+    }
+    let in_progress = matches!(
+        a.status.phase,
+        Some(DataVolumePhase::ImportInProgress | DataVolumePhase::CloneInProgress)
+    );
+    if in_progress {
+        if let Some(p) = pod.as_ref() {
+            if let Some(progress) = scraped_progress(p, &uid).await {
+                a.status.progress = Some(progress);
+            }
+        }
+    }
+    announce(&ctx, &dv, &a.status).await;
+    controller_runtime::write_status(&dvs, &dv, a.status).await?;
+    ctx.succeeded(CONTROLLER, dv.as_ref());
+    Ok(if in_progress {
+        Action::requeue(ctx.config.import_progress_interval)
+    } else {
+        Action::requeue(Duration::from_secs(60))
+    })
+}
+
+/// A clone's size, when the DataVolume gives none: the source claim's.
+fn default_clone_size(
+    dv: &mut DataVolume,
+    source: &k8s_openapi::api::core::v1::PersistentVolumeClaimSpec,
+) {
+    let Some(size) = source
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage"))
+        .cloned()
+    else {
+        return;
+    };
+    let spec = match (&mut dv.spec.storage, &mut dv.spec.pvc) {
+        (Some(s), _) | (None, Some(s)) => s,
+        (None, None) => dv.spec.storage.get_or_insert_with(Default::default),
+    };
+    spec.resources
+        .get_or_insert_with(Default::default)
+        .requests
+        .get_or_insert_with(Default::default)
+        .entry("storage".into())
+        .or_insert(size);
+}
+
+/// Events at the phase changes a user watches for.
+async fn announce(ctx: &Context, dv: &DataVolume, next: &DataVolumeStatus) {
+    let before = dv.status.as_ref().and_then(|s| s.phase);
+    if before == next.phase {
+        return;
+    }
+    let ready_msg = |t: &str| {
+        next.conditions
+            .iter()
+            .find(|c| c.type_ == t)
+            .and_then(|c| c.message.clone())
+            .unwrap_or_default()
+    };
+    let (warning, reason, msg) = match next.phase {
+        Some(DataVolumePhase::Succeeded) => (
+            false,
+            "ImportSucceeded",
+            format!("Successfully imported into PVC {}", dv.name_any()),
+        ),
+        Some(DataVolumePhase::Failed) => (true, "ImportFailed", ready_msg("Ready")),
+        Some(DataVolumePhase::ImportScheduled) => (
+            false,
+            "ImportScheduled",
+            format!("Import into {} scheduled", dv.name_any()),
+        ),
+        _ => return,
+    };
+    ctx.events
+        .publish(dv, warning, reason, "Import", msg, None)
+        .await;
+}
