@@ -5,7 +5,9 @@ pub mod admission;
 pub mod apiserver;
 pub mod cluster;
 pub mod discovery;
+pub mod peers;
 pub mod rbac;
+pub mod storage;
 pub mod tls;
 pub mod virt_api;
 

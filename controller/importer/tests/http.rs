@@ -2,64 +2,13 @@
 //! auth and a required header in front of the images; a server that cuts a download short.
 //! What lands in the volume is compared byte for byte with `qemu-img convert -O raw`.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{sh, Server as Nginx};
-
-/// nginx serving `www/` on https://localhost:PORT: `/private/` wants user `alice` (password
-/// `secret`) and the header `X-Token: abc`.
-fn nginx(tag: &str) -> Nginx {
-    let (dir, port) = Nginx::prepare(&format!("http-{tag}"));
-    std::fs::create_dir_all(dir.join("www/private")).unwrap();
-    std::fs::create_dir_all(dir.join("tmp")).unwrap();
-    std::fs::create_dir_all(dir.join("ca")).unwrap();
-    let d = dir.display();
-    sh(&format!(
-        "cd {d}
-         openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca/ca.crt -subj /CN=test-ca -days 2 2>/dev/null
-         openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout srv.key -out srv.csr -subj /CN=localhost 2>/dev/null
-         printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > ext
-         openssl x509 -req -in srv.csr -CA ca/ca.crt -CAkey ca.key -CAcreateserial -out srv.crt -days 2 -extfile ext 2>/dev/null
-         printf 'alice:%s\\n' \"$(openssl passwd -apr1 secret)\" > htpasswd"
-    ));
-    let conf = format!(
-        "daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log;
-         {user}
-         events {{}}
-         http {{
-           access_log off;
-           client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp;
-           uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;
-           types {{ application/octet-stream img qcow2 xz gz zst; }}
-           server {{
-             listen 127.0.0.1:{port} ssl;
-             ssl_certificate {d}/srv.crt; ssl_certificate_key {d}/srv.key;
-             root {d}/www;
-             location /private/ {{
-               auth_basic images; auth_basic_user_file {d}/htpasswd;
-               if ($http_x_token != \"abc\") {{ return 403; }}
-             }}
-           }}
-         }}",
-        user = if unsafe { libc::getuid() } == 0 {
-            "user root;"
-        } else {
-            ""
-        }
-    );
-    std::fs::write(dir.join("nginx.conf"), conf).unwrap();
-    let mut nginx = Command::new("nginx");
-    nginx
-        .args(["-e", &format!("{d}/error.log"), "-c"])
-        .arg(dir.join("nginx.conf"));
-    Nginx::start(nginx, dir, port)
-}
+use tests::peers::{nginx, sh, Server as Nginx};
 
 fn importer(envs: &[(&str, String)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cdi-importer"))

@@ -224,11 +224,7 @@ pub fn assess(o: &Observed) -> Assessment {
         let why = if !f.retryable {
             Some(f.message.clone())
         } else if restarts >= o.max_restarts || pod_phase == "Failed" {
-            Some(format!(
-                "gave up after {} attempts: {}",
-                restarts + 1,
-                f.message
-            ))
+            Some(format!("gave up after {restarts} restarts: {}", f.message))
         } else {
             None
         };
@@ -255,7 +251,7 @@ pub fn assess(o: &Observed) -> Assessment {
         .is_some_and(|s| s.running.is_some());
     let waiting = c
         .and_then(|c| c.state.as_ref()?.waiting.as_ref())
-        .and_then(|w| w.reason.clone());
+        .and_then(|w| Some((w.reason.clone()?, w.message.clone().unwrap_or_default())));
     if pod_phase == "Running" || restarts > 0 {
         status.phase = Some(in_progress);
     } else {
@@ -274,7 +270,7 @@ pub fn assess(o: &Observed) -> Assessment {
         // Between attempts the last failure is what the user needs to see.
         let (reason, message) = match (&failure, &waiting) {
             (Some(f), _) => (f.reason.clone(), f.message.clone()),
-            (None, Some(w)) => (w.clone(), String::new()),
+            (None, Some((reason, message))) => (reason.clone(), message.clone()),
             (None, None) => ("Pending".into(), String::new()),
         };
         set_condition(
@@ -403,7 +399,7 @@ mod tests {
             r.message
                 .as_deref()
                 .unwrap()
-                .starts_with("gave up after 4 attempts: GET u: HTTP 503"),
+                .starts_with("gave up after 3 restarts: GET u: HTTP 503"),
             "{r:?}"
         );
     }

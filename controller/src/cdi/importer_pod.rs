@@ -336,19 +336,27 @@ impl Wiring {
     }
 }
 
-/// The importer Pod of `dv`, filling `claim` (of `shape`) from `src`. `source_block` says
-/// whether a clone's source claim is a block device.
+/// The claim an importer Pod fills.
+pub struct ImportTarget<'a> {
+    pub claim: &'a str,
+    pub shape: ClaimShape,
+    /// Whether a clone's source claim is a block device.
+    pub source_block: bool,
+    /// Grow the image to the size asked for (not when a clone's size was the source's).
+    pub grow: bool,
+}
+
+/// The importer Pod of `dv`, filling `target` from `src`.
 pub fn render(
     dv: &DataVolume,
     src: ImportSource,
-    claim: &str,
-    shape: &ClaimShape,
-    source_block: bool,
+    target: &ImportTarget,
     cfg: &ImporterConfig,
 ) -> Pod {
+    let shape = &target.shape;
     let mut w = Wiring::default();
-    w.source(src, cfg, source_block);
-    w.target(claim, shape);
+    w.source(src, cfg, target.source_block);
+    w.target(target.claim, shape);
     // Scratch space for a qcow2 image (random access) or registry layers: node-local, as
     // large as the image may be. CDI uses a scratch claim of the DataVolume's size instead.
     w.volumes.push(Volume {
@@ -365,8 +373,10 @@ pub fn render(
         env::ENV_SCRATCH,
         format!("{}/tmpimage", env::SCRATCH_DIR),
     ));
-    w.env
-        .push(var(env::ENV_IMAGE_SIZE, shape.requested.to_string()));
+    if target.grow {
+        w.env
+            .push(var(env::ENV_IMAGE_SIZE, shape.requested.to_string()));
+    }
     w.env
         .push(var(env::ENV_OWNER_UID, dv.uid().unwrap_or_default()));
     w.env.push(EnvVar {
@@ -483,7 +493,13 @@ mod tests {
     fn an_http_source_is_cdis_environment_with_secrets_by_reference() {
         let d = dv("{source: {http: {url: 'https://h/i.qcow2', secretRef: creds, certConfigMap: cas, extraHeaders: ['A: b', 'C: d'], secretExtraHeaders: [hs], checksum: 'sha256:ab'}}}");
         let src = source_of(&d).unwrap();
-        let p = render(&d, src, "d", &FS, false, &ImporterConfig::default());
+        let t = ImportTarget {
+            claim: "d",
+            shape: FS,
+            source_block: false,
+            grow: true,
+        };
+        let p = render(&d, src, &t, &ImporterConfig::default());
         let e = env_of(&p);
         assert_eq!(e["IMPORTER_SOURCE"].value.as_deref(), Some("http"));
         assert_eq!(
@@ -534,9 +550,16 @@ mod tests {
             block: true,
             requested: 1 << 30,
         };
-        let p = render(&d, src, "d", &block, false, &ImporterConfig::default());
+        let t = ImportTarget {
+            claim: "d",
+            shape: block,
+            source_block: false,
+            grow: false,
+        };
+        let p = render(&d, src, &t, &ImporterConfig::default());
         let e = env_of(&p);
         assert_eq!(e["IMPORTER_SOURCE"].value.as_deref(), Some("pvc"));
+        assert!(!e.contains_key("IMPORTER_IMAGE_SIZE"));
         assert_eq!(
             e["IMPORTER_TARGET"].value.as_deref(),
             Some("/dev/cdi-block-volume")

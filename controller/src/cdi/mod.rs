@@ -216,6 +216,7 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
     }
     // A clone's source: it must exist; its size is the default, its mode decides the mount.
     let mut source_block = false;
+    let mut grow = true;
     let mut spec_dv = dv.as_ref().clone();
     if let ImportSource::Clone(c) = src {
         let Some(source) = pvcs.get_opt(&c.name).await? else {
@@ -235,7 +236,7 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
         };
         let sspec = source.spec.clone().unwrap_or_default();
         source_block = sspec.volume_mode.as_deref() == Some("Block");
-        default_clone_size(&mut spec_dv, &sspec);
+        grow = !default_clone_size(&mut spec_dv, &sspec);
     }
     let default_class = default_virt_class(client).await;
     let (claim_spec, shape) = match claim::claim_spec(&spec_dv, default_class.as_deref()) {
@@ -273,8 +274,13 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
     match a.pod {
         PodAction::Keep => {}
         PodAction::Create => {
-            let p =
-                importer_pod::render(&dv, src, &name, &shape, source_block, &ctx.config.importer);
+            let target = importer_pod::ImportTarget {
+                claim: &name,
+                shape,
+                source_block,
+                grow,
+            };
+            let p = importer_pod::render(&dv, src, &target, &ctx.config.importer);
             match pods.create(&PostParams::default(), &p).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -307,11 +313,19 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
     })
 }
 
-/// A clone's size, when the DataVolume gives none: the source claim's.
+/// A clone's size, when the DataVolume gives none: the source claim's. Whether it was taken.
 fn default_clone_size(
     dv: &mut DataVolume,
     source: &k8s_openapi::api::core::v1::PersistentVolumeClaimSpec,
-) {
+) -> bool {
+    let given = [&dv.spec.storage, &dv.spec.pvc].into_iter().any(|s| {
+        s.as_ref()
+            .and_then(|s| s.resources.as_ref()?.requests.as_ref()?.get("storage"))
+            .is_some()
+    });
+    if given {
+        return false;
+    }
     let Some(size) = source
         .resources
         .as_ref()
@@ -319,7 +333,7 @@ fn default_clone_size(
         .and_then(|r| r.get("storage"))
         .cloned()
     else {
-        return;
+        return false;
     };
     let spec = match (&mut dv.spec.storage, &mut dv.spec.pvc) {
         (Some(s), _) | (None, Some(s)) => s,
@@ -329,8 +343,8 @@ fn default_clone_size(
         .get_or_insert_with(Default::default)
         .requests
         .get_or_insert_with(Default::default)
-        .entry("storage".into())
-        .or_insert(size);
+        .insert("storage".into(), size);
+    true
 }
 
 /// Events at the phase changes a user watches for.

@@ -206,6 +206,24 @@ fn now_rfc3339() -> String {
 /// A custom resource as its CRD's structural schema has it (`schema`): unknown fields pruned,
 /// a wrong type refused with 422 naming every path, as the real server does before storing.
 fn conform(rt: &ResourceType, obj: &mut Value) -> ApiResult<()> {
+    if rt.kind == "Secret" {
+        // A Secret's write-only `stringData` is merged into `data` (base64), as the real
+        // server stores it.
+        use base64::Engine;
+        if let Some(Value::Object(plain)) = obj.as_object_mut().and_then(|o| o.remove("stringData"))
+        {
+            let data = obj["data"].as_object().cloned().unwrap_or_default();
+            let mut data = data;
+            for (k, v) in plain {
+                let v = v.as_str().unwrap_or_default().as_bytes().to_vec();
+                data.insert(
+                    k,
+                    base64::engine::general_purpose::STANDARD.encode(v).into(),
+                );
+            }
+            obj["data"] = Value::Object(data);
+        }
+    }
     let Some(schema) = crate::discovery::schema_of(rt) else {
         return Ok(());
     };

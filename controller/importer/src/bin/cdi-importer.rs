@@ -1,7 +1,8 @@
 //! cdi-importer: fills a volume from a DataVolume's source, configured as CDI's importer Pod
 //! is (the `IMPORTER_*` environment), or from flags when run by hand. Sources: `http` (https
 //! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers),
-//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image) and `blank`.
+//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image), `blank` and
+//! `pvc` (a clone of another claim, mounted read-only).
 //! Exit status 0 when the volume holds the whole image, 1 otherwise: the reason on stderr and,
 //! as JSON ([`api::cdi::importer::Outcome`]), in the Pod's termination message, where the
 //! DataVolume controller reads whether another attempt can help. While it runs, the progress
@@ -189,8 +190,9 @@ fn run(args: &Args) -> anyhow::Result<()> {
         }
         "http" => http_import(args, &mut writer, available)?,
         "registry" => registry_import(args, &mut writer, available)?,
+        "pvc" => clone_import(args, &mut writer, available)?,
         other => bail!(
-            "source {other:?} is not served by this importer; accepted: http, registry, blank"
+            "source {other:?} is not served by this importer; accepted: http, registry, blank, pvc"
         ),
     };
     // A smaller image's volume grows to the size asked for (never shrinks), as CDI resizes.
@@ -283,6 +285,26 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
         None => import(counted, &args.scratch, writer, available)?,
     };
     tracing::info!(?report.compression, ?report.format, written = report.written_bytes, "converted");
+    Ok(report.virtual_size)
+}
+
+/// Another claim's image (its `disk.img`, or its device), mounted read-only: copied sparsely,
+/// converted if someone left a qcow2 there.
+fn clone_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    let path = args
+        .endpoint
+        .as_deref()
+        .context("the pvc source needs IMPORTER_ENDPOINT (the source claim's image)")?;
+    let source = File::open(path)
+        .map_err(ImportError::Read)
+        .with_context(|| format!("opening the source claim's image {path}"))?;
+    let total = source.metadata().ok().map(|m| m.len()).filter(|l| *l > 0);
+    let report = import(
+        Progress::new(source, total),
+        &args.scratch,
+        writer,
+        available,
+    )?;
     Ok(report.virtual_size)
 }
 
