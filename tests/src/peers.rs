@@ -1,7 +1,8 @@
 //! Real servers the import tests talk to, each a process on a loopback port with its own
 //! directory, gone (process and directory) when dropped: nginx (TLS from a test CA, basic auth
 //! and a required header on `/private/`, a rate limit on `/slow/`) and Debian's
-//! `docker-registry` (the distribution server), filled with `skopeo`.
+//! `docker-registry` (the distribution server), filled with `skopeo`; moto's S3 server
+//! (PyPI), enforcing IAM.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -133,6 +134,7 @@ pub fn registry() -> Server {
     serve
         .arg("serve")
         .arg(dir.join("config.yml"))
+        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
     Server::start(serve, dir, port)
 }
@@ -162,4 +164,56 @@ pub fn push(r: &Server, repo: &str, tag: &str, files: &[(&str, &Path)]) {
          skopeo --insecure-policy copy -q --dest-tls-verify=false oci:layout:{tag} docker://127.0.0.1:{port}/{repo}:{tag}",
         port = r.port
     ));
+}
+
+/// An S3 endpoint: moto's server on 127.0.0.1:PORT, enforcing IAM (after the set-up calls
+/// that make user `importer` with read access): `objects` (key in bucket `images`, host file)
+/// uploaded. Returns the server and the user's access key id and secret key.
+pub fn s3(objects: &[(&str, &Path)]) -> (Server, String, String) {
+    let (dir, port) = Server::prepare("s3");
+    let mut serve = Command::new("moto_server");
+    serve
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        // Requests are authenticated once the set-up below has made the user and its key:
+        // create-user, put-user-policy, create-access-key (create-bucket and the uploads are
+        // the user's own, signed).
+        .env("INITIAL_NO_AUTH_ACTION_COUNT", "3")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let server = Server::start(serve, dir, port);
+    let uploads: Vec<String> = objects
+        .iter()
+        .map(|(k, p)| format!("({k:?}, {:?})", p.display().to_string()))
+        .collect();
+    let script = format!(
+        r#"
+import boto3, json
+ep = "http://127.0.0.1:{port}"
+root = dict(endpoint_url=ep, region_name="us-east-1", aws_access_key_id="setup", aws_secret_access_key="setup")
+iam = boto3.client("iam", **root)
+iam.create_user(UserName="importer")
+iam.put_user_policy(UserName="importer", PolicyName="images", PolicyDocument=json.dumps(
+    {{"Version": "2012-10-17", "Statement": [{{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}}]}}))
+k = iam.create_access_key(UserName="importer")["AccessKey"]
+s3 = boto3.client("s3", endpoint_url=ep, region_name="us-east-1",
+                  aws_access_key_id=k["AccessKeyId"], aws_secret_access_key=k["SecretAccessKey"])
+s3.create_bucket(Bucket="images")
+for key, path in [{uploads}]:
+    s3.upload_file(path, "images", key)
+print(k["AccessKeyId"], k["SecretAccessKey"])
+"#,
+        uploads = uploads.join(", ")
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setting up moto: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let keys = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (id, secret) = keys.split_once(' ').expect("an access key");
+    (server, id.to_string(), secret.to_string())
 }

@@ -2,7 +2,8 @@
 //! server: virt-controller (its deployed RBAC) makes each claim and importer Pod; the node
 //! stand-in binds claims to directories and runs the Pods' container — the real `cdi-importer`
 //! as the Pod's user — against real peers: nginx over TLS with basic auth and headers, Debian's
-//! docker-registry holding a containerDisk pushed with skopeo. What lands in each claim is
+//! docker-registry holding a containerDisk pushed with skopeo, moto's S3 server checking the
+//! signatures of the importer's requests. What lands in each claim is
 //! compared with `qemu-img convert -O raw` of the same image. A VM with `dataVolumeTemplates`
 //! waits (Provisioning) and gets its VMI once every import has Succeeded. Bad sources end
 //! Failed with the reason, after bounded retries where retrying can help, and never Ready.
@@ -131,10 +132,19 @@ async fn a_vm_waits_for_its_imports_from_web_registry_and_blank_and_a_clone_copi
         "v1",
         &[("disk/disk.qcow2", &reg.dir.join("reg.qcow2"))],
     );
+    let (bucket, key_id, secret_key) = tests::peers::s3(&[(
+        "vm/disk.qcow2.xz",
+        &web.dir.join("www/private/disk.qcow2.xz"),
+    )]);
     let ca = std::fs::read_to_string(web.dir.join("ca/ca.crt")).unwrap();
     create::<Secret>(
         &c,
         "metadata: {name: creds}\nstringData: {accessKeyId: alice, secretKey: secret}",
+    )
+    .await;
+    create::<Secret>(
+        &c,
+        &format!("metadata: {{name: s3-keys}}\nstringData: {{accessKeyId: {key_id}, secretKey: {secret_key}}}"),
     )
     .await;
     create::<Secret>(
@@ -172,6 +182,10 @@ spec:
     spec:
       source: {{registry: {{url: "docker://127.0.0.1:{rp}/disks/probe:v1"}}}}
       storage: {{resources: {{requests: {{storage: 32Mi}}}}}}
+  - metadata: {{name: web-s3}}
+    spec:
+      source: {{s3: {{url: "http://127.0.0.1:{sp}/images/vm/disk.qcow2.xz", secretRef: s3-keys}}}}
+      storage: {{resources: {{requests: {{storage: 8Mi}}}}}}
   - metadata: {{name: web-scratch}}
     spec:
       source: {{blank: {{}}}}
@@ -185,13 +199,16 @@ spec:
           - {{name: root, disk: {{bus: virtio}}}}
           - {{name: reg, disk: {{bus: virtio}}}}
           - {{name: scratch, disk: {{bus: virtio}}}}
+          - {{name: s3, disk: {{bus: virtio}}}}
       volumes:
       - {{name: root, dataVolume: {{name: web-root}}}}
       - {{name: reg, dataVolume: {{name: web-reg}}}}
       - {{name: scratch, dataVolume: {{name: web-scratch}}}}
+      - {{name: s3, dataVolume: {{name: web-s3}}}}
 "#,
         wp = web.port,
-        rp = reg.port
+        rp = reg.port,
+        sp = bucket.port
     ))
     .await;
 
@@ -224,7 +241,7 @@ spec:
         "16Mi"
     );
 
-    for dv in ["web-root", "web-reg", "web-scratch"] {
+    for dv in ["web-root", "web-reg", "web-scratch", "web-s3"] {
         let d = dv_when(&c, dv, "Succeeded", |d| {
             phase(d) == Some(DataVolumePhase::Succeeded)
         })
@@ -244,6 +261,10 @@ spec:
         "web-root differs from qemu-img's conversion"
     );
     assert!(root[want.len()..].iter().all(|b| *b == 0));
+    assert!(
+        disk_of(&node, "web-s3")[..want.len()] == want[..],
+        "web-s3 differs from qemu-img's conversion"
+    );
     let reg_disk = disk_of(&node, "web-reg");
     let reg_raw = std::fs::read(reg.dir.join("reg.raw")).unwrap();
     assert!(reg_disk[..reg_raw.len()] == reg_raw[..], "web-reg differs");
@@ -271,7 +292,7 @@ spec:
             .unwrap()
     })
     .await;
-    assert_eq!(vmi.spec.volumes.len(), 3);
+    assert_eq!(vmi.spec.volumes.len(), 4);
 
     // A slow download shows its progress while it runs, read from the importer as CDI does.
     create::<DataVolume>(
@@ -372,10 +393,7 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
         ),
         ("backed", http("backed.qcow2", "")),
         ("huge", http("huge.qcow2", "")),
-        (
-            "s3",
-            "{s3: {url: 'https://s3.example.org/bucket/disk.img'}}".to_string(),
-        ),
+        ("gcs", "{gcs: {url: 'gs://bucket/disk.img'}}".to_string()),
     ] {
         create::<DataVolume>(&c, &dv(name, source)).await;
     }
@@ -407,10 +425,10 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
         assert_eq!(d.status.as_ref().unwrap().restart_count, Some(1), "{name}");
         assert!(!msg.starts_with("gave up"), "{name}: {msg}");
     }
-    let d = failed("s3").await;
+    let d = failed("gcs").await;
     let (_, r, msg) = condition(&d, "Ready");
     assert_eq!(r, "InvalidSpec");
-    assert!(msg.starts_with("spec.source.s3: is not served"), "{msg}");
+    assert!(msg.starts_with("spec.source.gcs: is not served"), "{msg}");
     // The Pods are gone and stay gone; the claims were never Ready.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let pods = c.api::<Pod>().list(&Default::default()).await.unwrap();
@@ -422,7 +440,7 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
             .map(|p| p.metadata.name.clone())
             .collect::<Vec<_>>()
     );
-    for name in ["missing", "badsum", "backed", "huge", "s3"] {
+    for name in ["missing", "badsum", "backed", "huge", "gcs"] {
         let d = c.api::<DataVolume>().get(name).await.unwrap();
         assert_eq!(phase(&d), Some(DataVolumePhase::Failed), "{name}");
     }

@@ -12,6 +12,7 @@
 pub mod format;
 pub mod qcow2;
 pub mod registry;
+pub mod s3;
 pub mod sparse;
 pub mod verify;
 

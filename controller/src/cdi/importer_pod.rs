@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use api::cdi::importer as env;
-use api::cdi::{ClaimSource, DataVolume, HttpSource, RegistrySource};
+use api::cdi::{ClaimSource, DataVolume, HttpSource, RegistrySource, S3Source};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvFromSource, EnvVar, EnvVarSource, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
@@ -49,6 +49,7 @@ impl Default for ImporterConfig {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ImportSource<'a> {
     Http(&'a HttpSource),
+    S3(&'a S3Source),
     Registry(&'a RegistrySource),
     Blank,
     /// Another claim of the same namespace, copied.
@@ -60,6 +61,7 @@ impl ImportSource<'_> {
     pub fn name(&self) -> &'static str {
         match self {
             ImportSource::Http(_) => "http",
+            ImportSource::S3(_) => "s3",
             ImportSource::Registry(_) => "registry",
             ImportSource::Blank => "blank",
             ImportSource::Clone(_) => "pvc",
@@ -71,7 +73,7 @@ impl ImportSource<'_> {
     }
 }
 
-const SERVED: &str = "accepted: http, registry, blank, pvc (same namespace)";
+const SERVED: &str = "accepted: http, s3, registry, blank, pvc (same namespace)";
 
 /// The DataVolume's one source, or why it cannot be imported here.
 pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
@@ -99,6 +101,10 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
         found.push(ImportSource::Http(h));
         kinds.push("http".into());
     }
+    if let Some(o) = &s.s3 {
+        found.push(ImportSource::S3(o));
+        kinds.push("s3".into());
+    }
     if let Some(r) = &s.registry {
         found.push(ImportSource::Registry(r));
         kinds.push("registry".into());
@@ -111,10 +117,8 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
         found.push(ImportSource::Clone(c));
         kinds.push("pvc".into());
     }
-    for k in ["s3", "upload"] {
-        if (k == "s3" && s.s3.is_some()) || (k == "upload" && s.upload.is_some()) {
-            kinds.push(k.into());
-        }
+    if s.upload.is_some() {
+        kinds.push("upload".into());
     }
     kinds.extend(s.extra.keys().cloned());
     if kinds.len() != 1 {
@@ -138,6 +142,15 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
             Err(SpecError::new(
                 "spec.source.http.url",
                 &format!("{:?} is not an http:// or https:// URL", h.url),
+            ))
+        }
+        ImportSource::S3(o) if !(o.url.starts_with("http://") || o.url.starts_with("https://")) => {
+            Err(SpecError::new(
+                "spec.source.s3.url",
+                &format!(
+                    "{:?}: accepted is https://ENDPOINT/BUCKET/KEY (or http://)",
+                    o.url
+                ),
             ))
         }
         ImportSource::Registry(r) => {
@@ -300,6 +313,11 @@ impl Wiring {
                 if h.insecure_skip_verify == Some(true) {
                     self.env.push(var(env::ENV_INSECURE_TLS, "true"));
                 }
+            }
+            ImportSource::S3(o) => {
+                self.env.push(var(env::ENV_ENDPOINT, &o.url));
+                self.credentials(o.secret_ref.as_ref());
+                self.certs(o.cert_config_map.as_ref());
             }
             ImportSource::Registry(r) => {
                 self.env
@@ -589,6 +607,11 @@ mod tests {
                 "{source: {blank: {}, http: {url: 'http://a'}}}",
                 "spec.source",
                 "found 2: http, blank",
+            ),
+            (
+                "{source: {s3: {url: 's3://b/k'}}}",
+                "spec.source.s3.url",
+                "ENDPOINT/BUCKET/KEY",
             ),
             (
                 "{source: {gcs: {url: 'gs://b/o'}}}",

@@ -1,7 +1,8 @@
 //! cdi-importer: fills a volume from a DataVolume's source, configured as CDI's importer Pod
 //! is (the `IMPORTER_*` environment), or from flags when run by hand. Sources: `http` (https
 //! with the `certConfigMap`'s CAs, basic auth from the `secretRef`, extra headers),
-//! `registry` (`docker://…`: the file under `/disk/` of a containerDisk image), `blank` and
+//! `s3` (an object, signed with the secretRef's keys), `registry` (`docker://…`: the file
+//! under `/disk/` of a containerDisk image), `blank` and
 //! `pvc` (a clone of another claim, mounted read-only).
 //! Exit status 0 when the volume holds the whole image, 1 otherwise: the reason on stderr and,
 //! as JSON ([`api::cdi::importer::Outcome`]), in the Pod's termination message, where the
@@ -191,8 +192,9 @@ fn run(args: &Args) -> anyhow::Result<()> {
         "http" => http_import(args, &mut writer, available)?,
         "registry" => registry_import(args, &mut writer, available)?,
         "pvc" => clone_import(args, &mut writer, available)?,
+        "s3" => s3_import(args, &mut writer, available)?,
         other => bail!(
-            "source {other:?} is not served by this importer; accepted: http, registry, blank, pvc"
+            "source {other:?} is not served by this importer; accepted: http, s3, registry, blank, pvc"
         ),
     };
     // A smaller image's volume grows to the size asked for (never shrinks), as CDI resizes.
@@ -227,12 +229,8 @@ fn available_bytes(target: &File, path: &Path, requested: Option<u64>) -> anyhow
     Ok(requested.map_or(room, |r| r.min(room)))
 }
 
-/// The image at the endpoint, downloaded, checked and converted into the volume.
-fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
-    let url = args
-        .endpoint
-        .as_deref()
-        .context("the http source needs IMPORTER_ENDPOINT")?;
+/// The https client: the certConfigMap's CAs trusted besides the system's.
+fn http_client(args: &Args) -> anyhow::Result<reqwest::blocking::Client> {
     let mut client = reqwest::blocking::Client::builder()
         .connect_timeout(Duration::from_secs(30))
         // A large image takes as long as it takes; a failed Pod is retried by the kubelet.
@@ -245,7 +243,16 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
             client = client.add_root_certificate(cert);
         }
     }
-    let client = client.build()?;
+    Ok(client.build()?)
+}
+
+/// The image at the endpoint, downloaded, checked and converted into the volume.
+fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    let url = args
+        .endpoint
+        .as_deref()
+        .context("the http source needs IMPORTER_ENDPOINT")?;
+    let client = http_client(args)?;
     let mut req = client.get(url);
     if let Some(user) = &args.access_key_id {
         req = req.basic_auth(user, args.secret_key.as_deref());
@@ -266,6 +273,37 @@ fn http_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow
             .with_context(|| format!("extra header {h:?}: expected `Name: value`"))?;
         req = req.header(name.trim(), value.trim());
     }
+    download(args, req, url, writer, available)
+}
+
+/// An S3 object (`https://ENDPOINT/BUCKET/KEY`, or AWS's virtual-hosted form), fetched with
+/// a request signed (AWS Signature V4) with the secretRef's keys, or unsigned for a public
+/// object.
+fn s3_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    let url = args
+        .endpoint
+        .as_deref()
+        .context("the s3 source needs IMPORTER_ENDPOINT")?;
+    let object = importer::s3::S3Object::parse(url)?;
+    let client = http_client(args)?;
+    let mut req = client.get(object.url());
+    if let (Some(key), Some(secret)) = (&args.access_key_id, &args.secret_key) {
+        for (name, value) in object.signed_headers(key, secret, std::time::SystemTime::now())? {
+            req = req.header(name, value);
+        }
+    }
+    download(args, req, url, writer, available)
+}
+
+/// Sends `req`; the body, counted for the progress and hashed if a checksum is given,
+/// converted into the volume.
+fn download(
+    args: &Args,
+    req: reqwest::blocking::RequestBuilder,
+    url: &str,
+    writer: &mut SparseWriter,
+    available: u64,
+) -> anyhow::Result<u64> {
     let resp = req.send().with_context(|| format!("GET {url}"))?;
     let status = resp.status();
     if !status.is_success() {
