@@ -7,6 +7,7 @@ pub mod cloudinit;
 pub mod daemon;
 pub mod failure;
 pub mod foreground;
+pub mod images;
 pub mod manifest;
 pub mod migration_link;
 pub mod migration_tls;

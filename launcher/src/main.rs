@@ -242,6 +242,12 @@ fn daemon(args: DaemonArgs) -> ExitCode {
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Pull {
+    Missing,
+    Never,
+}
+
 #[derive(Args)]
 struct RunArgs {
     /// Boot this VirtualMachine or VirtualMachineInstance manifest (kubevirt.io/v1).
@@ -293,6 +299,15 @@ struct RunArgs {
     /// Print when the first vCPU first enters KVM_RUN (for benchmarks).
     #[arg(long, hide = true)]
     boot_timer: bool,
+    /// With -f: `missing` pulls containerDisk and kernelBoot images --image-dir lacks from
+    /// their registry (with `microvirt-pull`, docker's config.json for credentials); `never`
+    /// runs only from --image-dir.
+    #[arg(long, value_enum, default_value = "missing")]
+    pull: Pull,
+    /// A registry (`host:port`) that may be reached over plain HTTP (localhost's always may).
+    /// Repeatable.
+    #[arg(long = "insecure-registry", value_name = "HOST:PORT")]
+    insecure_registries: Vec<String>,
     /// Do not boot: wait at ADDR (tcp:HOST:PORT, HOST:PORT or unix:PATH) for one live
     /// migration of the VM described by -f or --kernel ..., then run it here.
     #[arg(long, value_name = "ADDR")]
@@ -392,6 +407,10 @@ impl RunArgs {
             },
             socket: self.socket.clone(),
             boot_timer: self.boot_timer,
+            pull: launcher::images::PullPolicy {
+                enabled: self.pull == Pull::Missing,
+                insecure_registries: self.insecure_registries.clone(),
+            },
         }
     }
 }

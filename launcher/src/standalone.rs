@@ -41,6 +41,8 @@ pub struct RunOptions {
     pub network: NetworkMode,
     pub socket: Option<PathBuf>,
     pub boot_timer: bool,
+    /// Whether (and how) `-f` pulls images the image directory lacks.
+    pub pull: crate::images::PullPolicy,
 }
 
 /// `validate -f` and `run --dry-run`: the plan as text, or the errors.
@@ -87,6 +89,8 @@ fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Pr
     }
     let env = opts.environment.clone();
     let name = manifest.name();
+    crate::images::pull_missing(manifest.vmi_spec(), &env.image_dir, &opts.pull)
+        .map_err(bad_config)?;
     let mut plan = crate::translate::translate(&name, manifest.vmi_spec(), &env)
         .map_err(|e| bad_config(format!("{}: {e}", path.display())))?;
     let mut network = None;

@@ -10,6 +10,7 @@
 //! crates' (flate2, xz2, zstd).
 
 pub mod format;
+pub mod pull;
 pub mod qcow2;
 pub mod registry;
 pub mod s3;

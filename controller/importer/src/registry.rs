@@ -114,7 +114,7 @@ async fn pull_layers(
 }
 
 /// The layer at `path` as a tar stream, decompressed by what its bytes say it is.
-fn layer_tar(path: &Path) -> Result<Box<dyn Read>> {
+pub(crate) fn layer_tar(path: &Path) -> Result<Box<dyn Read>> {
     let open = || File::open(path).map_err(ImportError::Read);
     let mut head = [0u8; 8];
     let n = open()?.read(&mut head).map_err(ImportError::Read)?;
