@@ -126,24 +126,51 @@ fn failed(
 /// The next status of a DataVolume whose spec can be imported.
 pub fn assess(o: &Observed) -> Assessment {
     let mut status = o.status.cloned().unwrap_or_default();
-    let now = o.now;
-    let (scheduled, in_progress) = if o.clone {
-        (
-            DataVolumePhase::CloneScheduled,
-            DataVolumePhase::CloneInProgress,
-        )
+    mirror_claim(&mut status, o.claim, o.now);
+    // Terminal phases stay; only the Pod is cleaned up.
+    if matches!(
+        status.phase,
+        Some(DataVolumePhase::Succeeded | DataVolumePhase::Failed)
+    ) {
+        let pod = if o.pod.is_some() {
+            PodAction::Delete
+        } else {
+            PodAction::Keep
+        };
+        return Assessment { status, pod };
+    }
+    let scheduled = if o.clone {
+        DataVolumePhase::CloneScheduled
     } else {
-        (
-            DataVolumePhase::ImportScheduled,
-            DataVolumePhase::ImportInProgress,
-        )
+        DataVolumePhase::ImportScheduled
     };
-    // The claim: Bound mirrors it.
-    let claim_phase = o
-        .claim
+    let Some(pod) = o.pod else {
+        status.phase = Some(if o.claim.is_some() {
+            scheduled
+        } else {
+            DataVolumePhase::Pending
+        });
+        status.progress.get_or_insert_with(|| "N/A".into());
+        set_condition(&mut status.conditions, "Running", false, "", "", o.now);
+        set_condition(&mut status.conditions, "Ready", false, "", "", o.now);
+        return Assessment {
+            status,
+            pod: if o.claim.is_some() {
+                PodAction::Create
+            } else {
+                PodAction::Keep
+            },
+        };
+    };
+    from_pod(status, o, pod)
+}
+
+/// `Bound` mirrors the claim.
+fn mirror_claim(status: &mut DataVolumeStatus, claim: Option<&PersistentVolumeClaim>, now: &str) {
+    let claim_phase = claim
         .and_then(|c| c.status.as_ref()?.phase.as_deref())
         .unwrap_or("Pending");
-    let claim_name = o.claim.and_then(|c| c.metadata.name.clone());
+    let claim_name = claim.and_then(|c| c.metadata.name.clone());
     status.claim_name = claim_name.clone();
     let bound = claim_phase == "Bound";
     let bound_msg = match (&claim_name, bound) {
@@ -159,35 +186,21 @@ pub fn assess(o: &Observed) -> Assessment {
         &bound_msg,
         now,
     );
-    // Terminal phases stay; only the Pod is cleaned up.
-    if matches!(
-        status.phase,
-        Some(DataVolumePhase::Succeeded | DataVolumePhase::Failed)
-    ) {
-        let pod = if o.pod.is_some() {
-            PodAction::Delete
-        } else {
-            PodAction::Keep
-        };
-        return Assessment { status, pod };
-    }
-    let Some(pod) = o.pod else {
-        status.phase = Some(if o.claim.is_some() {
-            scheduled
-        } else {
-            DataVolumePhase::Pending
-        });
-        status.progress.get_or_insert_with(|| "N/A".into());
-        set_condition(&mut status.conditions, "Running", false, "", "", now);
-        set_condition(&mut status.conditions, "Ready", false, "", "", now);
-        return Assessment {
-            status,
-            pod: if o.claim.is_some() {
-                PodAction::Create
-            } else {
-                PodAction::Keep
-            },
-        };
+}
+
+/// The status from the importer Pod: its phase, its container's state, its last failure.
+fn from_pod(mut status: DataVolumeStatus, o: &Observed, pod: &Pod) -> Assessment {
+    let now = o.now;
+    let (scheduled, in_progress) = if o.clone {
+        (
+            DataVolumePhase::CloneScheduled,
+            DataVolumePhase::CloneInProgress,
+        )
+    } else {
+        (
+            DataVolumePhase::ImportScheduled,
+            DataVolumePhase::ImportInProgress,
+        )
     };
     let c = container(pod);
     let restarts = c.map(|c| c.restart_count).unwrap_or(0);

@@ -214,33 +214,13 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
             return refuse(&dvs, &dv, &foreign("Pod", &pod_name), &ctx).await;
         }
     }
-    // A clone's source: it must exist; its size is the default, its mode decides the mount.
-    let mut source_block = false;
-    let mut grow = true;
-    let mut spec_dv = dv.as_ref().clone();
-    if let ImportSource::Clone(c) = src {
-        let Some(source) = pvcs.get_opt(&c.name).await? else {
-            return refuse(
-                &dvs,
-                &dv,
-                &SpecError::new(
-                    "spec.source.pvc.name",
-                    &format!(
-                        "PersistentVolumeClaim {} not found in namespace {ns}",
-                        c.name
-                    ),
-                ),
-                &ctx,
-            )
-            .await;
-        };
-        let sspec = source.spec.clone().unwrap_or_default();
-        source_block = sspec.volume_mode.as_deref() == Some("Block");
-        grow = !default_clone_size(&mut spec_dv, &sspec);
-    }
-    let default_class = default_virt_class(client).await;
-    let (claim_spec, shape) = match claim::claim_spec(&spec_dv, default_class.as_deref()) {
-        Ok(s) => s,
+    let ClaimPlan {
+        spec: claim_spec,
+        shape,
+        source_block,
+        grow,
+    } = match claim_plan(&dv, src, &pvcs, client).await? {
+        Ok(p) => p,
         Err(e) => return refuse(&dvs, &dv, &e, &ctx).await,
     };
     let terminal = matches!(
@@ -311,6 +291,51 @@ pub async fn reconcile(dv: Arc<DataVolume>, ctx: Arc<Context>) -> Result<Action>
     } else {
         Action::requeue(Duration::from_secs(60))
     })
+}
+
+/// The claim to make and its shape; for a clone, whether its source is a block device and
+/// whether the image is grown (not when the size is the source's). A clone's source must exist.
+async fn claim_plan(
+    dv: &DataVolume,
+    src: ImportSource<'_>,
+    pvcs: &Api<PersistentVolumeClaim>,
+    client: &kube::Client,
+) -> Result<Result<ClaimPlan, SpecError>> {
+    let mut source_block = false;
+    let mut grow = true;
+    let mut spec_dv = dv.clone();
+    if let ImportSource::Clone(c) = src {
+        let Some(source) = pvcs.get_opt(&c.name).await? else {
+            return Ok(Err(SpecError::new(
+                "spec.source.pvc.name",
+                &format!(
+                    "PersistentVolumeClaim {} not found in namespace {}",
+                    c.name,
+                    dv.namespace().unwrap_or_default()
+                ),
+            )));
+        };
+        let sspec = source.spec.clone().unwrap_or_default();
+        source_block = sspec.volume_mode.as_deref() == Some("Block");
+        grow = !default_clone_size(&mut spec_dv, &sspec);
+    }
+    let default_class = default_virt_class(client).await;
+    Ok(
+        claim::claim_spec(&spec_dv, default_class.as_deref()).map(|(spec, shape)| ClaimPlan {
+            spec,
+            shape,
+            source_block,
+            grow,
+        }),
+    )
+}
+
+/// The claim a DataVolume needs, and how its importer fills it.
+struct ClaimPlan {
+    spec: k8s_openapi::api::core::v1::PersistentVolumeClaimSpec,
+    shape: claim::ClaimShape,
+    source_block: bool,
+    grow: bool,
 }
 
 /// A clone's size, when the DataVolume gives none: the source claim's. Whether it was taken.
