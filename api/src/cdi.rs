@@ -317,6 +317,42 @@ pub mod importer {
     }
 }
 
+/// `virtctl image-upload`'s path: a token from an `UploadTokenRequest`
+/// (`upload.cdi.kubevirt.io/v1beta1`, served by virt-api) and the upload proxy (virt-api's
+/// `/v1beta1/upload`), which passes the bytes to the DataVolume's importer Pod in upload mode.
+/// The token is an ES256 JWT signed with a key only virt-controller and virt-api read; the
+/// importer checks it again against the public key in its Pod, so the Pod, reachable on the
+/// Pod network, takes data only for its own claim.
+pub mod upload {
+    use super::*;
+
+    pub const GROUP: &str = "upload.cdi.kubevirt.io";
+    pub const VERSION: &str = "v1beta1";
+    pub const PLURAL: &str = "uploadtokenrequests";
+    /// The upload proxy's synchronous and asynchronous paths (CDI's).
+    pub const UPLOAD_PATH: &str = "/v1beta1/upload";
+    pub const UPLOAD_ASYNC_PATH: &str = "/v1beta1/upload-async";
+    /// The Secret (in virt-controller's namespace) holding the signing key pair.
+    pub const KEY_SECRET: &str = "microvirt-upload-token";
+    pub const PRIVATE_KEY: &str = "private.pem";
+    pub const PUBLIC_KEY: &str = "public.pem";
+    /// A token's life (CDI's: five minutes).
+    pub const TOKEN_TTL_SECS: u64 = 300;
+    /// The upload-mode importer's environment.
+    pub const ENV_PUBLIC_KEY: &str = "IMPORTER_UPLOAD_PUBLIC_KEY";
+    pub const ENV_CLAIM: &str = "IMPORTER_UPLOAD_CLAIM";
+    pub const ENV_NAMESPACE: &str = "POD_NAMESPACE";
+
+    /// What a token allows: uploading into one claim of one namespace until `exp`.
+    #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+    pub struct TokenClaims {
+        pub pvc: String,
+        pub namespace: String,
+        pub iat: u64,
+        pub exp: u64,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

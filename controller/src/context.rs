@@ -38,6 +38,8 @@ pub struct ControllerConfig {
     pub importer: crate::cdi::importer_pod::ImporterConfig,
     /// How often a running import's progress is read (CDI: every reconcile, ~2 s).
     pub import_progress_interval: Duration,
+    /// virt-controller's own namespace (where the upload signing key is kept).
+    pub namespace: String,
 }
 
 impl Default for ControllerConfig {
@@ -58,6 +60,7 @@ impl Default for ControllerConfig {
             datavolume_import: Default::default(),
             importer: Default::default(),
             import_progress_interval: Duration::from_secs(2),
+            namespace: "microvirt".into(),
         }
     }
 }

@@ -226,6 +226,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     config.default_eviction_strategy = args.default_eviction_strategy;
     config.drain_taint_key = Some(args.node_drain_taint_key.clone()).filter(|k| !k.is_empty());
     config.datavolume_import = args.datavolume_import;
+    config.namespace = args.namespace.clone();
     config.importer.image = args.importer_image.clone();
     config.importer.insecure_registries = args.insecure_registries.clone();
     config.importer.max_restarts = args.import_max_restarts;

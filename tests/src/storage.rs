@@ -444,8 +444,12 @@ impl Runner {
                     secret_data(secret)
                         .remove(&k.key)
                         .ok_or(format!("secret {} has no key {}", k.name, k.key))?
-                } else if from.field_ref.map(|f| f.field_path).as_deref() == Some("status.podIP") {
-                    self.ip.clone()
+                } else if let Some(f) = from.field_ref {
+                    match f.field_path.as_str() {
+                        "status.podIP" => self.ip.clone(),
+                        "metadata.namespace" => ns.clone(),
+                        other => return Err(format!("env {}: field {other} not emulated", e.name)),
+                    }
                 } else {
                     return Err(format!("env {}: source not emulated", e.name));
                 }

@@ -34,11 +34,15 @@ impl Drop for VirtApi {
     }
 }
 
-/// The APIServices of `deploy/virt-api.yaml` (their caBundle is virt-api's to publish).
+/// The APIServices of `deploy/virt-api.yaml` and `deploy/cdi/upload.yaml` (a cluster without
+/// CDI; their caBundle is virt-api's to publish).
 async fn create_apiservices(client: &kube::Client) {
     let gvk = GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
     let services: Api<DynamicObject> = Api::all_with(client.clone(), &ApiResource::from_gvk(&gvk));
-    let text = std::fs::read_to_string(crate::repo_root().join("deploy/virt-api.yaml")).unwrap();
+    let root = crate::repo_root();
+    let text = std::fs::read_to_string(root.join("deploy/virt-api.yaml")).unwrap()
+        + "\n---\n"
+        + &std::fs::read_to_string(root.join("deploy/cdi/upload.yaml")).unwrap();
     for doc in serde_yaml::Deserializer::from_str(&text) {
         let v: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
         if v["kind"] == "APIService" {

@@ -447,3 +447,117 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
     node.stop().await;
     let _ = std::fs::remove_dir_all(&work);
 }
+
+/// `virtctl image-upload` as a namespace user: the DataVolume made, its upload server (the
+/// importer in upload mode) waited for, a token from virt-api's UploadTokenRequest (through
+/// the API server's aggregation, the user's RBAC checked), the file through virt-api's upload
+/// proxy into the claim. A request without a valid token is refused by the proxy and by the
+/// upload server itself; a user without CDI's edit role gets no token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn virtctl_image_upload_fills_a_datavolume_through_the_proxy() {
+    use tests::rbac::Authorizer;
+    use tests::virt_api::grant;
+    let status = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", "virt-api", "--bins"])
+        .current_dir(tests::repo_root())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let bins = tests::repo_root().join("target/debug");
+    let work = std::env::temp_dir().join(format!("mv-cdi-upload-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    let c = Cluster::start().await;
+    let cdi_roles =
+        std::fs::read_to_string(tests::repo_root().join("deploy/cdi/upload.yaml")).unwrap();
+    c.api.enforce_rbac(
+        Authorizer::from_dir(&tests::repo_root().join("deploy/rbac"))
+            .with_yaml(&cdi_roles)
+            .with_yaml(&grant("alice", "cdi.kubevirt.io:edit", NS))
+            .with_yaml(&grant("bob", "cdi.kubevirt.io:view", NS)),
+    );
+    let _controller = c.replica(config(), None);
+    let node = ImportNode::start(&c, &work.join("volumes"));
+    let virt_api = tests::virt_api::start(&c, &bins.join("virt-api"), &work, &[]).await;
+    let d = work.display();
+    sh(&format!(
+        "cd {d}; head -c 2097152 /dev/urandom > disk.raw; truncate -s 6M disk.raw
+         qemu-img convert -f raw -O qcow2 disk.raw disk.qcow2; gzip -k disk.qcow2"
+    ));
+    let alice = work.join("alice.kubeconfig");
+    c.api.write_kubeconfig(&alice, Some("alice"));
+    let bob = work.join("bob.kubeconfig");
+    c.api.write_kubeconfig(&bob, Some("bob"));
+    let proxy = format!("https://{}", virt_api.addr);
+    let virtctl = |kubeconfig: &std::path::Path, args: Vec<String>| {
+        let (bin, kc) = (bins.join("virtctl"), kubeconfig.to_path_buf());
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(bin)
+                .arg("--kubeconfig")
+                .arg(kc)
+                .args(args)
+                .output()
+                .unwrap()
+        })
+    };
+    let upload_args = |name: &str| -> Vec<String> {
+        [
+            "image-upload",
+            "dv",
+            name,
+            "--size=16Mi",
+            "--image-path",
+            &format!("{d}/disk.qcow2.gz"),
+            "--uploadproxy-url",
+            &proxy,
+            "--insecure",
+            "--wait-secs=60",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let out = virtctl(&alice, upload_args("up")).await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("Pod now ready"), "{stdout}");
+    assert!(
+        stdout.contains("Uploading data completed successfully")
+            && stdout.contains("Processing completed successfully"),
+        "{stdout}"
+    );
+    let d = c.api::<DataVolume>().get("up").await.unwrap();
+    assert_eq!(phase(&d), Some(DataVolumePhase::Succeeded));
+    let got = disk_of(&node, "up");
+    let want = std::fs::read(work.join("disk.raw")).unwrap();
+    assert_eq!(got.len(), 16 << 20);
+    assert!(
+        got[..want.len()] == want[..],
+        "the upload differs from the image"
+    );
+
+    // Without a valid token the proxy takes nothing.
+    let raw = std::process::Command::new("curl")
+        .args(["-sk", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST"])
+        .args([
+            "-H",
+            "Authorization: Bearer forged.token.value",
+            "--data-binary",
+            "abc",
+        ])
+        .arg(format!("{proxy}/v1beta1/upload"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&raw.stdout), "401");
+    // A viewer may not create DataVolumes or ask for upload tokens.
+    let out = virtctl(&bob, upload_args("bobs")).await.unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && e.contains("forbidden"), "{e}");
+    node.stop().await;
+    drop(virt_api);
+    let _ = std::fs::remove_dir_all(&work);
+}

@@ -132,6 +132,14 @@ impl ServingCert {
     }
 }
 
+/// A new ECDSA P-256 key pair for signing tokens (ES256): the private key (PKCS#8 PEM) and
+/// the public key (SPKI PEM).
+pub fn signing_key_pair() -> (String, String) {
+    let pair = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
+        .expect("generating a P-256 key");
+    (pair.serialize_pem(), pair.public_key_pem())
+}
+
 /// Serves `app` over TLS on `listener` until the process ends; each request carries the
 /// connection's `PeerCertificate` as an extension.
 pub async fn serve_tls(

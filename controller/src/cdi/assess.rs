@@ -22,12 +22,41 @@ pub enum PodAction {
     Delete,
 }
 
+/// How the claim is filled, which names the phases.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Import,
+    Clone,
+    /// The Pod waits for `virtctl image-upload`: UploadScheduled, then UploadReady while it runs.
+    Upload,
+}
+
+impl Flow {
+    /// The phases while the Pod is pending and while it runs.
+    fn phases(self) -> (DataVolumePhase, DataVolumePhase) {
+        match self {
+            Flow::Import => (
+                DataVolumePhase::ImportScheduled,
+                DataVolumePhase::ImportInProgress,
+            ),
+            Flow::Clone => (
+                DataVolumePhase::CloneScheduled,
+                DataVolumePhase::CloneInProgress,
+            ),
+            Flow::Upload => (
+                DataVolumePhase::UploadScheduled,
+                DataVolumePhase::UploadReady,
+            ),
+        }
+    }
+}
+
 /// What is observed of a DataVolume's world.
 pub struct Observed<'a> {
     pub status: Option<&'a DataVolumeStatus>,
     pub claim: Option<&'a PersistentVolumeClaim>,
     pub pod: Option<&'a Pod>,
-    pub clone: bool,
+    pub flow: Flow,
     pub max_restarts: i32,
     pub now: &'a str,
 }
@@ -139,11 +168,7 @@ pub fn assess(o: &Observed) -> Assessment {
         };
         return Assessment { status, pod };
     }
-    let scheduled = if o.clone {
-        DataVolumePhase::CloneScheduled
-    } else {
-        DataVolumePhase::ImportScheduled
-    };
+    let (scheduled, _) = o.flow.phases();
     let Some(pod) = o.pod else {
         status.phase = Some(if o.claim.is_some() {
             scheduled
@@ -191,17 +216,7 @@ fn mirror_claim(status: &mut DataVolumeStatus, claim: Option<&PersistentVolumeCl
 /// The status from the importer Pod: its phase, its container's state, its last failure.
 fn from_pod(mut status: DataVolumeStatus, o: &Observed, pod: &Pod) -> Assessment {
     let now = o.now;
-    let (scheduled, in_progress) = if o.clone {
-        (
-            DataVolumePhase::CloneScheduled,
-            DataVolumePhase::CloneInProgress,
-        )
-    } else {
-        (
-            DataVolumePhase::ImportScheduled,
-            DataVolumePhase::ImportInProgress,
-        )
-    };
+    let (scheduled, in_progress) = o.flow.phases();
     let c = container(pod);
     let restarts = c.map(|c| c.restart_count).unwrap_or(0);
     status.restart_count = Some(restarts);
@@ -214,10 +229,10 @@ fn from_pod(mut status: DataVolumeStatus, o: &Observed, pod: &Pod) -> Assessment
     if pod_phase == "Succeeded" {
         status.phase = Some(DataVolumePhase::Succeeded);
         status.progress = Some("100.0%".into());
-        let done = if o.clone {
-            "Clone Complete"
-        } else {
-            "Import Complete"
+        let done = match o.flow {
+            Flow::Clone => "Clone Complete",
+            Flow::Upload => "Upload Complete",
+            Flow::Import => "Import Complete",
         };
         set_condition(
             &mut status.conditions,
@@ -331,7 +346,7 @@ mod tests {
             status,
             claim,
             pod,
-            clone: false,
+            flow: Flow::Import,
             max_restarts: 3,
             now: NOW,
         }

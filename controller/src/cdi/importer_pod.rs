@@ -54,6 +54,8 @@ pub enum ImportSource<'a> {
     Blank,
     /// Another claim of the same namespace, copied.
     Clone(&'a ClaimSource),
+    /// Bytes `virtctl image-upload` sends through the upload proxy.
+    Upload,
 }
 
 impl ImportSource<'_> {
@@ -65,15 +67,21 @@ impl ImportSource<'_> {
             ImportSource::Registry(_) => "registry",
             ImportSource::Blank => "blank",
             ImportSource::Clone(_) => "pvc",
+            ImportSource::Upload => "upload",
         }
     }
 
-    pub fn is_clone(&self) -> bool {
-        matches!(self, ImportSource::Clone(_))
+    /// How the claim is filled (which names the phases).
+    pub fn flow(&self) -> super::assess::Flow {
+        match self {
+            ImportSource::Clone(_) => super::assess::Flow::Clone,
+            ImportSource::Upload => super::assess::Flow::Upload,
+            _ => super::assess::Flow::Import,
+        }
     }
 }
 
-const SERVED: &str = "accepted: http, s3, registry, blank, pvc (same namespace)";
+const SERVED: &str = "accepted: http, s3, registry, blank, upload, pvc (same namespace)";
 
 /// The DataVolume's one source, or why it cannot be imported here.
 pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
@@ -118,6 +126,7 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
         kinds.push("pvc".into());
     }
     if s.upload.is_some() {
+        found.push(ImportSource::Upload);
         kinds.push("upload".into());
     }
     kinds.extend(s.extra.keys().cloned());
@@ -332,6 +341,20 @@ impl Wiring {
                 }
             }
             ImportSource::Blank => {}
+            ImportSource::Upload => {
+                // The claim and namespace a token must name; the key to check it with.
+                self.env.push(EnvVar {
+                    name: api::cdi::upload::ENV_NAMESPACE.into(),
+                    value: None,
+                    value_from: Some(EnvVarSource {
+                        field_ref: Some(ObjectFieldSelector {
+                            field_path: "metadata.namespace".into(),
+                            api_version: None,
+                        }),
+                        ..Default::default()
+                    }),
+                });
+            }
             ImportSource::Clone(c) => {
                 self.volumes
                     .push(claim_volume("cdi-source-vol", &c.name, true));
@@ -362,6 +385,8 @@ pub struct ImportTarget<'a> {
     pub source_block: bool,
     /// Grow the image to the size asked for (not when a clone's size was the source's).
     pub grow: bool,
+    /// The upload tokens' public key (PEM), for an upload.
+    pub upload_key: Option<String>,
 }
 
 /// The importer Pod of `dv`, filling `target` from `src`.
@@ -375,6 +400,10 @@ pub fn render(
     let mut w = Wiring::default();
     w.source(src, cfg, target.source_block);
     w.target(target.claim, shape);
+    if let (ImportSource::Upload, Some(key)) = (src, &target.upload_key) {
+        w.env.push(var(api::cdi::upload::ENV_PUBLIC_KEY, key));
+        w.env.push(var(api::cdi::upload::ENV_CLAIM, target.claim));
+    }
     // Scratch space for a qcow2 image (random access) or registry layers: node-local, as
     // large as the image may be. CDI uses a scratch claim of the DataVolume's size instead.
     w.volumes.push(Volume {
@@ -516,6 +545,7 @@ mod tests {
             shape: FS,
             source_block: false,
             grow: true,
+            upload_key: None,
         };
         let p = render(&d, src, &t, &ImporterConfig::default());
         let e = env_of(&p);
@@ -573,6 +603,7 @@ mod tests {
             shape: block,
             source_block: false,
             grow: false,
+            upload_key: None,
         };
         let p = render(&d, src, &t, &ImporterConfig::default());
         let e = env_of(&p);
@@ -618,7 +649,6 @@ mod tests {
                 "spec.source.gcs",
                 "not served",
             ),
-            ("{source: {upload: {}}}", "spec.source.upload", "not served"),
             (
                 "{source: {http: {url: 'ftp://a'}}}",
                 "spec.source.http.url",
@@ -651,6 +681,9 @@ mod tests {
             assert!(e.reason.contains(words), "{spec}: {e}");
         }
         let d = dv("{source: {pvc: {namespace: ns, name: x}}}");
-        assert!(source_of(&d).unwrap().is_clone());
+        assert_eq!(
+            source_of(&d).unwrap().flow(),
+            crate::cdi::assess::Flow::Clone
+        );
     }
 }

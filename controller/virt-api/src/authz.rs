@@ -11,11 +11,13 @@ use kube::api::{Api, PostParams};
 
 use crate::identity::Identity;
 use crate::status::SubresourceError;
-use crate::GROUP;
 
 /// One call, as RBAC sees it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Access<'a> {
+    /// The API group (`subresources.kubevirt.io`, or `upload.cdi.kubevirt.io` for upload
+    /// tokens).
+    pub group: &'a str,
     /// `get` for reads and streams, `update` for the verbs (KubeVirt's mapping of GET/PUT).
     pub verb: &'static str,
     /// `virtualmachines` or `virtualmachineinstances`.
@@ -35,7 +37,7 @@ impl Access<'_> {
                 extra: (!who.extra.is_empty())
                     .then(|| who.extra.clone().into_iter().collect::<BTreeMap<_, _>>()),
                 resource_attributes: Some(ResourceAttributes {
-                    group: Some(GROUP.into()),
+                    group: Some(self.group.into()),
                     version: Some("v1".into()),
                     resource: Some(self.resource.into()),
                     subresource: Some(self.subresource.into()),
@@ -52,9 +54,15 @@ impl Access<'_> {
 
     /// The API server's words for a refusal.
     fn forbidden(&self, who: &Identity, why: Option<&str>) -> SubresourceError {
+        let g = self.group;
+        let what = if self.subresource.is_empty() {
+            self.resource.to_string()
+        } else {
+            format!("{}/{}", self.resource, self.subresource)
+        };
         let mut message = format!(
-            "{}.{GROUP} \"{}\" is forbidden: User \"{}\" cannot {} resource \"{}/{}\" in API group \"{GROUP}\" in the namespace \"{}\"",
-            self.resource, self.name, who.user, self.verb, self.resource, self.subresource, self.namespace
+            "{}.{g} \"{}\" is forbidden: User \"{}\" cannot {} resource \"{what}\" in API group \"{g}\" in the namespace \"{}\"",
+            self.resource, self.name, who.user, self.verb, self.namespace
         );
         if let Some(why) = why.filter(|w| !w.is_empty()) {
             message.push_str(": ");

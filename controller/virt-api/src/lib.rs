@@ -13,8 +13,10 @@ pub mod create;
 pub mod expose;
 pub mod handlers;
 pub mod identity;
+pub mod image_upload;
 pub mod server;
 pub mod status;
+pub mod upload;
 pub mod verbs;
 
 /// The API group virt-api serves.

@@ -99,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let app = router(Arc::new(ApiState {
         client,
+        namespace: args.namespace.clone(),
         front_proxy,
         handlers,
     }));
@@ -116,6 +117,35 @@ async fn read_front_proxy(client: &kube::Client) -> anyhow::Result<FrontProxy> {
         .await
         .with_context(|| format!("reading {CONFIG_MAP_NAMESPACE}/{CONFIG_MAP_NAME} (the API server's front-proxy settings; virt-api's service account needs the extension-apiserver-authentication-reader Role)"))?;
     FrontProxy::from_config_map(&cm.data.unwrap_or_default()).map_err(anyhow::Error::msg)
+}
+
+/// The upload tokens' APIService (`deploy/cdi/`, only on clusters without CDI) gets the
+/// bundle too — but only when it points at virt-api: CDI's own, pointing at cdi-api, is left
+/// alone.
+async fn publish_to_upload_apiservice(
+    services: &Api<kube::api::DynamicObject>,
+    patch: &serde_json::Value,
+) {
+    use kube::api::{Patch, PatchParams};
+    let name = format!("{}.{}", api::cdi::upload::VERSION, api::cdi::upload::GROUP);
+    let Ok(Some(svc)) = services.get_opt(&name).await else {
+        return;
+    };
+    if svc
+        .data
+        .pointer("/spec/service/name")
+        .and_then(|n| n.as_str())
+        != Some("virt-api")
+    {
+        tracing::info!(apiservice = %name, "served by another component (CDI): left alone");
+        return;
+    }
+    if let Err(e) = services
+        .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+    {
+        tracing::warn!(apiservice = %name, error = %e, "publishing the CA bundle failed");
+    }
 }
 
 /// The self-signed certificate as the caBundle of virt-api's APIServices, so the API server
@@ -140,7 +170,10 @@ async fn publish_ca_bundle(client: kube::Client, pem: String) {
             }
         }
         match result {
-            Ok(()) => return,
+            Ok(()) => {
+                publish_to_upload_apiservice(&services, &patch).await;
+                return;
+            }
             Err((name, e)) => {
                 tracing::warn!(apiservice = %name, error = %e, retry_in = ?delay, "publishing the CA bundle failed")
             }

@@ -27,6 +27,8 @@ use crate::{GROUP, VERSIONS};
 pub struct ApiState {
     /// virt-api's own service account: it writes what a verb changes.
     pub client: kube::Client,
+    /// virt-api's namespace (where the upload tokens' signing key is).
+    pub namespace: String,
     pub front_proxy: FrontProxy,
     /// The way to virt-handler (consoles, pause/unpause); None: not configured.
     pub handlers: Option<HandlerDialer>,
@@ -36,6 +38,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
     let base = format!("/apis/{GROUP}/{{version}}");
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .merge(crate::upload::router())
         .route(&base, get(discovery))
         .route(&format!("{base}/healthz"), get(|| async { "ok" }))
         .route(&format!("{base}/version"), get(version))
@@ -309,6 +312,7 @@ async fn handle(
         ));
     }
     let access = Access {
+        group: GROUP,
         verb: rbac_verb,
         resource: &t.resource,
         // RBAC names the subresource by its first segment (`vnc` for `vnc/screenshot`).

@@ -92,7 +92,9 @@ fn main() {
         )
         .init();
     let args = Args::parse();
-    if let (Some(ip), Some(owner)) = (args.pod_ip, args.owner_uid.clone()) {
+    // The upload server takes the Pod's port itself; an upload's progress is the client's.
+    let uploading = args.source == "upload";
+    if let (Some(ip), Some(owner), false) = (args.pod_ip, args.owner_uid.clone(), uploading) {
         if let Err(e) = serve_progress(ip, owner) {
             tracing::warn!("progress is not served: {e}");
         }
@@ -193,8 +195,9 @@ fn run(args: &Args) -> anyhow::Result<()> {
         "registry" => registry_import(args, &mut writer, available)?,
         "pvc" => clone_import(args, &mut writer, available)?,
         "s3" => s3_import(args, &mut writer, available)?,
+        "upload" => upload_import(args, &mut writer, available)?,
         other => bail!(
-            "source {other:?} is not served by this importer; accepted: http, s3, registry, blank, pvc"
+            "source {other:?} is not served by this importer; accepted: http, s3, registry, blank, pvc, upload"
         ),
     };
     // A smaller image's volume grows to the size asked for (never shrinks), as CDI resizes.
@@ -324,6 +327,87 @@ fn download(
     };
     tracing::info!(?report.compression, ?report.format, written = report.written_bytes, "converted");
     Ok(report.virtual_size)
+}
+
+/// Upload mode (CDI's upload server): serves `POST /v1beta1/upload` on the Pod's IP, port
+/// 8443, for the upload proxy; the body, once its token proves it is for this claim of this
+/// namespace and not expired, is imported as any image. A request without a valid token is
+/// refused and the server keeps waiting; a failed import ends the Pod (the kubelet restarts
+/// it, the DataVolume shows why). By hand on tiny_http: one request at a time is all an upload
+/// needs.
+fn upload_import(args: &Args, writer: &mut SparseWriter, available: u64) -> anyhow::Result<u64> {
+    use api::cdi::upload;
+    let env = |k: &str| std::env::var(k).with_context(|| format!("upload mode needs {k}"));
+    let key = env(upload::ENV_PUBLIC_KEY)?;
+    let claim = env(upload::ENV_CLAIM)?;
+    let namespace = env(upload::ENV_NAMESPACE)?;
+    let decoding = jsonwebtoken::DecodingKey::from_ec_pem(key.as_bytes())
+        .context("the upload token's public key")?;
+    let ip = args
+        .pod_ip
+        .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+    let server = tiny_http::Server::http((ip, pod::METRICS_PORT))
+        .map_err(|e| anyhow::anyhow!("serving uploads on {ip}:{}: {e}", pod::METRICS_PORT))?;
+    tracing::info!(%ip, claim, "waiting for the upload");
+    loop {
+        let mut req = server.recv()?;
+        let path = req.url().split('?').next().unwrap_or_default().to_string();
+        let method = req.method().clone();
+        if path == "/healthz" || (method == tiny_http::Method::Head && path == upload::UPLOAD_PATH)
+        {
+            let _ = req.respond(tiny_http::Response::from_string("ok"));
+            continue;
+        }
+        if method != tiny_http::Method::Post || path != upload::UPLOAD_PATH {
+            let _ = req.respond(
+                tiny_http::Response::from_string(format!("POST {} only", upload::UPLOAD_PATH))
+                    .with_status_code(404),
+            );
+            continue;
+        }
+        let bearer = req
+            .headers()
+            .iter()
+            .find(|h| h.field.equiv("Authorization"))
+            .and_then(|h| h.value.as_str().strip_prefix("Bearer "))
+            .map(str::to_string);
+        let valid = bearer.and_then(|t| {
+            let v = jsonwebtoken::Validation::new(jsonwebtoken::Algorithm::ES256);
+            jsonwebtoken::decode::<upload::TokenClaims>(&t, &decoding, &v).ok()
+        });
+        match valid {
+            Some(t) if t.claims.pvc == claim && t.claims.namespace == namespace => {}
+            _ => {
+                let _ = req.respond(
+                    tiny_http::Response::from_string(
+                        "the upload token is missing, expired or not for this claim",
+                    )
+                    .with_status_code(401),
+                );
+                continue;
+            }
+        }
+        let total = req.body_length().map(|l| l as u64);
+        let result = import(
+            Progress::new(req.as_reader(), total),
+            &args.scratch,
+            writer,
+            available,
+        );
+        return match result {
+            Ok(report) => {
+                let _ = req.respond(tiny_http::Response::from_string("uploaded"));
+                Ok(report.virtual_size)
+            }
+            Err(e) => {
+                let _ = req.respond(
+                    tiny_http::Response::from_string(format!("Unable to process data: {e}"))
+                        .with_status_code(400),
+                );
+                Err(e.into())
+            }
+        };
+    }
 }
 
 /// Another claim's image (its `disk.img`, or its device), mounted read-only: copied sparsely,

@@ -84,6 +84,55 @@ impl Stopping {
     }
 }
 
+#[derive(Args)]
+struct ImageUploadArgs {
+    #[arg(value_parser = ["dv"])]
+    kind: String,
+    name: String,
+    /// The DataVolume's size (needed to create it).
+    #[arg(long)]
+    size: Option<String>,
+    /// The image file (raw or qcow2, optionally gz/xz/zst).
+    #[arg(long)]
+    image_path: std::path::PathBuf,
+    /// The upload proxy: virt-api's address (https://…), reachable from here.
+    #[arg(long)]
+    uploadproxy_url: String,
+    /// Accept the proxy's certificate unchecked.
+    #[arg(long)]
+    insecure: bool,
+    /// Upload into an existing DataVolume.
+    #[arg(long)]
+    no_create: bool,
+    #[arg(long)]
+    storage_class: Option<String>,
+    #[arg(long)]
+    access_mode: Option<String>,
+    #[arg(long)]
+    volume_mode: Option<String>,
+    /// Seconds to wait for the upload server and for the processing.
+    #[arg(long, default_value_t = 300)]
+    wait_secs: u64,
+}
+
+impl ImageUploadArgs {
+    fn request(self, namespace: &str) -> virt_api::image_upload::UploadRequest {
+        virt_api::image_upload::UploadRequest {
+            name: self.name,
+            namespace: namespace.to_string(),
+            size: self.size,
+            image_path: self.image_path,
+            proxy_url: self.uploadproxy_url,
+            insecure: self.insecure,
+            no_create: self.no_create,
+            storage_class: self.storage_class,
+            access_mode: self.access_mode,
+            volume_mode: self.volume_mode,
+            wait: std::time::Duration::from_secs(self.wait_secs),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Start a virtual machine.
@@ -176,6 +225,9 @@ enum Command {
     Vnc { name: String },
     /// Print the client and server versions.
     Version,
+    /// Upload a disk image into a DataVolume (made unless --no-create), through the upload
+    /// proxy.
+    ImageUpload(ImageUploadArgs),
     /// Print a VM with its instance type and preference applied.
     Expand {
         #[arg(long = "vm")]
@@ -605,6 +657,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .with_context(|| format!("Error connecting to VNC of {name}"))?;
         }
         Command::Version => version(&s).await?,
+        Command::ImageUpload(args) => {
+            let r = args.request(&s.namespace);
+            virt_api::image_upload::image_upload(&s.client, &r).await?;
+        }
     }
     Ok(())
 }
