@@ -211,7 +211,8 @@ fn assert_rejected(manifest: &str, expected: &[&str]) {
         expected[0].len()
     ));
     std::fs::write(&path, manifest).unwrap();
-    let out = launcher_run(&["-f", path.to_str().unwrap()]);
+    // Offline: these are about the manifest, not about pulling the images it names.
+    let out = launcher_run(&["-f", path.to_str().unwrap(), "--pull", "never"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     for e in expected {

@@ -165,7 +165,7 @@ fn a_download_cut_short_and_a_blank_volume() {
         ("IMPORTER_TARGET", target.display().to_string()),
     ]);
     assert!(
-        stderr(&o).contains("accepted: http, registry, blank"),
+        stderr(&o).contains("accepted: http, s3, registry, blank, pvc, upload"),
         "{}",
         stderr(&o)
     );
