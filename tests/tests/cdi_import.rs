@@ -5,7 +5,8 @@
 //! docker-registry holding a containerDisk pushed with skopeo, moto's S3 server checking the
 //! signatures of the importer's requests. What lands in each claim is
 //! compared with `qemu-img convert -O raw` of the same image. A VM with `dataVolumeTemplates`
-//! waits (Provisioning) and gets its VMI once every import has Succeeded. Bad sources end
+//! waits (Provisioning) and gets its VMI once every import has Succeeded; the launcher then runs
+//! that VMI on the claims and the probe guest checks every disk. Bad sources end
 //! Failed with the reason, after bounded retries where retrying can help, and never Ready.
 
 use std::time::Duration;
@@ -109,6 +110,48 @@ fn image(n: &Server) -> (Vec<u8>, String) {
 
 fn disk_of(node: &ImportNode, claim: &str) -> Vec<u8> {
     std::fs::read(node.claim_dir(NS, claim).join("disk.img")).unwrap()
+}
+
+/// The VMI virt-controller made, run by the launcher on the claims as they are on the node:
+/// the probe guest writes, reads back and verifies a pattern on every disk.
+fn boot_probe_on(node: &ImportNode, vmi: &VirtualMachineInstance, work: &std::path::Path) {
+    tests::require_kvm();
+    let status = std::process::Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--quiet",
+            "-p",
+            "launcher",
+            "--bin",
+            "virt-launcher",
+        ])
+        .current_dir(tests::repo_root())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let manifest = work.join("vmi.yaml");
+    std::fs::write(&manifest, serde_yaml::to_string(vmi).unwrap()).unwrap();
+    let out = std::process::Command::new(tests::repo_root().join("target/debug/virt-launcher"))
+        .arg("run")
+        .arg("-f")
+        .arg(&manifest)
+        .arg("--volume-dir")
+        .arg(node.root.join(NS))
+        .arg("--state-dir")
+        .arg(work.join("state"))
+        .arg("--default-kernel")
+        .arg(tests::probe_path())
+        .args(["--extra-cmdline", "probe.test=blk", "--network", "none"])
+        .args(["--pull", "never", "--no-console-input"])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("PROBE RESULT blk OK"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,6 +336,10 @@ spec:
     })
     .await;
     assert_eq!(vmi.spec.volumes.len(), 4);
+    boot_probe_on(&node, &vmi, &work);
+    // The guest wrote to the claim itself (a claim is the VM's disk, not a copy).
+    let booted = disk_of(&node, "web-root");
+    assert!(booted.windows(15).any(|w| w == b"MVPROBE sector "));
 
     // A slow download shows its progress while it runs, read from the importer as CDI does.
     create::<DataVolume>(
@@ -340,7 +387,7 @@ spec:
         d.status
     );
     assert!(
-        disk_of(&node, "copy") == root,
+        disk_of(&node, "copy") == booted,
         "the clone differs from its source"
     );
     node.stop().await;
