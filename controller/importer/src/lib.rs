@@ -14,6 +14,7 @@ pub mod pull;
 pub mod qcow2;
 pub mod registry;
 pub mod s3;
+pub mod seccomp;
 pub mod sparse;
 pub mod verify;
 

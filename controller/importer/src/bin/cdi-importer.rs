@@ -92,6 +92,11 @@ fn main() {
         )
         .init();
     let args = Args::parse();
+    // Before any thread exists, so all of them inherit it.
+    if let Err(e) = importer::seccomp::install() {
+        eprintln!("Unable to process data: installing the seccomp filter: {e}");
+        std::process::exit(1);
+    }
     // The upload server takes the Pod's port itself; an upload's progress is the client's.
     let uploading = args.source == "upload";
     if let (Some(ip), Some(owner), false) = (args.pod_ip, args.owner_uid.clone(), uploading) {
