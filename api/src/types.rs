@@ -17,7 +17,7 @@ pub type Extra = BTreeMap<String, Value>;
 
 /// Schema of a free-form object (e.g. `masquerade: {}`): structural, with unknown fields kept,
 /// as CRD schemas require.
-fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+pub(crate) fn preserved_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({"type": "object", "x-kubernetes-preserve-unknown-fields": true})
 }
 

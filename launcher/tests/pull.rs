@@ -8,27 +8,11 @@ use std::process::Command;
 
 use tests::peers::{push, registry, sh};
 
-/// Builds microvirt-pull (another package's binary, found beside virt-launcher).
-fn build_pull_helper() {
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "importer",
-            "--bin",
-            "microvirt-pull",
-        ])
-        .current_dir(tests::repo_root())
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
 #[test]
 fn run_pulls_the_kernel_and_container_disk_it_has_not_got_and_boots() {
     tests::require_kvm();
-    build_pull_helper();
+    // Found beside virt-launcher, as installed.
+    tests::build_bin("importer", "microvirt-pull");
     let reg = registry();
     let d = reg.dir.display();
     sh(&format!(

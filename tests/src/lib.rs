@@ -26,6 +26,18 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Builds `bin` of `package` (another package's binary, which Cargo does not build for this
+/// one's tests) and returns its path.
+pub fn build_bin(package: &str, bin: &str) -> PathBuf {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--quiet", "-p", package, "--bin", bin])
+        .current_dir(repo_root())
+        .status()
+        .unwrap();
+    assert!(status.success(), "cargo build -p {package} --bin {bin}");
+    repo_root().join("target/debug").join(bin)
+}
+
 /// The user a launcher Pod's containers run as (`api::launcher_pod::LAUNCHER_UID`).
 pub const POD_UID: u32 = api::launcher_pod::LAUNCHER_UID as u32;
 

@@ -44,6 +44,17 @@ where
         .unwrap()
 }
 
+/// The ConfigMap `cas` (a certConfigMap) holding the web server's CA.
+async fn trust_ca(c: &Cluster, ca: &str) {
+    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "cas"}, "data": {"ca.crt": ca}}))
+    .unwrap();
+    c.api::<ConfigMap>()
+        .create(&PostParams::default(), &cm)
+        .await
+        .unwrap();
+}
+
 /// The DataVolume once `pred` holds of it.
 async fn dv_when(
     c: &Cluster,
@@ -116,22 +127,10 @@ fn disk_of(node: &ImportNode, claim: &str) -> Vec<u8> {
 /// the probe guest writes, reads back and verifies a pattern on every disk.
 fn boot_probe_on(node: &ImportNode, vmi: &VirtualMachineInstance, work: &std::path::Path) {
     tests::require_kvm();
-    let status = std::process::Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "launcher",
-            "--bin",
-            "virt-launcher",
-        ])
-        .current_dir(tests::repo_root())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let launcher = tests::build_bin("launcher", "virt-launcher");
     let manifest = work.join("vmi.yaml");
     std::fs::write(&manifest, serde_yaml::to_string(vmi).unwrap()).unwrap();
-    let out = std::process::Command::new(tests::repo_root().join("target/debug/virt-launcher"))
+    let out = std::process::Command::new(launcher)
         .arg("run")
         .arg("-f")
         .arg(&manifest)
@@ -195,13 +194,7 @@ async fn a_vm_waits_for_its_imports_from_web_registry_and_blank_and_a_clone_copi
         "metadata: {name: token}\nstringData: {x: 'X-Token: abc'}",
     )
     .await;
-    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "cas"}, "data": {"ca.crt": ca}}))
-    .unwrap();
-    c.api::<ConfigMap>()
-        .create(&PostParams::default(), &cm)
-        .await
-        .unwrap();
+    trust_ca(&c, &ca).await;
 
     c.apply_yaml::<VirtualMachine>(&format!(
         r#"
@@ -416,13 +409,7 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
     };
     let url = |path: &str| format!("https://localhost:{}/{path}", web.port);
     let ca = std::fs::read_to_string(web.dir.join("ca/ca.crt")).unwrap();
-    let cm: ConfigMap = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "cas"}, "data": {"ca.crt": ca}}))
-    .unwrap();
-    c.api::<ConfigMap>()
-        .create(&PostParams::default(), &cm)
-        .await
-        .unwrap();
+    trust_ca(&c, &ca).await;
     let http = |path: &str, extra: &str| {
         format!(
             "{{http: {{url: '{}', certConfigMap: cas{extra}}}}}",
@@ -504,13 +491,11 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
 async fn virtctl_image_upload_fills_a_datavolume_through_the_proxy() {
     use tests::rbac::Authorizer;
     use tests::virt_api::grant;
-    let status = std::process::Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "virt-api", "--bins"])
-        .current_dir(tests::repo_root())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let bins = tests::repo_root().join("target/debug");
+    tests::build_bin("virt-api", "virtctl");
+    let bins = tests::build_bin("virt-api", "virt-api")
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let work = std::env::temp_dir().join(format!("mv-cdi-upload-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).unwrap();

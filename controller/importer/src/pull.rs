@@ -9,10 +9,6 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
-use oci_client::secrets::RegistryAuth;
-use oci_client::Client;
-
 use crate::registry::{layer_tar, reference, RegistryAccess};
 use crate::{ImportError, Result, SparseWriter};
 
@@ -106,29 +102,7 @@ async fn fetch_layers(
     progress: &mut dyn PullProgress,
 ) -> Result<Vec<PathBuf>> {
     let reference = reference(image)?;
-    let registry = reference.resolve_registry().to_string();
-    let mut insecure = access.insecure.clone();
-    let host = registry.split(':').next().unwrap_or_default();
-    if matches!(host, "localhost" | "127.0.0.1" | "[::1]") {
-        insecure.push(registry.clone());
-    }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = Client::new(ClientConfig {
-        protocol: ClientProtocol::HttpsExcept(insecure),
-        extra_root_certificates: access
-            .ca_pems
-            .iter()
-            .map(|pem| Certificate {
-                encoding: CertificateEncoding::Pem,
-                data: pem.clone(),
-            })
-            .collect(),
-        ..Default::default()
-    });
-    let auth = match &access.credentials {
-        Some((u, p)) => RegistryAuth::Basic(u.clone(), p.clone()),
-        None => RegistryAuth::Anonymous,
-    };
+    let (client, auth) = crate::registry::client_for(&reference, access);
     let (manifest, _) = client
         .pull_image_manifest(&reference, &auth)
         .await

@@ -62,11 +62,9 @@ pub fn disk_image(url: &str, access: &RegistryAccess, scratch_dir: &Path) -> Res
     )))
 }
 
-async fn pull_layers(
-    image: &Reference,
-    access: &RegistryAccess,
-    scratch_dir: &Path,
-) -> Result<Vec<PathBuf>> {
+/// A registry client for `image`'s registry (plain HTTP for localhost and the insecure ones,
+/// the extra CAs trusted) and the credentials to send.
+pub(crate) fn client_for(image: &Reference, access: &RegistryAccess) -> (Client, RegistryAuth) {
     let registry = image.resolve_registry().to_string();
     let mut insecure = access.insecure.clone();
     let host = registry.split(':').next().unwrap_or_default();
@@ -92,6 +90,15 @@ async fn pull_layers(
         Some((user, password)) => RegistryAuth::Basic(user.clone(), password.clone()),
         None => RegistryAuth::Anonymous,
     };
+    (client, auth)
+}
+
+async fn pull_layers(
+    image: &Reference,
+    access: &RegistryAccess,
+    scratch_dir: &Path,
+) -> Result<Vec<PathBuf>> {
+    let (client, auth) = client_for(image, access);
     let (manifest, _) = client
         .pull_image_manifest(image, &auth)
         .await

@@ -14,20 +14,7 @@ pub const NODE: &str = "node-1";
 
 /// Builds virt-launcher (another package's binary) once and returns its path.
 pub fn launcher_bin() -> PathBuf {
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "launcher",
-            "--bin",
-            "virt-launcher",
-        ])
-        .current_dir(tests::repo_root())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    tests::repo_root().join("target/debug/virt-launcher")
+    tests::build_bin("launcher", "virt-launcher")
 }
 
 /// A child process killed on drop, with the metrics and console addresses it announced.
