@@ -29,12 +29,12 @@ pub const OVERHEAD_PER_VCPU: u64 = 1 << 20;
 /// Least privilege for every container of the Pod: a fixed non-root user, no privilege
 /// escalation, a read-only root file system (the launcher writes only to its emptyDir and
 /// volume mounts), no capabilities (the launcher is handed its TAPs by virt-handler and gets
-/// /dev/kvm from the device plugin).
-fn container_security() -> SecurityContext {
+/// /dev/kvm from the device plugin). The importer Pod's container gets the same, as its user.
+pub fn container_security_as(uid: i64) -> SecurityContext {
     SecurityContext {
         run_as_non_root: Some(true),
-        run_as_user: Some(LAUNCHER_UID),
-        run_as_group: Some(LAUNCHER_UID),
+        run_as_user: Some(uid),
+        run_as_group: Some(uid),
         allow_privilege_escalation: Some(false),
         read_only_root_filesystem: Some(true),
         privileged: Some(false),
@@ -48,19 +48,27 @@ fn container_security() -> SecurityContext {
 
 /// The Pod's: the same user, volumes group-owned by it (`fsGroup`, so a PVC's disk image is
 /// writable), and the container runtime's default seccomp profile around the launcher's own
-/// per-thread filters.
-fn pod_security() -> PodSecurityContext {
+/// per-thread filters (the importer Pod's, around the importer's own filter).
+pub fn pod_security_as(uid: i64) -> PodSecurityContext {
     PodSecurityContext {
         run_as_non_root: Some(true),
-        run_as_user: Some(LAUNCHER_UID),
-        run_as_group: Some(LAUNCHER_UID),
-        fs_group: Some(LAUNCHER_UID),
+        run_as_user: Some(uid),
+        run_as_group: Some(uid),
+        fs_group: Some(uid),
         seccomp_profile: Some(SeccompProfile {
             type_: "RuntimeDefault".into(),
             localhost_profile: None,
         }),
         ..Default::default()
     }
+}
+
+fn container_security() -> SecurityContext {
+    container_security_as(LAUNCHER_UID)
+}
+
+fn pod_security() -> PodSecurityContext {
+    pod_security_as(LAUNCHER_UID)
 }
 
 #[derive(Clone, Debug, Default)]

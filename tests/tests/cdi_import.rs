@@ -28,22 +28,6 @@ fn config() -> controller::context::ControllerConfig {
     c
 }
 
-async fn create<K>(c: &Cluster, yaml: &str) -> K
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
-        + serde::de::DeserializeOwned
-        + serde::Serialize
-        + Clone
-        + std::fmt::Debug,
-    <K as kube::Resource>::DynamicType: Default,
-{
-    let obj: K = serde_yaml::from_str(yaml).unwrap();
-    c.api::<K>()
-        .create(&PostParams::default(), &obj)
-        .await
-        .unwrap()
-}
-
 /// The ConfigMap `cas` (a certConfigMap) holding the web server's CA.
 async fn trust_ca(c: &Cluster, ca: &str) {
     let cm: ConfigMap = serde_json::from_value(serde_json::json!({
@@ -179,21 +163,15 @@ async fn a_vm_waits_for_its_imports_from_web_registry_and_blank_and_a_clone_copi
         &web.dir.join("www/private/disk.qcow2.xz"),
     )]);
     let ca = std::fs::read_to_string(web.dir.join("ca/ca.crt")).unwrap();
-    create::<Secret>(
-        &c,
+    c.apply_yaml::<Secret>(
         "metadata: {name: creds}\nstringData: {accessKeyId: alice, secretKey: secret}",
     )
     .await;
-    create::<Secret>(
-        &c,
-        &format!("metadata: {{name: s3-keys}}\nstringData: {{accessKeyId: {key_id}, secretKey: {secret_key}}}"),
+    c.apply_yaml::<Secret>(&format!("metadata: {{name: s3-keys}}\nstringData: {{accessKeyId: {key_id}, secretKey: {secret_key}}}"),
     )
     .await;
-    create::<Secret>(
-        &c,
-        "metadata: {name: token}\nstringData: {x: 'X-Token: abc'}",
-    )
-    .await;
+    c.apply_yaml::<Secret>("metadata: {name: token}\nstringData: {x: 'X-Token: abc'}")
+        .await;
     trust_ca(&c, &ca).await;
 
     c.apply_yaml::<VirtualMachine>(&format!(
@@ -335,9 +313,7 @@ spec:
     assert!(booted.windows(15).any(|w| w == b"MVPROBE sector "));
 
     // A slow download shows its progress while it runs, read from the importer as CDI does.
-    create::<DataVolume>(
-        &c,
-        &format!(
+    c.apply_yaml::<DataVolume>(&format!(
             "apiVersion: cdi.kubevirt.io/v1beta1\nkind: DataVolume\nmetadata: {{name: slow}}\nspec:\n  source: {{http: {{url: 'https://localhost:{}/slow/big.img', certConfigMap: cas}}}}\n  storage: {{resources: {{requests: {{storage: 16Mi}}}}}}",
             web.port
         ),
@@ -361,9 +337,7 @@ spec:
     .await;
 
     // A clone of a claim in the namespace copies it.
-    create::<DataVolume>(
-        &c,
-        "apiVersion: cdi.kubevirt.io/v1beta1\nkind: DataVolume\nmetadata: {name: copy}\nspec:\n  source: {pvc: {name: web-root}}\n  storage: {}",
+    c.apply_yaml::<DataVolume>("apiVersion: cdi.kubevirt.io/v1beta1\nkind: DataVolume\nmetadata: {name: copy}\nspec:\n  source: {pvc: {name: web-root}}\n  storage: {}",
     )
     .await;
     let d = dv_when(&c, "copy", "Succeeded", |d| {
@@ -429,7 +403,7 @@ async fn bad_sources_fail_with_the_reason_and_are_never_ready() {
         ("huge", http("huge.qcow2", "")),
         ("gcs", "{gcs: {url: 'gs://bucket/disk.img'}}".to_string()),
     ] {
-        create::<DataVolume>(&c, &dv(name, source)).await;
+        c.apply_yaml::<DataVolume>(&dv(name, source)).await;
     }
     let failed = |name: &'static str| {
         dv_when(&c, name, "Failed", |d| {

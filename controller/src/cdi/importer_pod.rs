@@ -12,10 +12,9 @@ use std::collections::BTreeMap;
 use api::cdi::importer as env;
 use api::cdi::{ClaimSource, DataVolume, HttpSource, RegistrySource, S3Source};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvFromSource, EnvVar, EnvVarSource, ObjectFieldSelector, PersistentVolumeClaimVolumeSource,
-    Pod, PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile, SecretEnvSource,
-    SecretKeySelector, SecurityContext, Volume, VolumeDevice, VolumeMount,
+    ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
+    EnvVarSource, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
+    ResourceRequirements, SecretEnvSource, SecretKeySelector, Volume, VolumeDevice, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -452,17 +451,7 @@ pub fn render(
             restart_policy: Some("OnFailure".into()),
             priority_class_name: dv.spec.priority_class_name.clone(),
             automount_service_account_token: Some(false),
-            security_context: Some(PodSecurityContext {
-                run_as_non_root: Some(true),
-                run_as_user: Some(uid),
-                run_as_group: Some(uid),
-                fs_group: Some(uid),
-                seccomp_profile: Some(SeccompProfile {
-                    type_: "RuntimeDefault".into(),
-                    localhost_profile: None,
-                }),
-                ..Default::default()
-            }),
+            security_context: Some(crate::pod::pod_security_as(uid)),
             containers: vec![Container {
                 name: "importer".into(),
                 image: Some(cfg.image.clone()),
@@ -490,17 +479,7 @@ pub fn render(
                     )])),
                     ..Default::default()
                 }),
-                security_context: Some(SecurityContext {
-                    run_as_non_root: Some(true),
-                    allow_privilege_escalation: Some(false),
-                    read_only_root_filesystem: Some(true),
-                    privileged: Some(false),
-                    capabilities: Some(Capabilities {
-                        drop: Some(vec!["ALL".into()]),
-                        add: None,
-                    }),
-                    ..Default::default()
-                }),
+                security_context: Some(crate::pod::container_security_as(uid)),
                 ..Default::default()
             }],
             volumes: Some(w.volumes),
