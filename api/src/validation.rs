@@ -7,6 +7,7 @@ use std::fmt;
 
 use crate::quantity::parse_bytes;
 use crate::types::*;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::limits::{MAX_MEMORY_MIB, MAX_VCPUS, MAX_VIRTIO_DEVICES as MAX_DEVICES, MIN_MEMORY_MIB};
 
@@ -110,7 +111,7 @@ fn finish(kind: &str, name: &str, errors: Errors) -> Result<(), ValidationError>
     }
 }
 
-fn object_name(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> String {
+fn object_name(meta: &ObjectMeta) -> String {
     match (&meta.namespace, &meta.name) {
         (Some(ns), Some(n)) => format!("{ns}/{n}"),
         (None, Some(n)) => n.clone(),
@@ -174,21 +175,8 @@ pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError>
 
 pub fn validate_vmirs(rs: &VirtualMachineInstanceReplicaSet) -> Result<(), ValidationError> {
     let mut e = Errors(Vec::new());
-    if rs.spec.replicas.is_some_and(|r| r < 0) {
-        e.add("spec.replicas", "must be 0 or more");
-    }
-    let labels = rs
-        .spec
-        .template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.labels.clone())
-        .unwrap_or_default();
-    for (k, v) in rs.spec.selector.match_labels.iter().flatten() {
-        if labels.get(k) != Some(v) {
-            e.add(format!("spec.selector.matchLabels.{k}"), "does not match spec.template.metadata.labels; the selector must select the template");
-        }
-    }
+    let template = rs.spec.template.metadata.as_ref();
+    validate_target(&rs.spec.target, template, "spec.template", &mut e);
     match &rs.spec.template.spec {
         Some(spec) => validate_spec(spec, "spec.template.spec", &mut e),
         None => e.add("spec.template.spec", "is required"),
@@ -198,6 +186,28 @@ pub fn validate_vmirs(rs: &VirtualMachineInstanceReplicaSet) -> Result<(), Valid
         &object_name(&rs.metadata),
         e,
     )
+}
+
+/// The checks KubeVirt makes of every kind that keeps replicas: a count of 0 or more, and a
+/// selector that selects the template at `template_path` (whose metadata is `template`).
+fn validate_target(
+    target: &ReplicaTarget,
+    template: Option<&ObjectMeta>,
+    template_path: &str,
+    e: &mut Errors,
+) {
+    if target.replicas.is_some_and(|r| r < 0) {
+        e.add("spec.replicas", "must be 0 or more");
+    }
+    let labels = template.and_then(|m| m.labels.as_ref());
+    for (k, v) in target.selector.match_labels.iter().flatten() {
+        if labels.and_then(|l| l.get(k)) != Some(v) {
+            e.add(
+                format!("spec.selector.matchLabels.{k}"),
+                format!("does not match {template_path}.metadata.labels; the selector must select the template"),
+            );
+        }
+    }
 }
 
 /// VM number `ordinal` of a pool, as virt-controller makes it (`<pool>-<ordinal>`, the
@@ -217,21 +227,13 @@ pub fn pool_vm(pool: &VirtualMachinePool, ordinal: u32) -> VirtualMachine {
 /// makes are valid (their errors named by the pool's paths).
 pub fn validate_pool(pool: &VirtualMachinePool) -> Result<(), ValidationError> {
     let mut e = Errors(Vec::new());
-    if pool.spec.replicas.is_some_and(|r| r < 0) {
-        e.add("spec.replicas", "must be 0 or more");
-    }
-    let labels = pool
-        .spec
-        .virtual_machine_template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.labels.clone())
-        .unwrap_or_default();
-    for (k, v) in pool.spec.selector.match_labels.iter().flatten() {
-        if labels.get(k) != Some(v) {
-            e.add(format!("spec.selector.matchLabels.{k}"), "does not match spec.virtualMachineTemplate.metadata.labels; the selector must select the template");
-        }
-    }
+    let template = pool.spec.virtual_machine_template.metadata.as_ref();
+    validate_target(
+        &pool.spec.target,
+        template,
+        "spec.virtualMachineTemplate",
+        &mut e,
+    );
     if let Err(vm) = validate_vm(&pool_vm(pool, 0)) {
         for f in vm.errors {
             let path = match f.path.strip_prefix("spec") {

@@ -125,9 +125,8 @@ impl Context {
         action: &str,
         note: String,
     ) {
-        self.events
-            .publish(obj, warning, reason, action, note, None)
-            .await
+        let ev = controller_runtime::events::event(warning, reason, action, note);
+        self.events.publish(obj, ev).await
     }
 
     /// The Action after a failed reconcile, with this object's backoff.

@@ -62,16 +62,60 @@ impl<T> Found<T> {
     }
 }
 
-/// The spec of `m` (of `kind`), from its revision when there is one, else from the object;
-/// reads only.
+/// Which kind a matcher names, and whether it is namespaced.
+type KindOf = fn(&Matcher) -> Result<(&'static str, bool), String>;
+
+/// What a VM's `spec.instancetype` or `spec.preference` points at.
+struct Reference<'a> {
+    vm: &'a VirtualMachine,
+    m: &'a Matcher,
+    /// The kind named, cluster-wide or not.
+    kind: &'static str,
+    namespaced: bool,
+    /// The VM's field: `instancetype` or `preference`.
+    what: &'static str,
+}
+
+impl<'a> Reference<'a> {
+    /// The VM's instance type and preference references, those it has.
+    fn of(vm: &'a VirtualMachine) -> Result<[Option<Reference<'a>>; 2], ResolveError> {
+        let to = |m: Option<&'a Matcher>, what, kind_of: KindOf| {
+            m.map(|m| {
+                let (kind, namespaced) = kind_of(m).map_err(ResolveError::Missing)?;
+                Ok::<_, ResolveError>(Reference {
+                    vm,
+                    m,
+                    kind,
+                    namespaced,
+                    what,
+                })
+            })
+            .transpose()
+        };
+        Ok([
+            to(
+                vm.spec.instancetype.as_ref(),
+                "instancetype",
+                instancetype_kind,
+            )?,
+            to(vm.spec.preference.as_ref(), "preference", preference_kind)?,
+        ])
+    }
+}
+
+/// The spec `r` points at, from its revision when there is one, else from the object; reads
+/// only.
 async fn find<T: DeserializeOwned>(
     client: &Client,
-    vm: &VirtualMachine,
-    m: &Matcher,
-    kind: &str,
-    namespaced: bool,
-    what: &str,
+    r: &Reference<'_>,
 ) -> Result<Found<T>, ResolveError> {
+    let Reference {
+        vm,
+        m,
+        kind,
+        namespaced,
+        what,
+    } = *r;
     let ns = vm.namespace().unwrap_or_default();
     if let Some(rev) = &m.revision_name {
         let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
@@ -123,26 +167,22 @@ async fn find<T: DeserializeOwned>(
     })
 }
 
-/// The spec of `m` (of `kind`), from its revision when there is one, else from the object —
+/// The spec `r` points at, from its revision when there is one, else from the object —
 /// captured in a new revision. Returns the spec and, when a revision was made, its name.
 async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
     client: &Client,
-    vm: &VirtualMachine,
-    m: &Matcher,
-    kind: &str,
-    namespaced: bool,
-    what: &str,
+    r: &Reference<'_>,
 ) -> Result<(T, Option<String>), ResolveError> {
-    let (spec, spec_value, uid, generation) =
-        match find(client, vm, m, kind, namespaced, what).await? {
-            Found::Revision(spec) => return Ok((spec, None)),
-            Found::Object {
-                spec,
-                spec_value,
-                uid,
-                generation,
-            } => (spec, spec_value, uid, generation),
-        };
+    let Reference { vm, m, kind, .. } = *r;
+    let (spec, spec_value, uid, generation) = match find(client, r).await? {
+        Found::Revision(spec) => return Ok((spec, None)),
+        Found::Object {
+            spec,
+            spec_value,
+            uid,
+            generation,
+        } => (spec, spec_value, uid, generation),
+    };
     let ns = vm.namespace().unwrap_or_default();
     let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), &ns);
     let ar = resource(kind);
@@ -186,16 +226,13 @@ async fn resolve_one<T: DeserializeOwned + serde::Serialize>(
 /// The VM's instance type and preference as they are now, without writing anything (what
 /// `expand-spec` shows).
 pub async fn look_up(client: &Client, vm: &VirtualMachine) -> Result<Expansion, ResolveError> {
+    let [instancetype, preference] = Reference::of(vm)?;
     let mut out = Expansion::default();
-    if let Some(m) = &vm.spec.instancetype {
-        let (kind, namespaced) = instancetype_kind(m).map_err(ResolveError::Missing)?;
-        let found = find(client, vm, m, kind, namespaced, "instancetype").await?;
-        out.instancetype = Some(found.into_spec());
+    if let Some(r) = instancetype {
+        out.instancetype = Some(find(client, &r).await?.into_spec());
     }
-    if let Some(m) = &vm.spec.preference {
-        let (kind, namespaced) = preference_kind(m).map_err(ResolveError::Missing)?;
-        let found = find(client, vm, m, kind, namespaced, "preference").await?;
-        out.preference = Some(found.into_spec());
+    if let Some(r) = preference {
+        out.preference = Some(find(client, &r).await?.into_spec());
     }
     Ok(out)
 }
@@ -203,27 +240,23 @@ pub async fn look_up(client: &Client, vm: &VirtualMachine) -> Result<Expansion, 
 /// Resolves the VM's instance type and preference, capturing new revisions and recording their
 /// names in the VM.
 pub async fn resolve(client: &Client, vm: &VirtualMachine) -> Result<Expansion, ResolveError> {
+    let [instancetype, preference] = Reference::of(vm)?;
     let mut out = Expansion::default();
-    let mut patch = serde_json::Map::new();
-    if let Some(m) = &vm.spec.instancetype {
-        let (kind, namespaced) = instancetype_kind(m).map_err(ResolveError::Missing)?;
-        let (spec, rev) = resolve_one(client, vm, m, kind, namespaced, "instancetype").await?;
+    let mut revisions = Vec::new();
+    if let Some(r) = instancetype {
+        let (spec, rev) = resolve_one(client, &r).await?;
         out.instancetype = Some(spec);
-        if let Some(r) = rev {
-            patch.insert(
-                "instancetype".into(),
-                serde_json::json!({"revisionName": r}),
-            );
-        }
+        revisions.extend(rev.map(|rev| (r.what, rev)));
     }
-    if let Some(m) = &vm.spec.preference {
-        let (kind, namespaced) = preference_kind(m).map_err(ResolveError::Missing)?;
-        let (spec, rev) = resolve_one(client, vm, m, kind, namespaced, "preference").await?;
+    if let Some(r) = preference {
+        let (spec, rev) = resolve_one(client, &r).await?;
         out.preference = Some(spec);
-        if let Some(r) = rev {
-            patch.insert("preference".into(), serde_json::json!({"revisionName": r}));
-        }
+        revisions.extend(rev.map(|rev| (r.what, rev)));
     }
+    let patch: serde_json::Map<_, _> = revisions
+        .into_iter()
+        .map(|(what, rev)| (what.to_string(), serde_json::json!({ "revisionName": rev })))
+        .collect();
     if !patch.is_empty() {
         let vms: Api<VirtualMachine> =
             Api::namespaced(client.clone(), &vm.namespace().unwrap_or_default());

@@ -10,21 +10,13 @@ use std::collections::BTreeSet;
 use api::{VirtualMachine, VirtualMachinePool};
 use kube::ResourceExt;
 
-use crate::replicas::{ReplicaOwner, ReplicaSpec};
+use crate::replicas::ReplicaOwner;
 use controller_runtime::controller_ref;
 
 impl ReplicaOwner for VirtualMachinePool {
     type Member = VirtualMachine;
     const CONTROLLER: &'static str = "vmpool";
     const MEMBER: &'static str = "virtual machine";
-
-    fn replica_spec(&self) -> ReplicaSpec<'_> {
-        ReplicaSpec {
-            selector: &self.spec.selector,
-            replicas: self.spec.replicas,
-            paused: self.spec.paused,
-        }
-    }
 
     fn validate(&self) -> Result<(), String> {
         api::validation::validate_pool(self).map_err(|e| e.to_string())

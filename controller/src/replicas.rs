@@ -7,11 +7,11 @@
 use std::fmt::Debug;
 use std::sync::Arc;
 
-use api::ReplicasStatus;
+use api::{ReplicaTarget, ReplicasStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::NamespaceResourceScope;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
-use kube::core::object::HasStatus;
+use kube::core::object::{HasSpec, HasStatus};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
@@ -22,47 +22,34 @@ use controller_runtime::{
     controlled_by, delete_if_present, remove_condition, set_condition, write_status,
 };
 
+/// What a controller needs of an object's data: to copy, (de)serialize, log and share it.
+pub trait ObjectData: Clone + Serialize + DeserializeOwned + Debug + Send + Sync + 'static {}
+impl<K: Clone + Serialize + DeserializeOwned + Debug + Send + Sync + 'static> ObjectData for K {}
+
 /// A namespaced object a controller can list, watch and write.
 pub trait NamespacedObject:
-    Resource<DynamicType = (), Scope = NamespaceResourceScope>
-    + Clone
-    + Serialize
-    + DeserializeOwned
-    + Debug
-    + Send
-    + Sync
-    + 'static
+    Resource<DynamicType = (), Scope = NamespaceResourceScope> + ObjectData
 {
 }
-
-impl<K> NamespacedObject for K where
-    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
-        + Clone
-        + Serialize
-        + DeserializeOwned
-        + Debug
-        + Send
-        + Sync
-        + 'static
+impl<K: Resource<DynamicType = (), Scope = NamespaceResourceScope> + ObjectData> NamespacedObject
+    for K
 {
-}
-
-/// The fields every kind that keeps replicas has in its spec.
-pub struct ReplicaSpec<'a> {
-    pub selector: &'a LabelSelector,
-    pub replicas: Option<i32>,
-    pub paused: Option<bool>,
 }
 
 /// What the replica controller needs to know about a kind that keeps replicas.
-pub trait ReplicaOwner: NamespacedObject + HasStatus<Status = ReplicasStatus> {
+pub trait ReplicaOwner:
+    NamespacedObject + HasStatus<Status = ReplicasStatus> + HasSpec<Spec: AsRef<ReplicaTarget>>
+{
     type Member: NamespacedObject;
     /// The controller's name in metrics and backoff keys.
     const CONTROLLER: &'static str;
     /// What Events call a member ("virtual machine instance").
     const MEMBER: &'static str;
 
-    fn replica_spec(&self) -> ReplicaSpec<'_>;
+    /// How many members, which objects are members, and whether to act.
+    fn target(&self) -> &ReplicaTarget {
+        self.spec().as_ref()
+    }
     /// KubeVirt's checks of the spec, as one message.
     fn validate(&self) -> std::result::Result<(), String>;
     fn is_ready(member: &Self::Member) -> bool;
@@ -126,7 +113,7 @@ fn phase<K: ReplicaOwner>(obj: &K) -> ReplicaPhase {
     if let Err(msg) = obj.validate() {
         return ReplicaPhase::InvalidSpec(msg);
     }
-    if obj.replica_spec().paused == Some(true) {
+    if obj.target().paused == Some(true) {
         return ReplicaPhase::Paused;
     }
     ReplicaPhase::Scaling
@@ -142,7 +129,7 @@ async fn reconcile_inner<K: ReplicaOwner>(obj: &K, ctx: &Context) -> Result<Acti
         members: Api::namespaced(ctx.client.clone(), &ns),
     };
     let mut status = obj.status().cloned().unwrap_or_default();
-    let selector = selector_string(obj.replica_spec().selector);
+    let selector = selector_string(&obj.target().selector);
     status.label_selector = Some(selector.clone());
     match phase {
         ReplicaPhase::Deleting => Ok(Action::await_change()),
@@ -227,7 +214,7 @@ impl<K: ReplicaOwner> Pass<'_, K> {
         mut status: ReplicasStatus,
         mut active: Vec<K::Member>,
     ) -> Result<Action> {
-        let want = self.obj.replica_spec().replicas.unwrap_or(1).max(0) as usize;
+        let want = self.obj.target().replicas.unwrap_or(1).max(0) as usize;
         let mut failure = None;
         if active.len() < want {
             for m in self.obj.new_members(&active, want - active.len()) {

@@ -7,21 +7,13 @@
 use api::{VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VmiPhase};
 use kube::ResourceExt;
 
-use crate::replicas::{ReplicaOwner, ReplicaSpec};
+use crate::replicas::ReplicaOwner;
 use controller_runtime::controller_ref;
 
 impl ReplicaOwner for VirtualMachineInstanceReplicaSet {
     type Member = VirtualMachineInstance;
     const CONTROLLER: &'static str = "vmirs";
     const MEMBER: &'static str = "virtual machine instance";
-
-    fn replica_spec(&self) -> ReplicaSpec<'_> {
-        ReplicaSpec {
-            selector: &self.spec.selector,
-            replicas: self.spec.replicas,
-            paused: self.spec.paused,
-        }
-    }
 
     fn validate(&self) -> Result<(), String> {
         api::validation::validate_vmirs(self).map_err(|e| e.to_string())

@@ -21,10 +21,12 @@ use kube::ResourceExt;
 use crate::context::{Context, Error, Result};
 use crate::evacuation;
 use api::migratability::EvictionStrategy;
+use controller_runtime::events::event;
 use controller_runtime::{
     delete_if_present, finalizer_patch, has_finalizer, remove_condition, set_condition,
     write_labels, write_status,
 };
+use kube::runtime::events::Event;
 
 const CONTROLLER: &str = "vmi";
 
@@ -80,7 +82,13 @@ pub async fn owned_pods(
         tracing::warn!(vmi = %vmi.name_any(), pod = %p.name_any(), "{note}");
         let related = Some(kube::Resource::object_ref(&p, &()));
         ctx.events
-            .publish(vmi, true, "ForeignPodIgnored", "Sync", note, related)
+            .publish(
+                vmi,
+                Event {
+                    secondary: related,
+                    ..event(true, "ForeignPodIgnored", "Sync", note)
+                },
+            )
             .await;
     }
     Ok(owned)

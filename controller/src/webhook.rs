@@ -51,14 +51,18 @@ pub fn router(state: WebhookState) -> axum::Router {
 
 type Review = Json<AdmissionReview<DynamicObject>>;
 
-fn request(
+/// `review` answered with what `decide` makes of its request; a body that is not an
+/// AdmissionReview request is answered as invalid.
+async fn answer<F: std::future::Future<Output = AdmissionResponse>>(
     review: AdmissionReview<DynamicObject>,
-) -> Result<AdmissionRequest<DynamicObject>, Box<AdmissionResponse>> {
-    review.try_into().map_err(|e| {
-        Box::new(AdmissionResponse::invalid(format!(
-            "not an AdmissionReview request: {e}"
-        )))
-    })
+    decide: impl FnOnce(AdmissionRequest<DynamicObject>) -> F,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let req: Result<AdmissionRequest<DynamicObject>, _> = review.try_into();
+    let resp = match req {
+        Ok(req) => decide(req).await,
+        Err(e) => AdmissionResponse::invalid(format!("not an AdmissionReview request: {e}")),
+    };
+    Json(resp.into_review())
 }
 
 fn decode<T: DeserializeOwned>(obj: &DynamicObject, kind: &str) -> Result<T, String> {
@@ -163,10 +167,14 @@ async fn validate(
     State(state): State<Arc<WebhookState>>,
     Json(review): Review,
 ) -> Json<AdmissionReview<DynamicObject>> {
-    let req = match request(review) {
-        Ok(r) => r,
-        Err(resp) => return Json(resp.into_review()),
-    };
+    answer(review, |req| validation(state, req)).await
+}
+
+/// Whether the object `req` creates or updates is valid, with its warnings.
+async fn validation(
+    state: Arc<WebhookState>,
+    req: AdmissionRequest<DynamicObject>,
+) -> AdmissionResponse {
     let mut resp = AdmissionResponse::from(&req);
     if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
         let mut verdict = validate_object(&req.kind.kind, obj, &state.host_disks);
@@ -190,7 +198,7 @@ async fn validate(
             }
         }
     }
-    Json(resp.into_review())
+    resp
 }
 
 fn defaulted<T: DeserializeOwned + Serialize>(
@@ -236,7 +244,7 @@ pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patc
         "VirtualMachineInstanceReplicaSet" => {
             // The template, like a VM's, is defaulted in each VMI made from it.
             defaulted::<VirtualMachineInstanceReplicaSet>(obj, kind, |rs| {
-                rs.spec.replicas.get_or_insert(1);
+                rs.spec.target.replicas.get_or_insert(1);
             })?
         }
         _ => return Ok(None),
@@ -265,45 +273,42 @@ async fn mutate(review: Review) -> Json<Value> {
 }
 
 async fn mutate_review(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
-    let req = match request(review) {
-        Ok(r) => r,
-        Err(resp) => return Json(resp.into_review()),
-    };
-    let resp = AdmissionResponse::from(&req);
+    answer(review, |req| async move { defaulting(&req) }).await
+}
+
+/// The patch that fills in KubeVirt's defaults on the object `req` carries.
+fn defaulting(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+    let resp = AdmissionResponse::from(req);
     let Some(obj) = &req.object else {
-        return Json(resp.into_review());
+        return resp;
     };
-    let resp = match default_patch(&req.kind.kind, obj) {
+    match default_patch(&req.kind.kind, obj) {
         Ok(Some(p)) => match resp.clone().with_patch(p) {
             Ok(r) => r,
             Err(e) => resp.deny(format!("building the defaulting patch: {e}")),
         },
         Ok(None) => resp,
         Err(msg) => resp.deny(msg),
-    };
-    Json(resp.into_review())
+    }
 }
 
 async fn eviction(
     State(state): State<Arc<WebhookState>>,
     Json(review): Review,
 ) -> Json<AdmissionReview<DynamicObject>> {
-    let req = match request(review) {
-        Ok(r) => r,
-        Err(resp) => return Json(resp.into_review()),
-    };
+    answer(review, |req| eviction_verdict(state, req)).await
+}
+
+/// Whether the eviction `req` asks for may go ahead now (429 while it waits on a migration).
+async fn eviction_verdict(
+    state: Arc<WebhookState>,
+    req: AdmissionRequest<DynamicObject>,
+) -> AdmissionResponse {
     let resp = AdmissionResponse::from(&req);
     let (Some(client), Some(ns)) = (&state.client, req.namespace.as_deref()) else {
-        return Json(resp.into_review());
+        return resp;
     };
-    let resp = match crate::evacuation::evict(
-        client,
-        state.default_eviction_strategy,
-        ns,
-        &req.name,
-    )
-    .await
-    {
+    match crate::evacuation::evict(client, state.default_eviction_strategy, ns, &req.name).await {
         Ok(None) => resp,
         Ok(Some(msg)) => {
             let mut r = resp.deny(msg);
@@ -318,6 +323,5 @@ async fn eviction(
             r.result.code = 500;
             r
         }
-    };
-    Json(resp.into_review())
+    }
 }

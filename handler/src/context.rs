@@ -86,9 +86,8 @@ impl Context {
         reason: &str,
         note: String,
     ) {
-        self.events
-            .publish(vmi, warning, reason, reason, note, None)
-            .await
+        let ev = controller_runtime::events::event(warning, reason, reason, note);
+        self.events.publish(vmi, ev).await
     }
 }
 

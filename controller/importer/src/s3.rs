@@ -157,31 +157,23 @@ impl S3Object {
 mod tests {
     use super::*;
 
+    /// Bucket, key, region and addressing style.
+    fn parts(o: &S3Object) -> (&str, &str, &str, Style) {
+        (&o.bucket, &o.key, &o.region, o.style)
+    }
+
     #[test]
     fn path_and_virtual_hosted_urls() {
         let o = S3Object::parse("http://127.0.0.1:9000/images/dir/disk.qcow2").unwrap();
         assert_eq!(
-            (
-                o.bucket.as_str(),
-                o.key.as_str(),
-                o.region.as_str(),
-                o.style
-            ),
+            parts(&o),
             ("images", "dir/disk.qcow2", "us-east-1", Style::Path)
         );
         assert_eq!(o.endpoint.as_str(), "http://127.0.0.1:9000/");
         let o = S3Object::parse("https://s3.eu-west-1.amazonaws.com/b/k.img").unwrap();
         assert_eq!((o.bucket.as_str(), o.region.as_str()), ("b", "eu-west-1"));
         let o = S3Object::parse("https://b.s3.us-west-2.amazonaws.com/k/x.img").unwrap();
-        assert_eq!(
-            (
-                o.bucket.as_str(),
-                o.key.as_str(),
-                o.region.as_str(),
-                o.style
-            ),
-            ("b", "k/x.img", "us-west-2", Style::VirtualHost)
-        );
+        assert_eq!(parts(&o), ("b", "k/x.img", "us-west-2", Style::VirtualHost));
         assert_eq!(o.url(), "https://b.s3.us-west-2.amazonaws.com/k/x.img");
         let h = o
             .signed_headers("AKID", "secret", SystemTime::UNIX_EPOCH)

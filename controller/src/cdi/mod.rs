@@ -27,6 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::context::{Context, Error, Result};
 use assess::{assess, Observed, PodAction};
+use controller_runtime::events::event;
 use importer_pod::ImportSource;
 
 pub const CONTROLLER: &str = "datavolume-controller";
@@ -207,7 +208,7 @@ async fn refuse(
     );
     if dv.status.as_ref() != Some(&status) {
         ctx.events
-            .publish(dv, true, "InvalidSpec", "Import", msg.clone(), None)
+            .publish(dv, event(true, "InvalidSpec", "Import", msg.clone()))
             .await;
     }
     controller_runtime::write_status(dvs, dv, status).await?;
@@ -459,6 +460,6 @@ async fn announce(ctx: &Context, dv: &DataVolume, next: &DataVolumeStatus) {
         _ => return,
     };
     ctx.events
-        .publish(dv, warning, reason, "Import", msg, None)
+        .publish(dv, event(warning, reason, "Import", msg))
         .await;
 }

@@ -8,25 +8,46 @@ use std::collections::BTreeMap;
 use api::VirtualMachine;
 use serde_json::{json, Value};
 
-/// What the flags say.
-#[derive(Clone, Debug, Default)]
+/// What the flags say (virtctl parses them straight into this).
+#[derive(Clone, Debug, Default, clap::Args)]
 pub struct VmFlags {
+    /// The VM's name (default: vm-<random>).
+    #[arg(long, default_value_t = random_vm_name(), hide_default_value = true)]
     pub name: String,
+    #[arg(long, default_value = "Always")]
     pub run_strategy: String,
+    #[arg(long, default_value_t = 180)]
     pub termination_grace_period: i64,
-    /// Guest memory when no instance type sizes the VM.
+    /// Guest memory, when no instance type sizes the VM (default 512Mi).
+    #[arg(long)]
     pub memory: Option<String>,
-    /// `[kind/]name`; the kind defaults to the cluster-wide one.
+    /// `[kind/]name` (kind default: VirtualMachineClusterInstancetype).
+    #[arg(long)]
     pub instancetype: Option<String>,
+    /// `[kind/]name` (kind default: VirtualMachineClusterPreference).
+    #[arg(long)]
     pub preference: Option<String>,
-    /// `src:IMAGE[,name:NAME]`, each.
+    /// `src:IMAGE[,name:NAME]`; repeatable.
+    #[arg(long = "volume-containerdisk")]
     pub container_disks: Vec<String>,
-    /// `src:CLAIM[,name:NAME]`, each.
+    /// `src:CLAIM[,name:NAME]`; repeatable.
+    #[arg(long = "volume-pvc")]
     pub pvcs: Vec<String>,
-    /// `src:[NAMESPACE/]DATASOURCE[,name:NAME][,size:SIZE]`, each.
+    /// `src:[NAMESPACE/]DATASOURCE[,name:NAME][,size:SIZE]`; repeatable.
+    #[arg(long = "volume-datasource")]
     pub data_sources: Vec<String>,
-    /// Base64 of the cloud-init user data.
+    /// The cloud-init user data, base64-encoded.
+    #[arg(long)]
     pub cloud_init_user_data: Option<String>,
+}
+
+/// `vm-` and five hex digits from the clock, as virtctl names a VM it is not given a name for.
+fn random_vm_name() -> String {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default();
+    format!("vm-{:05x}", n & 0xfffff)
 }
 
 /// `key:value,key:value` as KubeVirt's volume flags take it; a value may hold ':' (an image

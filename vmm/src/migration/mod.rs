@@ -251,7 +251,7 @@ mod tests {
                     payload[8..12].copy_from_slice(&pages.to_le_bytes());
                 }
                 let mut f = Vec::new();
-                match Kind::from_u8(kind) {
+                match Kind::try_from(kind).ok() {
                     Some(k) => wire::write_frame(&mut f, k, &payload).unwrap(),
                     None => {
                         f.push(kind);

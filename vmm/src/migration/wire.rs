@@ -26,7 +26,7 @@ pub const MAX_FRAME: u32 = 16 << 20;
 /// Pages per run the sender writes (a run never crosses a region).
 pub const MAX_RUN_PAGES: u32 = 1024;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, num_enum::TryFromPrimitive)]
 #[repr(u8)]
 pub enum Kind {
     Hello = 1,
@@ -41,26 +41,6 @@ pub enum Kind {
     Failed = 13,
     Running = 14,
     Synced = 15,
-}
-
-impl Kind {
-    pub(crate) fn from_u8(b: u8) -> Option<Kind> {
-        Some(match b {
-            1 => Kind::Hello,
-            2 => Kind::Pages,
-            3 => Kind::State,
-            4 => Kind::Go,
-            5 => Kind::Cancel,
-            6 => Kind::Sync,
-            10 => Kind::Ready,
-            11 => Kind::Refuse,
-            12 => Kind::Restored,
-            13 => Kind::Failed,
-            14 => Kind::Running,
-            15 => Kind::Synced,
-            _ => return None,
-        })
-    }
 }
 
 /// What the source says about the machine before any memory moves, so a target that cannot
@@ -140,7 +120,7 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> std::io::R
 pub fn read_frame(r: &mut impl Read) -> Result<(Kind, Vec<u8>), WireError> {
     let mut h = [0u8; FRAME_HEADER];
     r.read_exact(&mut h)?;
-    let kind = Kind::from_u8(h[0]).ok_or(WireError::Kind(h[0]))?;
+    let kind = Kind::try_from(h[0]).map_err(|_| WireError::Kind(h[0]))?;
     let len = u32::from_le_bytes(h[1..5].try_into().unwrap());
     if len > MAX_FRAME {
         return Err(WireError::TooLarge(len));

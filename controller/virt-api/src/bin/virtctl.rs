@@ -264,36 +264,7 @@ enum Command {
 #[derive(Subcommand)]
 enum Create {
     /// A VirtualMachine.
-    Vm {
-        /// The VM's name (default: vm-<random>).
-        #[arg(long)]
-        name: Option<String>,
-        #[arg(long, default_value = "Always")]
-        run_strategy: String,
-        #[arg(long, default_value_t = 180)]
-        termination_grace_period: i64,
-        /// Guest memory, when no instance type sizes the VM (default 512Mi).
-        #[arg(long)]
-        memory: Option<String>,
-        /// `[kind/]name` (kind default: VirtualMachineClusterInstancetype).
-        #[arg(long)]
-        instancetype: Option<String>,
-        /// `[kind/]name` (kind default: VirtualMachineClusterPreference).
-        #[arg(long)]
-        preference: Option<String>,
-        /// `src:IMAGE[,name:NAME]`; repeatable.
-        #[arg(long)]
-        volume_containerdisk: Vec<String>,
-        /// `src:CLAIM[,name:NAME]`; repeatable.
-        #[arg(long)]
-        volume_pvc: Vec<String>,
-        /// `src:[NAMESPACE/]DATASOURCE[,name:NAME][,size:SIZE]`; repeatable.
-        #[arg(long)]
-        volume_datasource: Vec<String>,
-        /// The cloud-init user data, base64-encoded.
-        #[arg(long)]
-        cloud_init_user_data: Option<String>,
-    },
+    Vm(virt_api::create::VmFlags),
 }
 
 async fn connect(g: &Global) -> anyhow::Result<Subresources> {
@@ -373,37 +344,7 @@ fn grace(force: bool, grace_period: Option<i64>) -> anyhow::Result<Option<i64>> 
 
 /// `create vm`: needs no cluster.
 fn create(what: Create) -> anyhow::Result<()> {
-    let Create::Vm {
-        name,
-        run_strategy,
-        termination_grace_period,
-        memory,
-        instancetype,
-        preference,
-        volume_containerdisk,
-        volume_pvc,
-        volume_datasource,
-        cloud_init_user_data,
-    } = what;
-    let name = name.unwrap_or_else(|| {
-        let n = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default();
-        format!("vm-{:05x}", n & 0xfffff)
-    });
-    let flags = virt_api::create::VmFlags {
-        name,
-        run_strategy,
-        termination_grace_period,
-        memory,
-        instancetype,
-        preference,
-        container_disks: volume_containerdisk,
-        pvcs: volume_pvc,
-        data_sources: volume_datasource,
-        cloud_init_user_data,
-    };
+    let Create::Vm(flags) = what;
     let vm = virt_api::create::vm_manifest(&flags).map_err(anyhow::Error::msg)?;
     print!("{}", serde_yaml::to_string(&vm)?);
     Ok(())
@@ -450,7 +391,7 @@ async fn expose(
                 .get(name)
                 .await
                 .map_err(api_error)?;
-            let labels = rs.spec.selector.match_labels.unwrap_or_default();
+            let labels = rs.spec.target.selector.match_labels.unwrap_or_default();
             ("VirtualMachineInstanceReplicaSet", labels)
         }
     };
