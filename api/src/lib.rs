@@ -13,6 +13,7 @@ pub mod closed;
 pub mod conditions;
 pub mod fields;
 pub mod instancetype;
+pub mod kubevirt;
 pub mod labels;
 pub mod launcher_pod;
 pub mod limits;

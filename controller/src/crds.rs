@@ -33,6 +33,12 @@ pub fn cdi() -> Vec<CustomResourceDefinition> {
     vec![api::cdi::DataVolume::crd()]
 }
 
+/// The `KubeVirt` CRD, which ships with virt-operator (`deploy/operator.yaml`): the operator
+/// installs everything else from it.
+pub fn operator() -> Vec<CustomResourceDefinition> {
+    vec![api::kubevirt::KubeVirt::crd()]
+}
+
 /// All CRDs as one multi-document YAML stream, as `deploy/crds/microvirt.yaml` holds them.
 pub fn yaml() -> String {
     to_yaml(all(), "virt-controller crds")

@@ -24,6 +24,7 @@ fn crds() -> &'static [CustomResourceDefinition] {
     CRDS.get_or_init(|| {
         let mut all = controller::crds::all();
         all.extend(controller::crds::cdi());
+        all.extend(controller::crds::operator());
         all
     })
 }
@@ -71,6 +72,10 @@ fn builtin_names(plural: &str) -> (&'static str, &'static [&'static str]) {
         "events" => ("event", &["ev"]),
         "leases" => ("lease", &[]),
         "controllerrevisions" => ("controllerrevision", &[]),
+        "customresourcedefinitions" => ("customresourcedefinition", &["crd", "crds"]),
+        "serviceaccounts" => ("serviceaccount", &["sa"]),
+        "deployments" => ("deployment", &["deploy"]),
+        "daemonsets" => ("daemonset", &["ds"]),
         _ => ("", &[]),
     }
 }
@@ -220,6 +225,9 @@ pub fn serve(types: &[ResourceType], path: &str, host: &str) -> Option<Result<Va
             }
             Some(Ok(json!({"paths": paths})))
         }
+        ["openapi", "v3", "api", v] if openapi_group_versions(types).contains(&("", *v)) => {
+            Some(Ok(openapi_document(types, "", v)))
+        }
         ["openapi", "v3", "apis", g, v] => {
             if openapi_group_versions(types).contains(&(*g, *v)) {
                 Some(Ok(openapi_document(types, g, v)))
@@ -232,11 +240,11 @@ pub fn serve(types: &[ResourceType], path: &str, host: &str) -> Option<Result<Va
     }
 }
 
-/// The group-versions with an OpenAPI document: those of microvirt's CRDs (the built-in kinds
-/// are the real API server's business; kubectl only needs the documents of what it handles).
+/// The group-versions with an OpenAPI document: every one the server stores. (kubectl asks for
+/// the document of every kind it validates or applies, built-in ones too.)
 fn openapi_group_versions(types: &[ResourceType]) -> Vec<(&'static str, &'static str)> {
     let mut out = vec![];
-    for t in types.iter().filter(|t| crd_of(t).is_some()) {
+    for t in types {
         if !out.contains(&(t.group, t.version)) {
             out.push((t.group, t.version));
         }
@@ -254,8 +262,14 @@ fn openapi_hash(doc: &Value) -> String {
     format!("{h:016X}")
 }
 
-/// The OpenAPI name of a CRD's kind, as the API server builds it: the group reversed.
+/// The OpenAPI name of a CRD's kind, as the API server builds it: the group reversed (the
+/// core group's kinds as `io.k8s.api.core`).
 fn schema_name(group: &str, version: &str, kind: &str) -> String {
+    let group = if group.is_empty() {
+        "core.api.k8s.io"
+    } else {
+        group
+    };
     let reversed: Vec<&str> = group.split('.').rev().collect();
     format!("{}.{version}.{kind}", reversed.join("."))
 }
@@ -271,16 +285,15 @@ fn openapi_document(types: &[ResourceType], group: &str, version: &str) -> Value
         .iter()
         .filter(|t| t.group == group && t.version == version)
     {
-        let Some((_, crd_version)) = crd_of(rt) else {
-            continue;
-        };
         let gvk = json!([{"group": group, "version": version, "kind": rt.kind}]);
-        let mut schema = crd_version
-            .schema
-            .as_ref()
-            .and_then(|s| s.open_api_v3_schema.as_ref())
+        // A built-in kind's schema is left open: its fields are the real server's to check,
+        // and the `fieldValidation` parameter below leaves checking to the server anyway.
+        let mut schema = crd_of(rt)
+            .and_then(|(_, v)| v.schema.as_ref()?.open_api_v3_schema.as_ref())
             .map(|s| serde_json::to_value(s).unwrap())
-            .unwrap_or_else(|| json!({"type": "object"}));
+            .unwrap_or_else(
+                || json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true}),
+            );
         let props = schema["properties"].as_object_mut();
         if let Some(props) = props {
             props.insert("apiVersion".into(), json!({"type": "string", "description": "APIVersion defines the versioned schema of this representation of an object. Servers should convert recognized schemas to the latest internal value, and may reject unrecognized values."}));
@@ -326,13 +339,15 @@ fn openapi_document(types: &[ResourceType], group: &str, version: &str) -> Value
             }
             o
         };
-        let base = if rt.namespaced {
-            format!(
-                "/apis/{group}/{version}/namespaces/{{namespace}}/{}",
-                rt.plural
-            )
+        let prefix = if group.is_empty() {
+            format!("/api/{version}")
         } else {
-            format!("/apis/{group}/{version}/{}", rt.plural)
+            format!("/apis/{group}/{version}")
+        };
+        let base = if rt.namespaced {
+            format!("{prefix}/namespaces/{{namespace}}/{}", rt.plural)
+        } else {
+            format!("{prefix}/{}", rt.plural)
         };
         paths.insert(
             base.clone(),

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
@@ -232,7 +233,7 @@ async fn watch_replays_bookmarks_selectors_and_gone() {
 async fn finalizers_graceful_pod_deletion_and_garbage_collection() {
     let s = ApiServer::start().await;
     // Kinds the server does not store are 404, as a resource without its CRD is.
-    let err = Api::<ServiceAccount>::namespaced(s.client(), "default")
+    let err = Api::<Job>::namespaced(s.client(), "default")
         .list(&ListParams::default())
         .await
         .unwrap_err();

@@ -79,6 +79,18 @@ const KINDS: &[Kind] = &[
     // The aggregation layer (see `aggregator`) and delegated authorization.
     ("apiregistration.k8s.io", "v1", "apiservices", "APIService", false, true, None),
     ("authorization.k8s.io", "v1", "subjectaccessreviews", "SubjectAccessReview", false, false, None),
+    // What virt-operator installs, and the CR it installs from.
+    ("kubevirt.io", "v1", "kubevirts", "KubeVirt", true, true, None),
+    ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", false, true, None),
+    ("", "v1", "serviceaccounts", "ServiceAccount", true, false, None),
+    ("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", false, false, None),
+    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", false, false, None),
+    ("rbac.authorization.k8s.io", "v1", "roles", "Role", true, false, None),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", true, false, None),
+    ("apps", "v1", "deployments", "Deployment", true, true, None),
+    ("apps", "v1", "daemonsets", "DaemonSet", true, true, None),
+    ("admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", "ValidatingWebhookConfiguration", false, false, None),
+    ("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", "MutatingWebhookConfiguration", false, false, None),
 ];
 
 /// The kinds microvirt's control plane touches.

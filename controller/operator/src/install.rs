@@ -1,0 +1,269 @@
+//! The install strategy: the objects one release of microvirt consists of, rendered for a
+//! `KubeVirt` CR. The operator carries the manifests of its own release (`deploy/`, the files
+//! `kubectl apply -k deploy/` applies), as KubeVirt's operator carries its install strategy,
+//! and renders them into the CR's namespace with the CR's registry and tag.
+
+use api::kubevirt::{labels, KubeVirt};
+use kube::api::{ApiResource, GroupVersionKind};
+use kube::ResourceExt;
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The registry the manifests name, and this operator's default.
+pub const DEFAULT_REGISTRY: &str = "quay.io/microvirt";
+/// The namespace `deploy/` installs into; the operator installs into the CR's instead.
+const MANIFEST_NAMESPACE: &str = "microvirt";
+
+/// The manifests of this release, in the order they are applied: definitions and permissions
+/// before the workloads that need them. (`deploy/namespace.yaml` is left out: the CR's
+/// namespace exists already.)
+const MANIFESTS: &[(&str, &str)] = &[
+    (
+        "crds/microvirt.yaml",
+        include_str!("../../../deploy/crds/microvirt.yaml"),
+    ),
+    (
+        "rbac/controller.yaml",
+        include_str!("../../../deploy/rbac/controller.yaml"),
+    ),
+    (
+        "rbac/handler.yaml",
+        include_str!("../../../deploy/rbac/handler.yaml"),
+    ),
+    (
+        "rbac/virt-api.yaml",
+        include_str!("../../../deploy/rbac/virt-api.yaml"),
+    ),
+    (
+        "rbac/kubevirt-roles.yaml",
+        include_str!("../../../deploy/rbac/kubevirt-roles.yaml"),
+    ),
+    ("handler.yaml", include_str!("../../../deploy/handler.yaml")),
+    (
+        "controller.yaml",
+        include_str!("../../../deploy/controller.yaml"),
+    ),
+    ("webhook.yaml", include_str!("../../../deploy/webhook.yaml")),
+    (
+        "virt-api.yaml",
+        include_str!("../../../deploy/virt-api.yaml"),
+    ),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error("deploy/{file}: {reason}")]
+    Manifest { file: &'static str, reason: String },
+}
+
+/// This operator's own release tag (`v` and the crate version), the default `imageTag`.
+pub fn operator_version() -> String {
+    format!("v{}", env!("CARGO_PKG_VERSION"))
+}
+
+/// Which release to run and where its images come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Release {
+    pub registry: String,
+    pub tag: String,
+    pub pull_policy: Option<String>,
+}
+
+impl Release {
+    /// The release `kv` asks for, this operator's own where it is silent.
+    pub fn of(kv: &KubeVirt, registry: &str) -> Release {
+        let non_empty = |s: &Option<String>| s.clone().filter(|s| !s.is_empty());
+        Release {
+            registry: non_empty(&kv.spec.image_registry).unwrap_or_else(|| registry.into()),
+            tag: non_empty(&kv.spec.image_tag).unwrap_or_else(operator_version),
+            pull_policy: non_empty(&kv.spec.image_pull_policy),
+        }
+    }
+
+    /// A component's image in this release (`virt-handler` → `<registry>/virt-handler:<tag>`).
+    pub fn image(&self, component: &str) -> String {
+        format!(
+            "{}/{component}:{}",
+            self.registry.trim_end_matches('/'),
+            self.tag
+        )
+    }
+}
+
+/// A workload the operator waits on before it calls the installation available.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Workload {
+    pub kind: WorkloadKind,
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkloadKind {
+    Deployment,
+    DaemonSet,
+}
+
+/// One release's objects for `kv`: in its namespace, with its images, labelled as the
+/// operator's.
+pub fn objects(kv: &KubeVirt, release: &Release) -> Result<Vec<Value>, InstallError> {
+    let namespace = kv.namespace().unwrap_or_default();
+    let mut out = Vec::new();
+    for &(file, text) in MANIFESTS {
+        for doc in serde_yaml::Deserializer::from_str(text) {
+            let mut obj = Value::deserialize(doc).map_err(|e| InstallError::Manifest {
+                file,
+                reason: e.to_string(),
+            })?;
+            if obj.is_null() {
+                continue;
+            }
+            render(&mut obj, &namespace, release);
+            out.push(obj);
+        }
+    }
+    Ok(out)
+}
+
+/// The Deployments and DaemonSets among `objects`.
+pub fn workloads(objects: &[Value]) -> Vec<Workload> {
+    objects
+        .iter()
+        .filter_map(|o| {
+            let kind = match o["kind"].as_str()? {
+                "Deployment" => WorkloadKind::Deployment,
+                "DaemonSet" => WorkloadKind::DaemonSet,
+                _ => return None,
+            };
+            let name = o["metadata"]["name"].as_str()?.to_string();
+            Some(Workload { kind, name })
+        })
+        .collect()
+}
+
+/// The API resource of an object (its plural from the kind, as every kind shipped here forms
+/// it) and whether it lives in a namespace.
+pub fn resource_of(obj: &Value) -> (ApiResource, bool) {
+    let api_version = obj["apiVersion"].as_str().unwrap_or_default();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, obj["kind"].as_str().unwrap_or_default());
+    let namespaced = obj["metadata"]["namespace"].is_string();
+    (ApiResource::from_gvk(&gvk), namespaced)
+}
+
+fn render(obj: &mut Value, namespace: &str, release: &Release) {
+    let meta = &mut obj["metadata"];
+    if meta["namespace"] == MANIFEST_NAMESPACE {
+        meta["namespace"] = namespace.into();
+    }
+    meta["labels"][labels::MANAGED_BY] = labels::MANAGED_BY_OPERATOR.into();
+    meta["labels"][labels::VERSION] = release.tag.clone().into();
+    // Where other objects point into the install namespace.
+    for s in obj["subjects"].as_array_mut().into_iter().flatten() {
+        if s["namespace"] == MANIFEST_NAMESPACE {
+            s["namespace"] = namespace.into();
+        }
+    }
+    for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
+        let service = &mut w["clientConfig"]["service"];
+        if service["namespace"] == MANIFEST_NAMESPACE {
+            service["namespace"] = namespace.into();
+        }
+    }
+    if obj["kind"] == "APIService" && obj["spec"]["service"]["namespace"] == MANIFEST_NAMESPACE {
+        obj["spec"]["service"]["namespace"] = namespace.into();
+    }
+    let is_controller = obj["kind"] == "Deployment" && obj["metadata"]["name"] == "virt-controller";
+    let template = &mut obj["spec"]["template"];
+    if template.is_null() {
+        return;
+    }
+    template["metadata"]["labels"][labels::VERSION] = release.tag.clone().into();
+    for c in template["spec"]["containers"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+    {
+        if let Some(component) = component_of(c["image"].as_str().unwrap_or_default()) {
+            c["image"] = release.image(&component).into();
+        }
+        if let Some(p) = &release.pull_policy {
+            c["imagePullPolicy"] = p.clone().into();
+        }
+        if is_controller {
+            // The Pods virt-controller makes run this release's launcher and importer.
+            let args = c["args"].as_array_mut();
+            if let Some(args) = args {
+                args.push(format!("--launcher-image={}", release.image("virt-launcher")).into());
+                args.push(format!("--importer-image={}", release.image("cdi-importer")).into());
+            }
+        }
+    }
+}
+
+/// `virt-handler` from `quay.io/microvirt/virt-handler:v0.1.0`: a component of this project.
+fn component_of(image: &str) -> Option<String> {
+    let rest = image.strip_prefix(DEFAULT_REGISTRY)?.strip_prefix('/')?;
+    let name = rest.split([':', '@']).next()?;
+    Some(name.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(yaml: &str) -> KubeVirt {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn renders_into_the_namespace_with_the_release_images() {
+        let kv = kv("apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: kubevirt}\nspec: {imageTag: v9.9.9, imageRegistry: registry.local:5000/mv}\n");
+        let release = Release::of(&kv, DEFAULT_REGISTRY);
+        let objs = objects(&kv, &release).unwrap();
+        let find = |kind: &str, name: &str| {
+            objs.iter()
+                .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+                .unwrap_or_else(|| panic!("{kind} {name}"))
+        };
+        let handler = find("DaemonSet", "virt-handler");
+        assert_eq!(handler["metadata"]["namespace"], "kubevirt");
+        assert_eq!(
+            handler["spec"]["template"]["spec"]["containers"][0]["image"],
+            "registry.local:5000/mv/virt-handler:v9.9.9"
+        );
+        assert_eq!(handler["metadata"]["labels"][labels::VERSION], "v9.9.9");
+        let controller = find("Deployment", "virt-controller");
+        let args = controller["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+        assert!(
+            args.contains("--launcher-image=registry.local:5000/mv/virt-launcher:v9.9.9"),
+            "{args}"
+        );
+        for o in &objs {
+            assert_ne!(o["metadata"]["namespace"], MANIFEST_NAMESPACE, "{o}");
+            assert_eq!(
+                o["metadata"]["labels"][labels::MANAGED_BY],
+                labels::MANAGED_BY_OPERATOR
+            );
+        }
+        let hook = find("ValidatingWebhookConfiguration", "microvirt");
+        assert_eq!(
+            hook["webhooks"][0]["clientConfig"]["service"]["namespace"],
+            "kubevirt"
+        );
+        let api = find("APIService", "v1.subresources.kubevirt.io");
+        assert_eq!(api["spec"]["service"]["namespace"], "kubevirt");
+        let kinds: Vec<_> = workloads(&objs).into_iter().map(|w| w.name).collect();
+        assert_eq!(kinds, ["virt-handler", "virt-controller", "virt-api"]);
+    }
+
+    #[test]
+    fn defaults_to_the_operators_release() {
+        let kv = kv("apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: kubevirt}\nspec: {imageTag: ''}\n");
+        let r = Release::of(&kv, DEFAULT_REGISTRY);
+        assert_eq!(r.tag, operator_version());
+        assert_eq!(
+            r.image("virt-api"),
+            format!("quay.io/microvirt/virt-api:{}", operator_version())
+        );
+    }
+}

@@ -1,0 +1,11 @@
+//! virt-operator: microvirt installed, configured and removed as KubeVirt's operator does it,
+//! from one `KubeVirt` custom resource (`api::kubevirt`).
+//!
+//! - [`install`]: the objects of one release (the manifests of `deploy/`, carried by the
+//!   operator) rendered for a CR: its namespace, registry and tag.
+//! - [`status`]: the CR's phase and conditions from what was observed (pure).
+//! - [`reconcile`]: apply, watch the workloads, report; uninstall on deletion.
+
+pub mod install;
+pub mod reconcile;
+pub mod status;

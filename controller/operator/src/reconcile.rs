@@ -1,0 +1,352 @@
+//! The KubeVirt CR's reconciler: the first CR in the cluster is the installation; its
+//! objects are applied (server-side, as the operator's field manager), its workloads watched
+//! until ready, and its status written as KubeVirt writes it. Deleting the CR removes what
+//! was installed — unless workloads still exist and `uninstallStrategy` blocks it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::kubevirt::{KubeVirt, BLOCK_UNINSTALL_IF_WORKLOADS_EXIST, FINALIZER};
+use api::{
+    VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VirtualMachinePool,
+};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Client, ResourceExt};
+use serde_json::Value;
+
+use crate::install::{self, Release, Workload, WorkloadKind};
+use crate::status::{self, Observed, WorkloadState};
+use controller_runtime::{finalizer_patch, has_finalizer, is_not_found, write_status};
+
+/// The field manager of every object the operator applies.
+pub const FIELD_MANAGER: &str = "virt-operator";
+
+pub struct Context {
+    pub client: Client,
+    /// The registry of this operator's release, the default `imageRegistry`.
+    pub registry: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Install(#[from] install::InstallError),
+}
+
+/// How often an installation that is not yet available, or is being removed, is looked at.
+const WHILE_CHANGING: Duration = Duration::from_secs(2);
+/// How often a settled installation is checked against its objects (a deleted or edited
+/// object is put back).
+const WHILE_SETTLED: Duration = Duration::from_secs(60);
+
+pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = kv.namespace().unwrap_or_default();
+    let kvs: Api<KubeVirt> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(active) = active_elsewhere(&ctx.client, &kv).await? {
+        write_status(&kvs, &kv, status::ignored(&kv, &active)).await?;
+        if kv.metadata.deletion_timestamp.is_some() && has_finalizer(kv.as_ref(), FINALIZER) {
+            patch_finalizer(&kvs, &kv, false).await?;
+        }
+        return Ok(Action::await_change());
+    }
+    if kv.metadata.deletion_timestamp.is_some() {
+        return uninstall(&kvs, &kv, &ctx).await;
+    }
+    // The finalizer first, so nothing is installed that a deletion could leave behind.
+    let kv = if has_finalizer(kv.as_ref(), FINALIZER) {
+        kv
+    } else {
+        Arc::new(patch_finalizer(&kvs, &kv, true).await?)
+    };
+    let release = Release::of(&kv, &ctx.registry);
+    let objects = install::objects(&kv, &release)?;
+    let apply_error = apply_all(&ctx.client, &objects).await;
+    let workloads = observe(&ctx.client, &kv, &install::workloads(&objects)).await?;
+    let observed = Observed {
+        kv: &kv,
+        release: &release,
+        operator_version: &install::operator_version(),
+        apply_error,
+        workloads,
+        not_honoured: not_honoured(&kv),
+    };
+    let status = status::installing(&observed);
+    let settled = status.observed_kube_virt_version.as_deref() == Some(release.tag.as_str())
+        && observed.apply_error.is_none();
+    write_status(&kvs, &kv, status).await?;
+    Ok(Action::requeue(if settled {
+        WHILE_SETTLED
+    } else {
+        WHILE_CHANGING
+    }))
+}
+
+pub fn error_policy(kv: Arc<KubeVirt>, err: &Error, _: Arc<Context>) -> Action {
+    // A conflict only means the CR changed under a reconcile: the next one reads it anew.
+    if matches!(err, Error::Kube(e) if controller_runtime::is_conflict(e)) {
+        return Action::requeue(Duration::from_millis(200));
+    }
+    tracing::warn!(kubevirt = %kv.name_any(), error = %err, "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The CR the cluster is installed from, when it is another one: the oldest, then by
+/// namespace and name, as KubeVirt honours only one.
+async fn active_elsewhere(client: &Client, kv: &KubeVirt) -> Result<Option<String>, Error> {
+    let all: Api<KubeVirt> = Api::all(client.clone());
+    let list = all.list(&ListParams::default()).await?;
+    let key = |k: &KubeVirt| {
+        (
+            k.metadata.creation_timestamp.clone().map(|t| t.0),
+            k.namespace(),
+            k.name_any(),
+        )
+    };
+    let active = list.items.iter().min_by_key(|k| key(k));
+    Ok(active
+        .filter(|a| a.uid() != kv.uid())
+        .map(|a| format!("{}/{}", a.namespace().unwrap_or_default(), a.name_any())))
+}
+
+/// Adds or removes the finalizer; returns the CR as written.
+async fn patch_finalizer(
+    kvs: &Api<KubeVirt>,
+    kv: &KubeVirt,
+    present: bool,
+) -> Result<KubeVirt, Error> {
+    let patch = Patch::Merge(finalizer_patch(kv, FINALIZER, present));
+    Ok(kvs
+        .patch(&kv.name_any(), &PatchParams::default(), &patch)
+        .await?)
+}
+
+/// Applies every object in order; the first failure is named and the rest still tried, so
+/// one bad object never holds back the others.
+async fn apply_all(client: &Client, objects: &[Value]) -> Option<String> {
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let mut first_error = None;
+    for obj in objects {
+        let (api, kind, name) = api_for(client, obj);
+        if let Err(e) = api.patch(name, &pp, &Patch::Apply(obj)).await {
+            tracing::warn!(%kind, %name, error = %e, "apply failed");
+            first_error.get_or_insert(format!("{kind} {name}: {e}"));
+        }
+    }
+    first_error
+}
+
+/// The API of a rendered object, its kind and its name.
+fn api_for<'a>(client: &Client, obj: &'a Value) -> (Api<DynamicObject>, String, &'a str) {
+    let (ar, namespaced) = install::resource_of(obj);
+    let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+    let api = if namespaced {
+        let ns = obj["metadata"]["namespace"].as_str().unwrap_or_default();
+        Api::namespaced_with(client.clone(), ns, &ar)
+    } else {
+        Api::all_with(client.clone(), &ar)
+    };
+    (api, ar.kind, name)
+}
+
+/// Whether each workload has rolled out its current generation and is ready.
+async fn observe(
+    client: &Client,
+    kv: &KubeVirt,
+    workloads: &[Workload],
+) -> Result<Vec<WorkloadState>, Error> {
+    let ns = kv.namespace().unwrap_or_default();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &ns);
+    let mut out = Vec::new();
+    for w in workloads {
+        let ready = match w.kind {
+            WorkloadKind::Deployment => deployments
+                .get_opt(&w.name)
+                .await?
+                .is_some_and(|d| deployment_ready(&d)),
+            WorkloadKind::DaemonSet => daemonsets
+                .get_opt(&w.name)
+                .await?
+                .is_some_and(|d| daemonset_ready(&d)),
+        };
+        out.push(WorkloadState {
+            workload: w.clone(),
+            ready,
+        });
+    }
+    Ok(out)
+}
+
+/// Rolled out at its generation, every replica updated, at least one ready.
+pub fn deployment_ready(d: &Deployment) -> bool {
+    let Some(s) = &d.status else { return false };
+    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    s.observed_generation >= d.metadata.generation
+        && s.updated_replicas.unwrap_or(0) >= want
+        && s.ready_replicas.unwrap_or(0) > 0
+}
+
+/// Rolled out at its generation on every node it is meant for, and meant for at least one.
+pub fn daemonset_ready(d: &DaemonSet) -> bool {
+    let Some(s) = &d.status else { return false };
+    s.observed_generation >= d.metadata.generation
+        && s.desired_number_scheduled > 0
+        && s.number_ready == s.desired_number_scheduled
+        && s.updated_number_scheduled.unwrap_or(0) == s.desired_number_scheduled
+}
+
+/// The spec fields microvirt acts on; `spec.configuration` is looked at one level down.
+const HONOURED: &[&str] = &[
+    "spec.imageTag",
+    "spec.imageRegistry",
+    "spec.imagePullPolicy",
+    "spec.uninstallStrategy",
+];
+
+/// The spec fields set (to more than an empty value) that microvirt keeps but does not act
+/// on, by path.
+fn not_honoured(kv: &KubeVirt) -> Vec<String> {
+    let spec = serde_json::to_value(&kv.spec).unwrap_or_default();
+    let mut out = Vec::new();
+    let mut visit = |path: String, v: &Value| {
+        if !is_empty(v) && !HONOURED.contains(&path.as_str()) {
+            out.push(path);
+        }
+    };
+    for (k, v) in spec.as_object().into_iter().flatten() {
+        match (k.as_str(), v.as_object()) {
+            ("configuration", Some(config)) => {
+                for (ck, cv) in config {
+                    visit(format!("spec.configuration.{ck}"), cv);
+                }
+            }
+            _ => visit(format!("spec.{k}"), v),
+        }
+    }
+    out
+}
+
+/// Null, or an object, list or string with nothing in it (`featureGates: []`, `infra: {}`).
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.iter().all(is_empty),
+        Value::Object(o) => o.values().all(is_empty),
+        _ => false,
+    }
+}
+
+/// Removes the installation once no workload keeps it (or the strategy removes them too).
+async fn uninstall(kvs: &Api<KubeVirt>, kv: &KubeVirt, ctx: &Context) -> Result<Action, Error> {
+    if !has_finalizer(kv, FINALIZER) {
+        return Ok(Action::await_change());
+    }
+    let strategy = kv
+        .spec
+        .uninstall_strategy
+        .as_deref()
+        .unwrap_or(BLOCK_UNINSTALL_IF_WORKLOADS_EXIST);
+    if strategy == BLOCK_UNINSTALL_IF_WORKLOADS_EXIST {
+        if let Some(why) = workloads_present(&ctx.client).await? {
+            write_status(kvs, kv, status::deleting(kv, Some(&why))).await?;
+            return Ok(Action::requeue(WHILE_CHANGING));
+        }
+    }
+    write_status(kvs, kv, status::deleting(kv, None)).await?;
+    let release = Release::of(kv, &ctx.registry);
+    let objects = install::objects(kv, &release)?;
+    // In reverse: the workloads go before the permissions and definitions they use.
+    for obj in objects.iter().rev() {
+        let (api, _, name) = api_for(&ctx.client, obj);
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    patch_finalizer(kvs, kv, false).await?;
+    Ok(Action::await_change())
+}
+
+/// What keeps a `BlockUninstallIfWorkloadsExist` installation: KubeVirt's message naming the
+/// first kind that still has objects.
+async fn workloads_present(client: &Client) -> Result<Option<String>, Error> {
+    let lp = ListParams::default().limit(1);
+    let any = |n: usize, what: &str| (n > 0).then(|| format!("there are still {what} present"));
+    let checks = [
+        any(
+            Api::<VirtualMachineInstance>::all(client.clone())
+                .list(&lp)
+                .await?
+                .items
+                .len(),
+            "Virtual Machine Instances",
+        ),
+        any(
+            Api::<VirtualMachine>::all(client.clone())
+                .list(&lp)
+                .await?
+                .items
+                .len(),
+            "Virtual Machines",
+        ),
+        any(
+            Api::<VirtualMachineInstanceReplicaSet>::all(client.clone())
+                .list(&lp)
+                .await?
+                .items
+                .len(),
+            "Virtual Machine Instance Replica Sets",
+        ),
+        any(
+            Api::<VirtualMachinePool>::all(client.clone())
+                .list(&lp)
+                .await?
+                .items
+                .len(),
+            "Virtual Machine Pools",
+        ),
+    ];
+    Ok(checks.into_iter().flatten().next())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_fields_are_not_reported_set_ones_are() {
+        let text = include_str!("../../../deploy/kubevirt-cr.yaml");
+        let kv: KubeVirt = serde_yaml::from_str(text).unwrap();
+        assert_eq!(not_honoured(&kv), Vec::<String>::new());
+        let kv: KubeVirt = serde_yaml::from_str(&text.replace(
+            "customizeComponents: {}",
+            "customizeComponents: {flags: {api: {v: '4'}}}\n  infra: {replicas: 3}",
+        ))
+        .unwrap();
+        assert_eq!(
+            not_honoured(&kv),
+            ["spec.customizeComponents", "spec.infra"]
+        );
+    }
+
+    #[test]
+    fn operator_yaml_carries_the_generated_crd() {
+        use kube::CustomResourceExt;
+        let text = include_str!("../../../deploy/operator.yaml");
+        let generated = serde_json::to_value(KubeVirt::crd()).unwrap();
+        let found = serde_yaml::Deserializer::from_str(text)
+            .map(|d| <Value as serde::Deserialize>::deserialize(d).unwrap())
+            .find(|d| d["kind"] == "CustomResourceDefinition")
+            .expect("deploy/operator.yaml has the KubeVirt CRD");
+        assert!(
+            found == generated,
+            "deploy/operator.yaml's CRD drifted from api::kubevirt: paste `virt-operator crd` in"
+        );
+    }
+}

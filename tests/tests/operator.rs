@@ -1,0 +1,256 @@
+//! Installing microvirt as KubeVirt is installed: the real `kubectl` applies
+//! `deploy/operator.yaml` and `deploy/kubevirt-cr.yaml` to the test API server, the real
+//! `virt-operator` binary installs every other object from the CR, and `kubectl wait kv
+//! kubevirt --for condition=Available` returns once the workloads are ready. The test stands in
+//! for the Deployment and DaemonSet controllers (there is no kube-controller-manager here): it
+//! reports the workloads rolled out, which is what the operator waits for.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use api::kubevirt::{conditions, KubeVirt, KubeVirtPhase};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams};
+use kube::Client;
+use serde_json::json;
+use tests::apiserver::ApiServer;
+use tests::cluster::eventually;
+
+const T: Duration = Duration::from_secs(60);
+const NS: &str = "kubevirt";
+
+struct Kubectl {
+    kubeconfig: PathBuf,
+    cache: PathBuf,
+}
+
+impl Kubectl {
+    fn run(&self, args: &[&str]) -> (i32, String) {
+        let out = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--cache-dir")
+            .arg(&self.cache)
+            .args(args)
+            .output()
+            .expect("kubectl runs (installed by .ci/run)");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        eprintln!("$ kubectl {}\n{text}", args.join(" "));
+        (out.status.code().unwrap_or(-1), text)
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let (code, text) = self.run(args);
+        assert_eq!(code, 0, "kubectl {args:?}: {text}");
+        text
+    }
+}
+
+/// The real operator, as its Deployment runs it (the API server reached through a
+/// kubeconfig instead of the Pod's service account files).
+struct Operator(Child);
+
+impl Operator {
+    fn start(kubeconfig: &Path) -> Operator {
+        let bin = tests::build_bin("virt-operator", "virt-operator");
+        let child = Command::new(bin)
+            .arg("run")
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info,kube=warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("virt-operator starts");
+        Operator(child)
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn repo(path: &str) -> String {
+    tests::repo_root().join(path).display().to_string()
+}
+
+/// What the Deployment and DaemonSet controllers report once every Pod of the current
+/// generation is ready (one node here).
+async fn roll_out(client: &Client) {
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    for d in deployments.list(&Default::default()).await.unwrap() {
+        let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+        let status = json!({"status": {
+            "observedGeneration": d.metadata.generation,
+            "replicas": want, "updatedReplicas": want, "readyReplicas": want,
+            "availableReplicas": want,
+        }});
+        let name = d.metadata.name.unwrap();
+        deployments
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .unwrap();
+    }
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), NS);
+    for d in daemonsets.list(&Default::default()).await.unwrap() {
+        let status = json!({"status": {
+            "observedGeneration": d.metadata.generation,
+            "desiredNumberScheduled": 1, "currentNumberScheduled": 1,
+            "updatedNumberScheduled": 1, "numberReady": 1, "numberMisscheduled": 0,
+        }});
+        let name = d.metadata.name.unwrap();
+        daemonsets
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(status))
+            .await
+            .unwrap();
+    }
+}
+
+async fn condition(kvs: &Api<KubeVirt>, name: &str, type_: &str) -> Option<(String, String)> {
+    let kv = kvs.get(name).await.ok()?;
+    let c = kv
+        .status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)?;
+    Some((c.status, c.reason.unwrap_or_default()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_gone() {
+    let server = ApiServer::start().await;
+    let dir = std::env::temp_dir().join(format!("microvirt-operator-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig, None);
+    let kubectl = Kubectl {
+        kubeconfig: kubeconfig.clone(),
+        cache: dir.join("cache"),
+    };
+    let client = server.client();
+
+    kubectl.ok(&["apply", "-f", &repo("deploy/operator.yaml")]);
+    let _operator = Operator::start(&kubeconfig);
+    kubectl.ok(&["apply", "-f", &repo("deploy/kubevirt-cr.yaml")]);
+
+    // Everything else comes from the CR: definitions, permissions, webhooks, workloads.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
+    let controller = eventually("virt-controller installed", T, || async {
+        deployments.get_opt("virt-controller").await.unwrap()
+    })
+    .await;
+    let image = &controller.spec.unwrap().template.spec.unwrap().containers[0].image;
+    assert_eq!(
+        image.as_deref(),
+        Some("quay.io/microvirt/virt-controller:v0.1.0")
+    );
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for crd in [
+        "virtualmachines.kubevirt.io",
+        "virtualmachinepools.pool.kubevirt.io",
+    ] {
+        eventually(crd, T, || async { crds.get_opt(crd).await.unwrap() }).await;
+    }
+    let roles: Api<ClusterRole> = Api::all(client.clone());
+    eventually("kubevirt.io:edit", T, || async {
+        roles.get_opt("kubevirt.io:edit").await.unwrap()
+    })
+    .await;
+    let kvs: Api<KubeVirt> = Api::namespaced(client.clone(), NS);
+    let waiting = eventually("Progressing while the workloads start", T, || async {
+        condition(&kvs, "kubevirt", conditions::AVAILABLE)
+            .await
+            .filter(|c| c.0 == "False")
+    })
+    .await;
+    assert_eq!(waiting.1, conditions::DEPLOYMENT_IN_PROGRESS);
+    let (code, _) = kubectl.run(&[
+        "wait",
+        "kv",
+        "kubevirt",
+        "-n",
+        NS,
+        "--for",
+        "condition=Available",
+        "--timeout=1s",
+    ]);
+    assert_ne!(code, 0, "Available before any workload is ready");
+
+    roll_out(&client).await;
+    kubectl.ok(&[
+        "wait",
+        "kv",
+        "kubevirt",
+        "-n",
+        NS,
+        "--for",
+        "condition=Available",
+        "--timeout=60s",
+    ]);
+    let kv = kvs.get("kubevirt").await.unwrap();
+    let status = kv.status.unwrap();
+    assert_eq!(status.phase, Some(KubeVirtPhase::Deployed));
+    assert_eq!(status.observed_kube_virt_version.as_deref(), Some("v0.1.0"));
+
+    // A second CR is not an installation of its own.
+    let second = std::fs::read_to_string(repo("deploy/kubevirt-cr.yaml"))
+        .unwrap()
+        .replace("name: kubevirt\n", "name: second\n");
+    let second_path = dir.join("second.yaml");
+    std::fs::write(&second_path, second).unwrap();
+    kubectl.ok(&["apply", "-f", &second_path.display().to_string()]);
+    let ignored = eventually("the second CR reported", T, || async {
+        condition(&kvs, "second", conditions::SYNCHRONIZED).await
+    })
+    .await;
+    assert_eq!(ignored.1, conditions::MULTIPLE_KUBEVIRTS);
+    kubectl.ok(&["delete", "kv", "second", "-n", NS, "--timeout=30s"]);
+
+    // With a VM present, uninstalling is blocked and nothing is torn down.
+    kubectl.ok(&["apply", "-f", &repo("examples/probe-smp.yaml")]);
+    kubectl.ok(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"]);
+    let blocked = eventually("deletion blocked", T, || async {
+        condition(&kvs, "kubevirt", conditions::DEGRADED)
+            .await
+            .filter(|c| c.1 == conditions::DELETION_BLOCKED)
+    })
+    .await;
+    assert_eq!(blocked.0, "True");
+    let kv = kvs.get("kubevirt").await.unwrap();
+    assert_eq!(kv.status.unwrap().phase, Some(KubeVirtPhase::Deleting));
+    assert!(deployments
+        .get_opt("virt-controller")
+        .await
+        .unwrap()
+        .is_some());
+
+    // Once the VM is gone, the installation goes, then the CR.
+    kubectl.ok(&["delete", "-f", &repo("examples/probe-smp.yaml")]);
+    eventually("the CR removed", T, || async {
+        kvs.get_opt("kubevirt")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(deployments
+        .get_opt("virt-controller")
+        .await
+        .unwrap()
+        .is_none());
+    assert!(crds
+        .get_opt("virtualmachines.kubevirt.io")
+        .await
+        .unwrap()
+        .is_none());
+}
