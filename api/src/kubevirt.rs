@@ -197,4 +197,197 @@ pub mod conditions {
     pub const DELETION_BLOCKED: &str = "DeletionBlocked";
     pub const FIELDS_NOT_HONOURED: &str = "FieldsNotHonoured";
     pub const MULTIPLE_KUBEVIRTS: &str = "MultipleKubeVirtsExist";
+    pub const INVALID_CONFIGURATION: &str = "InvalidConfiguration";
+}
+
+/// The feature gates microvirt acts on. KubeVirt's others are accepted and reported as not
+/// honoured.
+pub const KNOWN_FEATURE_GATES: &[&str] = &["HostDisk"];
+
+/// The cluster-wide settings the components act on: their own defaults (KubeVirt's, or a
+/// component's flags when it runs alone), with the KubeVirt CR's `spec.configuration` over
+/// them. The components follow the CR as it changes; an invalid edit is refused whole and the
+/// last valid settings stay in force, as KubeVirt does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterSettings {
+    /// The migration settings a MigrationPolicy may override.
+    pub migrations: crate::MigrationConfiguration,
+    pub parallel_migrations_per_cluster: usize,
+    pub parallel_outbound_migrations_per_node: usize,
+    /// The eviction strategy of VMIs that set none.
+    pub eviction_strategy: crate::migratability::EvictionStrategy,
+    pub feature_gates: std::collections::BTreeSet<String>,
+}
+
+impl Default for ClusterSettings {
+    /// KubeVirt's defaults.
+    fn default() -> Self {
+        ClusterSettings {
+            migrations: crate::MigrationConfiguration {
+                bandwidth_per_migration: Some(Quantity("0Mi".into())),
+                completion_timeout_per_gi_b: Some(150),
+                allow_auto_converge: Some(false),
+                allow_post_copy: Some(false),
+                progress_timeout: Some(150),
+                max_downtime_ms: Some(300),
+            },
+            parallel_migrations_per_cluster: 5,
+            parallel_outbound_migrations_per_node: 2,
+            eviction_strategy: Default::default(),
+            feature_gates: Default::default(),
+        }
+    }
+}
+
+impl ClusterSettings {
+    pub fn feature_gate(&self, gate: &str) -> bool {
+        self.feature_gates.contains(gate)
+    }
+
+    /// These settings with `config` over them, or why `config` cannot be taken (by path).
+    pub fn with(&self, config: &KubeVirtConfiguration) -> Result<ClusterSettings, String> {
+        let mut s = self.clone();
+        if let Some(m) = &config.migrations {
+            let c = &mut s.migrations;
+            if let Some(q) = &m.bandwidth_per_migration {
+                crate::quantity::parse_bytes(&q.0).map_err(|e| {
+                    format!("spec.configuration.migrations.bandwidthPerMigration: {e}")
+                })?;
+                c.bandwidth_per_migration = Some(q.clone());
+            }
+            let positive = |v: Option<i64>, field: &str| match v {
+                Some(n) if n <= 0 => Err(format!(
+                    "spec.configuration.migrations.{field}: {n} is not a positive number of seconds"
+                )),
+                _ => Ok(v),
+            };
+            if let Some(v) = positive(m.completion_timeout_per_gi_b, "completionTimeoutPerGiB")? {
+                c.completion_timeout_per_gi_b = Some(v);
+            }
+            if let Some(v) = positive(m.progress_timeout, "progressTimeout")? {
+                c.progress_timeout = Some(v);
+            }
+            c.allow_auto_converge = m.allow_auto_converge.or(c.allow_auto_converge);
+            c.allow_post_copy = m.allow_post_copy.or(c.allow_post_copy);
+            let count = |v: Option<u32>, field: &str, current: usize| match v {
+                Some(0) => Err(format!(
+                    "spec.configuration.migrations.{field}: must be at least 1"
+                )),
+                Some(n) => Ok(n as usize),
+                None => Ok(current),
+            };
+            s.parallel_migrations_per_cluster = count(
+                m.parallel_migrations_per_cluster,
+                "parallelMigrationsPerCluster",
+                s.parallel_migrations_per_cluster,
+            )?;
+            s.parallel_outbound_migrations_per_node = count(
+                m.parallel_outbound_migrations_per_node,
+                "parallelOutboundMigrationsPerNode",
+                s.parallel_outbound_migrations_per_node,
+            )?;
+        }
+        if let Some(e) = config
+            .eviction_strategy
+            .as_deref()
+            .filter(|e| !e.is_empty())
+        {
+            s.eviction_strategy = e
+                .parse()
+                .map_err(|why| format!("spec.configuration.evictionStrategy: {why}"))?;
+        }
+        if let Some(d) = &config.developer_configuration {
+            s.feature_gates.extend(d.feature_gates.iter().cloned());
+            for g in &d.disabled_feature_gates {
+                s.feature_gates.remove(g);
+            }
+        }
+        Ok(s)
+    }
+
+    /// The oldest KubeVirt CR among `all`: the one the cluster is installed and configured
+    /// from (KubeVirt honours one).
+    pub fn active(all: &[KubeVirt]) -> Option<&KubeVirt> {
+        all.iter().min_by_key(|k| {
+            (
+                k.metadata.creation_timestamp.clone().map(|t| t.0),
+                k.metadata.namespace.clone(),
+                k.metadata.name.clone(),
+            )
+        })
+    }
+}
+
+/// The fields of `config` microvirt acts on, by path (the rest are reported as not honoured).
+pub const HONOURED_CONFIGURATION: &[&str] = &[
+    "spec.configuration.migrations.parallelMigrationsPerCluster",
+    "spec.configuration.migrations.parallelOutboundMigrationsPerNode",
+    "spec.configuration.migrations.bandwidthPerMigration",
+    "spec.configuration.migrations.completionTimeoutPerGiB",
+    "spec.configuration.migrations.progressTimeout",
+    "spec.configuration.migrations.allowAutoConverge",
+    "spec.configuration.migrations.allowPostCopy",
+    "spec.configuration.evictionStrategy",
+    "spec.configuration.developerConfiguration.featureGates",
+    "spec.configuration.developerConfiguration.disabledFeatureGates",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(yaml: &str) -> KubeVirtConfiguration {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn configuration_over_the_defaults() {
+        let base = ClusterSettings::default();
+        let s = base
+            .with(&config(
+                "migrations: {bandwidthPerMigration: 64Mi, parallelMigrationsPerCluster: 9}\nevictionStrategy: LiveMigrate\ndeveloperConfiguration: {featureGates: [HostDisk]}\n",
+            ))
+            .unwrap();
+        assert_eq!(
+            s.migrations.bandwidth_per_migration,
+            Some(Quantity("64Mi".into()))
+        );
+        assert_eq!(s.migrations.completion_timeout_per_gi_b, Some(150));
+        assert_eq!(s.parallel_migrations_per_cluster, 9);
+        assert_eq!(s.parallel_outbound_migrations_per_node, 2);
+        assert_eq!(
+            s.eviction_strategy,
+            crate::migratability::EvictionStrategy::LiveMigrate
+        );
+        assert!(s.feature_gate("HostDisk"));
+        let off = s
+            .with(&config(
+                "developerConfiguration: {disabledFeatureGates: [HostDisk]}\n",
+            ))
+            .unwrap();
+        assert!(!off.feature_gate("HostDisk"));
+    }
+
+    #[test]
+    fn an_invalid_configuration_is_refused_by_path() {
+        let base = ClusterSettings::default();
+        for (yaml, path) in [
+            (
+                "migrations: {bandwidthPerMigration: fast}",
+                "bandwidthPerMigration",
+            ),
+            (
+                "migrations: {completionTimeoutPerGiB: 0}",
+                "completionTimeoutPerGiB",
+            ),
+            (
+                "migrations: {parallelMigrationsPerCluster: 0}",
+                "parallelMigrationsPerCluster",
+            ),
+            ("evictionStrategy: Sometimes", "evictionStrategy"),
+        ] {
+            let err = base.with(&config(yaml)).unwrap_err();
+            assert!(err.contains(path), "{yaml}: {err}");
+        }
+    }
 }

@@ -12,8 +12,11 @@ use kube::{Client, Resource, ResourceExt};
 
 use crate::metrics::Metrics;
 use crate::pod::PodConfig;
+use api::kubevirt::ClusterSettings;
 
-/// virt-controller's settings (flags of `virt-controller run`).
+/// virt-controller's settings (flags of `virt-controller run`). The cluster-wide ones among
+/// them (migration limits, the default eviction strategy, the HostDisk gate) are defaults:
+/// the KubeVirt CR's `spec.configuration` overrides them live (see [`Context::settings`]).
 #[derive(Clone, Debug)]
 pub struct ControllerConfig {
     pub pod: PodConfig,
@@ -40,6 +43,22 @@ pub struct ControllerConfig {
     pub import_progress_interval: Duration,
     /// virt-controller's own namespace (where the upload signing key is kept).
     pub namespace: String,
+}
+
+impl ControllerConfig {
+    /// The cluster-wide settings these flags give, before the KubeVirt CR's.
+    pub fn cluster_settings(&self) -> ClusterSettings {
+        let mut s = ClusterSettings {
+            parallel_migrations_per_cluster: self.parallel_migrations_per_cluster,
+            parallel_outbound_migrations_per_node: self.parallel_outbound_migrations_per_node,
+            eviction_strategy: self.default_eviction_strategy,
+            ..Default::default()
+        };
+        if self.pod.host_disks.feature_gate {
+            s.feature_gates.insert("HostDisk".into());
+        }
+        s
+    }
 }
 
 impl Default for ControllerConfig {
@@ -97,10 +116,13 @@ pub struct Context {
     /// Held while a migration is admitted against the limits (see `migration.rs`).
     pub migration_admission: tokio::sync::Mutex<()>,
     pub cdi: crate::cdi::CdiPresence,
+    /// The flags' cluster-wide settings with the KubeVirt CR's configuration over them.
+    pub settings: controller_runtime::LiveSettings,
 }
 
 impl Context {
     pub fn new(client: Client, config: ControllerConfig, metrics: Arc<Metrics>) -> Arc<Context> {
+        let (client_for_settings, config_defaults) = (client.clone(), config.cluster_settings());
         Arc::new(Context {
             events: EventSink::new(
                 client.clone(),
@@ -113,7 +135,23 @@ impl Context {
             backoff: RetryBackoff::default(),
             migration_admission: tokio::sync::Mutex::new(()),
             cdi: Default::default(),
+            settings: controller_runtime::LiveSettings::follow(
+                client_for_settings,
+                config_defaults,
+            ),
         })
+    }
+
+    /// The cluster-wide settings in force now.
+    pub fn settings(&self) -> Arc<ClusterSettings> {
+        self.settings.current()
+    }
+
+    /// The launcher Pod settings, with the HostDisk gate as the cluster has it now.
+    pub fn pod_config(&self) -> PodConfig {
+        let mut pod = self.config.pod.clone();
+        pod.host_disks.feature_gate = self.settings().feature_gate("HostDisk");
+        pod
     }
 
     /// Publishes an Event about `obj`; failures to record are logged, never fatal.

@@ -187,7 +187,7 @@ pub async fn evacuate(
     if evac != node {
         return Ok(None);
     }
-    if eviction_outcome(&vmi.spec, status, ctx.config.default_eviction_strategy)
+    if eviction_outcome(&vmi.spec, status, ctx.settings().eviction_strategy)
         != EvictionOutcome::Migrate
     {
         return Ok(None);
@@ -285,7 +285,7 @@ pub async fn reconcile_node(node: Arc<Node>, ctx: Arc<Context>) -> Result<Action
             continue;
         }
         if !matches!(
-            eviction_outcome(&vmi.spec, &status, ctx.config.default_eviction_strategy),
+            eviction_outcome(&vmi.spec, &status, ctx.settings().eviction_strategy),
             EvictionOutcome::Migrate | EvictionOutcome::MarkOnly
         ) {
             continue;

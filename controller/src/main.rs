@@ -195,10 +195,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.webhook_addr)
             .await
             .with_context(|| format!("--webhook-addr {}", args.webhook_addr))?;
+        // The webhook follows the KubeVirt CR on its own, as the reconcilers do.
+        let defaults = api::kubevirt::ClusterSettings {
+            eviction_strategy: args.default_eviction_strategy,
+            feature_gates: args.feature_gates.iter().cloned().collect(),
+            ..Default::default()
+        };
         let app = controller::webhook::router(controller::webhook::WebhookState {
             client: Some(client.clone()),
-            default_eviction_strategy: args.default_eviction_strategy,
-            host_disks: host_disks.clone(),
+            settings: controller_runtime::LiveSettings::follow(client.clone(), defaults),
+            host_disk_prefixes: host_disks.allowed_prefixes.clone(),
         });
         tokio::spawn(controller_runtime::tls::serve_tls(listener, tls, app));
         if let (Some(pem), Some(_)) = (ca, &args.webhook_service) {

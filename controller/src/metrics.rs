@@ -39,7 +39,10 @@ pub struct Metrics {
     migration_succeeded: Gauge,
     migration_failed: Gauge,
     non_evictable: Family<Labels, Gauge>,
-    vmis: OnceLock<(Store<VirtualMachineInstance>, EvictionStrategy)>,
+    vmis: OnceLock<(
+        Store<VirtualMachineInstance>,
+        controller_runtime::LiveSettings,
+    )>,
     migrations: OnceLock<Store<VirtualMachineInstanceMigration>>,
 }
 
@@ -163,14 +166,14 @@ impl Metrics {
         self.ready.set(ready as i64);
     }
 
-    /// VMI metrics come from this cache; `default_strategy` is the cluster's eviction
-    /// strategy for VMIs that set none.
+    /// VMI metrics come from this cache; `settings` has the cluster's eviction strategy for
+    /// VMIs that set none.
     pub fn watch_vmis(
         &self,
         store: Store<VirtualMachineInstance>,
-        default_strategy: EvictionStrategy,
+        settings: controller_runtime::LiveSettings,
     ) {
-        let _ = self.vmis.set((store, default_strategy));
+        let _ = self.vmis.set((store, settings));
     }
 
     pub fn watch_migrations(&self, store: Store<VirtualMachineInstanceMigration>) {
@@ -178,12 +181,13 @@ impl Metrics {
     }
 
     fn refresh(&self) {
-        if let Some((store, default_strategy)) = self.vmis.get() {
+        if let Some((store, settings)) = self.vmis.get() {
+            let default_strategy = settings.current().eviction_strategy;
             self.vmi_phase.clear();
             self.non_evictable.clear();
             for vmi in store.state() {
                 let status = vmi.status.clone().unwrap_or_default();
-                let stuck = EvictionStrategy::of(&vmi.spec, *default_strategy)
+                let stuck = EvictionStrategy::of(&vmi.spec, default_strategy)
                     == EvictionStrategy::LiveMigrate
                     && matches!(
                         api::conditions::published_migratability(&status),

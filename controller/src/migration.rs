@@ -25,7 +25,6 @@ use api::{
     VmiPhase,
 };
 use k8s_openapi::api::core::v1::{Affinity, Namespace, Pod, PodAffinityTerm, PodAntiAffinity};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
@@ -38,18 +37,6 @@ use controller_runtime::{
 };
 
 const CONTROLLER: &str = "migration";
-
-/// KubeVirt's defaults for what a MigrationPolicy may override.
-pub fn default_configuration() -> MigrationConfiguration {
-    MigrationConfiguration {
-        bandwidth_per_migration: Some(Quantity("0Mi".into())),
-        completion_timeout_per_gi_b: Some(150),
-        allow_auto_converge: Some(false),
-        allow_post_copy: Some(false),
-        progress_timeout: Some(150),
-        max_downtime_ms: Some(300),
-    }
-}
 
 /// The policy that applies to a VMI, as KubeVirt picks it: every selector label must match
 /// (VMI labels and namespace labels); the policy matching the most labels wins, ties by name.
@@ -90,8 +77,12 @@ pub fn matching_policy<'a>(
     matching.first().copied()
 }
 
-pub fn configuration(policy: Option<&MigrationPolicy>) -> MigrationConfiguration {
-    let mut c = default_configuration();
+/// The settings of a migration: the cluster's (`defaults`), with a matching policy's over them.
+pub fn configuration(
+    defaults: &MigrationConfiguration,
+    policy: Option<&MigrationPolicy>,
+) -> MigrationConfiguration {
+    let mut c = defaults.clone();
     if let Some(p) = policy {
         let s = &p.spec;
         if s.bandwidth_per_migration.is_some() {
@@ -428,7 +419,7 @@ impl Pass<'_> {
 
     /// Scheduling, admitted: the target Pod is made.
     async fn create_target(&mut self, vmi: &VirtualMachineInstance) -> Result<()> {
-        let pod = target_pod(vmi, self.m, &self.ctx.config.pod)?;
+        let pod = target_pod(vmi, self.m, &self.ctx.pod_config())?;
         let pod = self.apis.pods.create(&PostParams::default(), &pod).await?;
         let note = format!("Created migration target pod {}", pod.name_any());
         self.ctx
@@ -472,7 +463,7 @@ impl Pass<'_> {
             .await?
             .items;
         let policy = matching_policy(&policies, vmi.labels(), &ns_labels);
-        let configuration = configuration(policy);
+        let configuration = configuration(&self.ctx.settings().migrations, policy);
         let mut vstatus = vmi.status.clone().unwrap_or_default();
         let hand_off = MigrationState {
             migration_uid: Some(self.uid()),
@@ -577,7 +568,8 @@ async fn queue_position(
     {
         return Ok(Some("another migration of this VMI is in progress".into()));
     }
-    if in_flight.len() >= ctx.config.parallel_migrations_per_cluster {
+    let settings = ctx.settings();
+    if in_flight.len() >= settings.parallel_migrations_per_cluster {
         return Ok(Some(format!(
             "{} migrations are running in the cluster",
             in_flight.len()
@@ -593,7 +585,7 @@ async fn queue_position(
                 == Some(source_node)
         })
         .count();
-    if outbound >= ctx.config.parallel_outbound_migrations_per_node {
+    if outbound >= settings.parallel_outbound_migrations_per_node {
         return Ok(Some(format!(
             "{outbound} migrations are leaving node {source_node}"
         )));
@@ -743,7 +735,9 @@ async fn target_pods(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use api::kubevirt::ClusterSettings;
     use api::{MigrationPolicySpec, MigrationSelectors};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     fn policy(name: &str, vmi: &[(&str, &str)], ns: &[(&str, &str)], bw: &str) -> MigrationPolicy {
         let map = |l: &[(&str, &str)]| {
@@ -787,7 +781,10 @@ mod tests {
         );
         assert_eq!(pick(&[("tier", "db")], &[]), Some("a".into()));
         assert_eq!(pick(&[("tier", "cache")], &[]), None);
-        let c = configuration(matching_policy(&ps, &l(&[("tier", "web")]), &l(&[])));
+        let c = configuration(
+            &ClusterSettings::default().migrations,
+            matching_policy(&ps, &l(&[("tier", "web")]), &l(&[])),
+        );
         assert_eq!(c.bandwidth_per_migration, Some(Quantity("30Mi".into())));
         assert_eq!(c.completion_timeout_per_gi_b, Some(150));
     }

@@ -95,7 +95,7 @@ fn vmis(ctx: &Arc<Context>, stop: Stop) -> Running {
                 })
         });
     ctx.metrics
-        .watch_vmis(controller.store(), ctx.config.default_eviction_strategy);
+        .watch_vmis(controller.store(), ctx.settings.clone());
     Box::pin(
         controller
             .graceful_shutdown_on(stop)

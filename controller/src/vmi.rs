@@ -175,10 +175,12 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         return Ok(Action::await_change());
     }
     let admitted = api::validation::validate_vmi(vmi).and_then(|()| {
-        ctx.config
-            .pod
-            .host_disks
-            .check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
+        ctx.pod_config().host_disks.check(
+            "VirtualMachineInstance",
+            &vmi.metadata,
+            &vmi.spec,
+            "spec",
+        )
     });
     if let Err(e) = admitted {
         return pass.refuse(e.to_string()).await;
@@ -292,7 +294,7 @@ impl Pass<'_> {
     }
 
     async fn create_pod(&mut self) -> Result<()> {
-        let rendered = crate::pod::render(self.vmi, &self.ctx.config.pod)?;
+        let rendered = crate::pod::render(self.vmi, &self.ctx.pod_config())?;
         let created = self.pods.create(&PostParams::default(), &rendered).await?;
         let note = format!("Created virtual machine pod {}", created.name_any());
         self.ctx
@@ -381,7 +383,7 @@ impl Pass<'_> {
 
     /// The launcher Pod's PodDisruptionBudget, present while eviction must not take the Pod.
     async fn protect(&self, placed: bool) -> Result<()> {
-        let default = self.ctx.config.default_eviction_strategy;
+        let default = self.ctx.settings().eviction_strategy;
         if EvictionStrategy::of(&self.vmi.spec, default) == EvictionStrategy::None {
             // Strategy None never has a budget, so those VMIs cost no request here.
             return Ok(());

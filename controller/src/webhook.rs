@@ -10,7 +10,6 @@
 
 use std::sync::Arc;
 
-use api::migratability::EvictionStrategy;
 use api::{
     VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
     VirtualMachineInstanceReplicaSet,
@@ -34,10 +33,20 @@ pub struct WebhookState {
     /// For `/eviction`, which reads the Pod and VMI and marks the VMI, and for admitting
     /// migrations, which reads their VMI.
     pub client: Option<Client>,
-    /// The eviction strategy of VMIs that set none.
-    pub default_eviction_strategy: EvictionStrategy,
-    /// Whether, and where, tenants may use hostDisks.
-    pub host_disks: api::validation::HostDiskPolicy,
+    /// The cluster's settings now: the eviction strategy of VMIs that set none, whether the
+    /// HostDisk gate is on.
+    pub settings: controller_runtime::LiveSettings,
+    /// Where tenants may use hostDisks (the gate is the settings').
+    pub host_disk_prefixes: Vec<String>,
+}
+
+impl WebhookState {
+    fn host_disks(&self) -> api::validation::HostDiskPolicy {
+        api::validation::HostDiskPolicy {
+            feature_gate: self.settings.current().feature_gate("HostDisk"),
+            allowed_prefixes: self.host_disk_prefixes.clone(),
+        }
+    }
 }
 
 pub fn router(state: WebhookState) -> axum::Router {
@@ -177,7 +186,7 @@ async fn validation(
 ) -> AdmissionResponse {
     let mut resp = AdmissionResponse::from(&req);
     if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
-        let mut verdict = validate_object(&req.kind.kind, obj, &state.host_disks);
+        let mut verdict = validate_object(&req.kind.kind, obj, &state.host_disks());
         if let (Ok(_), Some(client), "VirtualMachineInstanceMigration", Operation::Create) = (
             &verdict,
             &state.client,
@@ -308,7 +317,14 @@ async fn eviction_verdict(
     let (Some(client), Some(ns)) = (&state.client, req.namespace.as_deref()) else {
         return resp;
     };
-    match crate::evacuation::evict(client, state.default_eviction_strategy, ns, &req.name).await {
+    match crate::evacuation::evict(
+        client,
+        state.settings.current().eviction_strategy,
+        ns,
+        &req.name,
+    )
+    .await
+    {
         Ok(None) => resp,
         Ok(Some(msg)) => {
             let mut r = resp.deny(msg);

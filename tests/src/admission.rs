@@ -21,10 +21,14 @@ pub async fn start_webhook(
     client: Option<kube::Client>,
     default_eviction_strategy: EvictionStrategy,
 ) -> Webhook {
+    let settings = api::kubevirt::ClusterSettings {
+        eviction_strategy: default_eviction_strategy,
+        ..Default::default()
+    };
     serve_webhook(controller::webhook::WebhookState {
         client,
-        default_eviction_strategy,
-        host_disks: Default::default(),
+        settings: controller_runtime::LiveSettings::fixed(settings),
+        host_disk_prefixes: vec![],
     })
     .await
 }

@@ -513,6 +513,68 @@ async fn target_pod(c: &Cluster, migration: &str) -> Pod {
     c.target_pod(&uid).await
 }
 
+/// The migration settings the VMI's next migration is given, once its target Pod runs.
+async fn migration_settings(c: &Cluster, vm: &str, migration: &str) -> api::MigrationConfiguration {
+    c.apply_yaml::<VirtualMachineInstanceMigration>(&migration_yaml(migration, vm))
+        .await;
+    let target = target_pod(c, migration).await;
+    c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
+        .await;
+    wait_migration(c, migration, api::MigrationPhase::PreparingTarget).await;
+    let v = c.api::<VirtualMachineInstance>().get(vm).await.unwrap();
+    let ms = v.status.unwrap().migration_state.unwrap();
+    ms.migration_configuration.unwrap()
+}
+
+/// The KubeVirt CR's `spec.configuration` is the cluster's configuration, followed live: an
+/// edit reaches the next migration with no restart, an invalid one is refused and the last
+/// valid settings stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_follow_the_kubevirt_configuration_live() {
+    let c = Cluster::start().await;
+    let r = c.replica(test_config(), None);
+    let kv_yaml = |bandwidth: &str| {
+        format!("apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata:\n  name: kubevirt\n  namespace: microvirt\nspec:\n  configuration:\n    migrations:\n      bandwidthPerMigration: {bandwidth}\n      completionTimeoutPerGiB: 40\n")
+    };
+    let kvs = kube::Api::<api::kubevirt::KubeVirt>::namespaced(c.client.clone(), "microvirt");
+    let apply = |yaml: String| {
+        let kvs = kvs.clone();
+        async move {
+            let kv: api::kubevirt::KubeVirt = serde_yaml::from_str(&yaml).unwrap();
+            kvs.patch(
+                "kubevirt",
+                &kube::api::PatchParams::apply("test").force(),
+                &kube::api::Patch::Apply(&kv),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    // On two nodes: a node lets two migrations leave at once.
+    for (vm, node) in [("a", "node-a"), ("b", "node-a"), ("d", "node-c")] {
+        c.apply_yaml::<VirtualMachine>(&vm_yaml(vm, "Always")).await;
+        c.bring_up(vm, node).await;
+    }
+    apply(kv_yaml("64Mi")).await;
+    // The settings reach the controller through its watch (milliseconds here).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = migration_settings(&c, "a", "mig-a").await;
+    assert_eq!(first.bandwidth_per_migration.unwrap().0, "64Mi");
+    assert_eq!(first.completion_timeout_per_gi_b, Some(40));
+
+    apply(kv_yaml("128Mi")).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = migration_settings(&c, "b", "mig-b").await;
+    assert_eq!(second.bandwidth_per_migration.unwrap().0, "128Mi");
+
+    // Not a quantity: refused whole; the last valid settings stay.
+    apply(kv_yaml("fast")).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let third = migration_settings(&c, "d", "mig-d").await;
+    assert_eq!(third.bandwidth_per_migration.unwrap().0, "128Mi");
+    r.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_happy_path() {
     let c = Cluster::start().await;
@@ -816,7 +878,7 @@ async fn admitted(
     })
     .await;
     // Still so after several queue rechecks.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let now = started(&c).await;
     assert_eq!(now.iter().filter(|s| **s).count(), expect, "{now:?}");
     let targets = c

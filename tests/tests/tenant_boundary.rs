@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
-use api::migratability::EvictionStrategy;
+use api::kubevirt::ClusterSettings;
 use api::validation::HostDiskPolicy;
 use api::{VirtualMachineInstance, VirtualMachineInstanceMigration, VmiPhase};
+use controller_runtime::LiveSettings;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::PostParams;
 use kube::ResourceExt;
@@ -180,8 +181,8 @@ async fn host_disks_need_the_gate_and_stay_in_the_tenants_directory() {
     // A cluster as installed: HostDisk off, refused in KubeVirt's words.
     let off = serve_webhook(controller::webhook::WebhookState {
         client: None,
-        default_eviction_strategy: EvictionStrategy::None,
-        host_disks: HostDiskPolicy::default(),
+        settings: LiveSettings::fixed(ClusterSettings::default()),
+        host_disk_prefixes: vec![],
     })
     .await;
     let r = off
@@ -199,10 +200,14 @@ async fn host_disks_need_the_gate_and_stay_in_the_tenants_directory() {
         feature_gate: true,
         allowed_prefixes: vec!["/var/lib/hostdisks/{namespace}".into()],
     };
+    let gate_on = ClusterSettings {
+        feature_gates: ["HostDisk".to_string()].into(),
+        ..Default::default()
+    };
     let on = serve_webhook(controller::webhook::WebhookState {
         client: None,
-        default_eviction_strategy: EvictionStrategy::None,
-        host_disks: policy.clone(),
+        settings: LiveSettings::fixed(gate_on),
+        host_disk_prefixes: policy.allowed_prefixes.clone(),
     })
     .await;
     let r = on

@@ -6,7 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use api::kubevirt::{KubeVirt, BLOCK_UNINSTALL_IF_WORKLOADS_EXIST, FINALIZER};
+use api::kubevirt::{
+    ClusterSettings, KubeVirt, BLOCK_UNINSTALL_IF_WORKLOADS_EXIST, FINALIZER,
+    HONOURED_CONFIGURATION, KNOWN_FEATURE_GATES,
+};
 use api::{
     VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet, VirtualMachinePool,
 };
@@ -73,6 +76,9 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
         apply_error,
         workloads,
         not_honoured: not_honoured(&kv),
+        invalid_configuration: ClusterSettings::default()
+            .with(&kv.spec.configuration.clone().unwrap_or_default())
+            .err(),
     };
     let status = status::installing(&observed);
     let settled = status.observed_kube_virt_version.as_deref() == Some(release.tag.as_str())
@@ -199,7 +205,7 @@ pub fn daemonset_ready(d: &DaemonSet) -> bool {
         && s.updated_number_scheduled.unwrap_or(0) == s.desired_number_scheduled
 }
 
-/// The spec fields microvirt acts on; `spec.configuration` is looked at one level down.
+/// The spec fields microvirt acts on besides `spec.configuration`'s.
 const HONOURED: &[&str] = &[
     "spec.imageTag",
     "spec.imageRegistry",
@@ -208,23 +214,43 @@ const HONOURED: &[&str] = &[
 ];
 
 /// The spec fields set (to more than an empty value) that microvirt keeps but does not act
-/// on, by path.
+/// on, by path, and the feature gates it does not know.
 fn not_honoured(kv: &KubeVirt) -> Vec<String> {
     let spec = serde_json::to_value(&kv.spec).unwrap_or_default();
     let mut out = Vec::new();
     let mut visit = |path: String, v: &Value| {
-        if !is_empty(v) && !HONOURED.contains(&path.as_str()) {
+        if !is_empty(v)
+            && !HONOURED.contains(&path.as_str())
+            && !HONOURED_CONFIGURATION.contains(&path.as_str())
+        {
             out.push(path);
         }
     };
     for (k, v) in spec.as_object().into_iter().flatten() {
-        match (k.as_str(), v.as_object()) {
-            ("configuration", Some(config)) => {
-                for (ck, cv) in config {
-                    visit(format!("spec.configuration.{ck}"), cv);
-                }
+        let path = format!("spec.{k}");
+        if k != "configuration" {
+            visit(path, v);
+            continue;
+        }
+        // Two levels down: `spec.configuration.migrations.bandwidthPerMigration`.
+        for (ck, cv) in v.as_object().into_iter().flatten() {
+            let cpath = format!("{path}.{ck}");
+            match cv.as_object() {
+                Some(fields) => fields
+                    .iter()
+                    .for_each(|(f, fv)| visit(format!("{cpath}.{f}"), fv)),
+                None => visit(cpath, cv),
             }
-            _ => visit(format!("spec.{k}"), v),
+        }
+    }
+    let gates = kv
+        .spec
+        .configuration
+        .as_ref()
+        .and_then(|c| c.developer_configuration.as_ref());
+    for g in gates.iter().flat_map(|d| &d.feature_gates) {
+        if !KNOWN_FEATURE_GATES.contains(&g.as_str()) {
+            out.push(format!("feature gate {g}"));
         }
     }
     out
@@ -332,6 +358,19 @@ mod tests {
         assert_eq!(
             not_honoured(&kv),
             ["spec.customizeComponents", "spec.infra"]
+        );
+        let kv: KubeVirt = serde_yaml::from_str(&text.replace(
+            "featureGates: []",
+            "featureGates: [HostDisk, Snapshot]\n    migrations: {bandwidthPerMigration: 1Gi, disableTLS: true}\n    vmStateStorageClass: local",
+        ))
+        .unwrap();
+        assert_eq!(
+            not_honoured(&kv),
+            [
+                "spec.configuration.migrations.disableTLS",
+                "spec.configuration.vmStateStorageClass",
+                "feature gate Snapshot"
+            ]
         );
     }
 

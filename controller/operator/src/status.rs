@@ -28,6 +28,8 @@ pub struct Observed<'a> {
     pub workloads: Vec<WorkloadState>,
     /// Fields of the spec the operator does not act on, by path.
     pub not_honoured: Vec<String>,
+    /// Why `spec.configuration` cannot be taken (the components keep the last valid one).
+    pub invalid_configuration: Option<String>,
 }
 
 impl Observed<'_> {
@@ -119,6 +121,10 @@ pub fn installing(o: &Observed<'_>) -> KubeVirtStatus {
         );
         set(c, FIELDS_NOT_HONOURED, true, FIELDS_NOT_HONOURED, &msg);
     }
+    if let Some(why) = &o.invalid_configuration {
+        let msg = format!("{why}; the components keep the last valid configuration");
+        set(c, DEGRADED, true, INVALID_CONFIGURATION, &msg);
+    }
     s.phase = Some(if ready || deployed_before {
         KubeVirtPhase::Deployed
     } else {
@@ -197,6 +203,7 @@ mod tests {
             apply_error: None,
             workloads: vec![state("virt-api", ready), state("virt-controller", true)],
             not_honoured: vec![],
+            invalid_configuration: None,
         })
     }
 
@@ -238,6 +245,7 @@ mod tests {
             apply_error: Some("Deployment virt-api: forbidden".into()),
             workloads: vec![state("virt-api", true)],
             not_honoured: vec!["spec.infra".into()],
+            invalid_configuration: None,
         });
         assert_eq!(cond(&s, DEGRADED), ("True", DEPLOYMENT_FAILED));
         assert_eq!(cond(&s, AVAILABLE).0, "False");

@@ -4,6 +4,7 @@
 //! - [`objects`]: status and label writes guarded by resourceVersion, owners, finalizers,
 //!   deletes that tolerate absence, and the API errors reconcilers branch on;
 //! - [`conditions`]: setting and removing a condition the way the API conventions ask;
+//! - [`settings`]: the KubeVirt CR's `spec.configuration`, followed live;
 //! - [`time`]: the timestamps Kubernetes objects carry;
 //! - [`backoff`]: per-object exponential retry (client-go's per-item rate limiter);
 //! - [`events`]: Events that never fail a reconcile;
@@ -16,6 +17,7 @@ pub mod conditions;
 pub mod events;
 pub mod metrics_http;
 pub mod objects;
+pub mod settings;
 pub mod time;
 pub mod tls;
 pub mod websocket;
@@ -27,3 +29,4 @@ pub use objects::{
     controlled_by, controller_ref, delete_if_present, finalizer_patch, has_finalizer, is_conflict,
     is_not_found, write_labels, write_status,
 };
+pub use settings::LiveSettings;
