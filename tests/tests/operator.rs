@@ -124,10 +124,17 @@ async fn condition(kvs: &Api<KubeVirt>, name: &str, type_: &str) -> Option<(Stri
     Some((c.status, c.reason.unwrap_or_default()))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_gone() {
+/// A cluster with the operator installed and running, as a user gets it from the two files.
+struct Installed {
+    server: ApiServer,
+    kubectl: Kubectl,
+    dir: PathBuf,
+    _operator: Operator,
+}
+
+async fn install(tag: &str) -> Installed {
     let server = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("microvirt-operator-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("microvirt-operator-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = dir.join("kubeconfig");
@@ -136,11 +143,26 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
         kubeconfig: kubeconfig.clone(),
         cache: dir.join("cache"),
     };
-    let client = server.client();
-
     kubectl.ok(&["apply", "-f", &repo("deploy/operator.yaml")]);
-    let _operator = Operator::start(&kubeconfig);
+    let operator = Operator::start(&kubeconfig);
     kubectl.ok(&["apply", "-f", &repo("deploy/kubevirt-cr.yaml")]);
+    Installed {
+        server,
+        kubectl,
+        dir,
+        _operator: operator,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_gone() {
+    let Installed {
+        server,
+        kubectl,
+        dir,
+        _operator,
+    } = install("install").await;
+    let client = server.client();
 
     // Everything else comes from the CR: definitions, permissions, webhooks, workloads.
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), NS);
@@ -253,4 +275,167 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
         .await
         .unwrap()
         .is_none());
+}
+
+fn image_of(template: Option<k8s_openapi::api::core::v1::PodTemplateSpec>) -> String {
+    template.unwrap().spec.unwrap().containers[0]
+        .image
+        .clone()
+        .unwrap()
+}
+
+async fn deployment_image(client: &Client, name: &str) -> String {
+    let d = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get(name)
+        .await
+        .unwrap();
+    image_of(d.spec.map(|s| s.template))
+}
+
+async fn handler_image(client: &Client) -> String {
+    let d = Api::<DaemonSet>::namespaced(client.clone(), NS)
+        .get("virt-handler")
+        .await
+        .unwrap();
+    image_of(d.spec.map(|s| s.template))
+}
+
+/// A running VMI in a launcher Pod of `image`, as virt-controller and virt-handler leave it.
+async fn running_vmi(client: &Client, name: &str, image: &str) {
+    let vmis: Api<api::VirtualMachineInstance> = Api::namespaced(client.clone(), "default");
+    let vmi: api::VirtualMachineInstance = serde_yaml::from_str(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: {name}}}\nspec:\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{}}\n"
+    ))
+    .unwrap();
+    let vmi = vmis.create(&Default::default(), &vmi).await.unwrap();
+    let uid = vmi.metadata.uid.clone().unwrap();
+    let status = json!({"status": {"phase": "Running", "nodeName": "node-a", "conditions": [
+        {"type": "LiveMigratable", "status": "True"}, {"type": "Ready", "status": "True"}]}});
+    vmis.patch_status(name, &PatchParams::default(), &Patch::Merge(status))
+        .await
+        .unwrap();
+    let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "metadata": {"name": format!("virt-launcher-{name}"), "namespace": "default",
+                     "labels": {"kubevirt.io": "virt-launcher", "kubevirt.io/created-by": uid}},
+        "spec": {"nodeName": "node-a", "containers": [{"name": "compute", "image": image}]},
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), "default")
+        .create(&Default::default(), &pod)
+        .await
+        .unwrap();
+}
+
+/// A new `imageTag` rolls out in KubeVirt's order — virt-handler, then virt-controller, then
+/// virt-api, each once the one before is ready — while `Available` stays True with
+/// `Progressing` and `Degraded` telling the upgrade apart; then, with `LiveMigrate`, running
+/// VMIs on the old launcher are migrated (onto Pods the new virt-controller makes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration() {
+    // Every part bound: the operator lives as long as the test.
+    let Installed {
+        server,
+        kubectl,
+        dir: _dir,
+        _operator,
+    } = install("upgrade").await;
+    let client = server.client();
+    let kvs: Api<KubeVirt> = Api::namespaced(client.clone(), NS);
+    eventually("installed", T, || async {
+        Api::<Deployment>::namespaced(client.clone(), NS)
+            .get_opt("virt-api")
+            .await
+            .unwrap()
+    })
+    .await;
+    roll_out(&client).await;
+    kubectl.ok(&[
+        "wait",
+        "kv",
+        "kubevirt",
+        "-n",
+        NS,
+        "--for",
+        "condition=Available",
+        "--timeout=60s",
+    ]);
+    running_vmi(&client, "old", "quay.io/microvirt/virt-launcher:v0.1.0").await;
+
+    let patch = json!({"spec": {"imageTag": "v0.2.0",
+        "workloadUpdateStrategy": {"workloadUpdateMethods": ["LiveMigrate"], "batchEvictionSize": 5}}});
+    kvs.patch("kubevirt", &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .unwrap();
+    let new = |c: &str| format!("quay.io/microvirt/{c}:v0.2.0");
+    eventually("virt-handler first", T, || async {
+        (handler_image(&client).await == new("virt-handler")).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        deployment_image(&client, "virt-controller").await,
+        "quay.io/microvirt/virt-controller:v0.1.0",
+        "the controllers wait for the new virt-handler"
+    );
+    assert_eq!(
+        condition(&kvs, "kubevirt", conditions::AVAILABLE).await,
+        Some(("True".into(), conditions::UPDATE_IN_PROGRESS.into()))
+    );
+    assert_eq!(
+        condition(&kvs, "kubevirt", conditions::PROGRESSING).await,
+        Some(("True".into(), conditions::UPDATE_IN_PROGRESS.into()))
+    );
+    kubectl.ok(&[
+        "wait",
+        "kv",
+        "kubevirt",
+        "-n",
+        NS,
+        "--for",
+        "condition=Available",
+        "--timeout=5s",
+    ]);
+
+    roll_out(&client).await;
+    eventually("virt-controller next", T, || async {
+        (deployment_image(&client, "virt-controller").await == new("virt-controller")).then_some(())
+    })
+    .await;
+    assert_eq!(
+        deployment_image(&client, "virt-api").await,
+        "quay.io/microvirt/virt-api:v0.1.0",
+        "virt-api waits for the new controllers"
+    );
+    roll_out(&client).await;
+    eventually("virt-api last", T, || async {
+        (deployment_image(&client, "virt-api").await == new("virt-api")).then_some(())
+    })
+    .await;
+    roll_out(&client).await;
+    eventually("the upgrade done", T, || async {
+        condition(&kvs, "kubevirt", conditions::PROGRESSING)
+            .await
+            .filter(|c| c.0 == "False")
+    })
+    .await;
+    let status = kvs.get("kubevirt").await.unwrap().status.unwrap();
+    assert_eq!(status.observed_kube_virt_version.as_deref(), Some("v0.2.0"));
+    assert_eq!(status.outdated_virtual_machine_instance_workloads, Some(1));
+    let migrations: Api<api::VirtualMachineInstanceMigration> =
+        Api::namespaced(client.clone(), "default");
+    let m = eventually("a workload-update migration", T, || async {
+        migrations
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .pop()
+    })
+    .await;
+    assert_eq!(m.spec.vmi_name, "old");
+    assert!(m
+        .metadata
+        .annotations
+        .unwrap()
+        .contains_key("kubevirt.io/workloadUpdateMigration"));
 }

@@ -97,6 +97,22 @@ pub struct Workload {
     pub name: String,
 }
 
+impl Workload {
+    /// Whether `obj` is this workload.
+    pub fn is(&self, obj: &Value) -> bool {
+        let kind = match self.kind {
+            WorkloadKind::Deployment => "Deployment",
+            WorkloadKind::DaemonSet => "DaemonSet",
+        };
+        obj["kind"] == kind && obj["metadata"]["name"] == self.name.as_str()
+    }
+}
+
+/// The order an upgrade replaces the workloads in, as KubeVirt's install strategy does: the
+/// node agents first (a new handler keeps serving old launchers), then the controllers, and
+/// virt-api last, which turns new features on.
+pub const UPGRADE_ORDER: [&str; 3] = ["virt-handler", "virt-controller", "virt-api"];
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WorkloadKind {
     Deployment,

@@ -4,8 +4,11 @@
 //! - [`install`]: the objects of one release (the manifests of `deploy/`, carried by the
 //!   operator) rendered for a CR: its namespace, registry and tag.
 //! - [`status`]: the CR's phase and conditions from what was observed (pure).
-//! - [`reconcile`]: apply, watch the workloads, report; uninstall on deletion.
+//! - [`reconcile`]: apply (an upgrade in KubeVirt's order), watch the workloads, report;
+//!   uninstall on deletion.
+//! - [`workloads`]: running VMIs moved onto the new launcher after an upgrade.
 
 pub mod install;
 pub mod reconcile;
 pub mod status;
+pub mod workloads;

@@ -66,7 +66,7 @@ async fn run(registry: String) -> anyhow::Result<()> {
         .await
         .context("connecting to the API server")?;
     let kvs: Api<KubeVirt> = Api::all(client.clone());
-    let ctx = Arc::new(Context { client, registry });
+    let ctx = Arc::new(Context::new(client, registry));
     tracing::info!(version = %install::operator_version(), "virt-operator running");
     Controller::new(kvs, watcher::Config::default())
         .shutdown_on_signal()

@@ -21,6 +21,7 @@ use serde_json::Value;
 
 use crate::install::{self, Release, Workload, WorkloadKind};
 use crate::status::{self, Observed, WorkloadState};
+use crate::workloads::{self, UpdateStrategy};
 use controller_runtime::{finalizer_patch, has_finalizer, is_not_found, write_status};
 
 /// The field manager of every object the operator applies.
@@ -30,6 +31,29 @@ pub struct Context {
     pub client: Client,
     /// The registry of this operator's release, the default `imageRegistry`.
     pub registry: String,
+    /// When the last batch of workload updates started.
+    pub last_batch: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl Context {
+    pub fn new(client: Client, registry: String) -> Context {
+        Context {
+            client,
+            registry,
+            last_batch: Default::default(),
+        }
+    }
+
+    /// Whether a new batch of workload updates may start (one per `interval`).
+    fn batch_due(&self, interval: Duration) -> bool {
+        let last = *self.last_batch.lock().unwrap_or_else(|e| e.into_inner());
+        last.is_none_or(|t| t.elapsed() >= interval)
+    }
+
+    fn batch_started(&self) {
+        *self.last_batch.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(std::time::Instant::now());
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,9 +91,8 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
     };
     let release = Release::of(&kv, &ctx.registry);
     let objects = install::objects(&kv, &release)?;
-    let apply_error = apply_all(&ctx.client, &objects).await;
-    let workloads = observe(&ctx.client, &kv, &install::workloads(&objects)).await?;
-    let observed = Observed {
+    let (apply_error, workloads) = roll_out(&ctx.client, &kv, &release, &objects).await?;
+    let mut observed = Observed {
         kv: &kv,
         release: &release,
         operator_version: &install::operator_version(),
@@ -80,15 +103,77 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
             .with(&kv.spec.configuration.clone().unwrap_or_default())
             .err(),
     };
-    let status = status::installing(&observed);
+    let strategy = UpdateStrategy::of(&kv);
+    if let Err(why) = &strategy {
+        observed.invalid_configuration.get_or_insert(why.clone());
+    }
+    let mut status = status::installing(&observed);
     let settled = status.observed_kube_virt_version.as_deref() == Some(release.tag.as_str())
         && observed.apply_error.is_none();
+    if settled {
+        // Workloads follow only a finished rollout: the new launcher is what virt-controller
+        // now puts in every target Pod.
+        let running = workloads::running(&ctx.client).await?;
+        let outdated = workloads::outdated(&running, &release.image("virt-launcher"));
+        status.outdated_virtual_machine_instance_workloads = Some(outdated.len() as i32);
+        if let Ok(strategy) = &strategy {
+            if !outdated.is_empty() && ctx.batch_due(strategy.batch_interval) {
+                let started = workloads::update(&ctx.client, strategy, &outdated).await?;
+                if started > 0 {
+                    ctx.batch_started();
+                }
+            }
+        }
+    }
+    let outdated = status
+        .outdated_virtual_machine_instance_workloads
+        .unwrap_or(0);
     write_status(&kvs, &kv, status).await?;
-    Ok(Action::requeue(if settled {
+    Ok(Action::requeue(if settled && outdated == 0 {
         WHILE_SETTLED
     } else {
         WHILE_CHANGING
     }))
+}
+
+/// Applies the release. The shared objects (definitions, permissions, services, webhooks)
+/// go first. On an upgrade the workloads follow one at a time in KubeVirt's order —
+/// virt-handler, then virt-controller, then virt-api — each only once the one before runs the
+/// new release; on a first install they all go at once. Returns the first apply failure and
+/// the workloads as they are now.
+async fn roll_out(
+    client: &Client,
+    kv: &KubeVirt,
+    release: &Release,
+    objects: &[Value],
+) -> Result<(Option<String>, Vec<WorkloadState>), Error> {
+    let workloads = install::workloads(objects);
+    let is_workload = |o: &Value| workloads.iter().any(|w| w.is(o));
+    let (staged, shared): (Vec<&Value>, Vec<&Value>) = objects.iter().partition(|o| is_workload(o));
+    let mut apply_error = apply_all(client, shared).await;
+    let status = kv.status.clone().unwrap_or_default();
+    let upgrading = status.observed_kube_virt_version.is_some()
+        && (status.observed_kube_virt_version.as_deref() != Some(release.tag.as_str())
+            || status.observed_kube_virt_registry.as_deref() != Some(release.registry.as_str()));
+    if !upgrading {
+        if let Some(e) = apply_all(client, staged).await {
+            apply_error.get_or_insert(e);
+        }
+        return Ok((apply_error, observe(client, kv, release, &workloads).await?));
+    }
+    for w in install::UPGRADE_ORDER {
+        let Some(obj) = staged.iter().find(|o| o["metadata"]["name"] == *w) else {
+            continue;
+        };
+        if let Some(e) = apply_all(client, [*obj]).await {
+            apply_error.get_or_insert(e);
+        }
+        let now = observe(client, kv, release, &workloads).await?;
+        if now.iter().any(|s| s.workload.name == *w && !s.ready) {
+            break;
+        }
+    }
+    Ok((apply_error, observe(client, kv, release, &workloads).await?))
 }
 
 pub fn error_policy(kv: Arc<KubeVirt>, err: &Error, _: Arc<Context>) -> Action {
@@ -132,7 +217,10 @@ async fn patch_finalizer(
 
 /// Applies every object in order; the first failure is named and the rest still tried, so
 /// one bad object never holds back the others.
-async fn apply_all(client: &Client, objects: &[Value]) -> Option<String> {
+async fn apply_all<'a>(
+    client: &Client,
+    objects: impl IntoIterator<Item = &'a Value>,
+) -> Option<String> {
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let mut first_error = None;
     for obj in objects {
@@ -158,12 +246,20 @@ fn api_for<'a>(client: &Client, obj: &'a Value) -> (Api<DynamicObject>, String, 
     (api, ar.kind, name)
 }
 
-/// Whether each workload has rolled out its current generation and is ready.
+/// Whether each workload runs `release`: labelled with it, rolled out at its current
+/// generation, and ready.
 async fn observe(
     client: &Client,
     kv: &KubeVirt,
+    release: &Release,
     workloads: &[Workload],
 ) -> Result<Vec<WorkloadState>, Error> {
+    let at_release = |meta: &kube::api::ObjectMeta| {
+        meta.labels
+            .as_ref()
+            .and_then(|l| l.get(api::kubevirt::labels::VERSION))
+            == Some(&release.tag)
+    };
     let ns = kv.namespace().unwrap_or_default();
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), &ns);
@@ -173,11 +269,11 @@ async fn observe(
             WorkloadKind::Deployment => deployments
                 .get_opt(&w.name)
                 .await?
-                .is_some_and(|d| deployment_ready(&d)),
+                .is_some_and(|d| at_release(&d.metadata) && deployment_ready(&d)),
             WorkloadKind::DaemonSet => daemonsets
                 .get_opt(&w.name)
                 .await?
-                .is_some_and(|d| daemonset_ready(&d)),
+                .is_some_and(|d| at_release(&d.metadata) && daemonset_ready(&d)),
         };
         out.push(WorkloadState {
             workload: w.clone(),
