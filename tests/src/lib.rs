@@ -5,6 +5,7 @@ pub mod admission;
 pub mod apiserver;
 pub mod cluster;
 pub mod discovery;
+pub mod kubectl;
 pub mod peers;
 pub mod rbac;
 pub mod storage;

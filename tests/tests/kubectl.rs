@@ -3,7 +3,6 @@
 //! virt-controller's admission webhook as `deploy/webhook.yaml` registers it; virt-controller
 //! runs against it under its RBAC; kubectl's own output is asserted — what a KubeVirt user sees.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,97 +10,9 @@ use api::migratability::EvictionStrategy;
 use api::VirtualMachine;
 use tests::admission::start_webhook;
 use tests::cluster::{test_config, Cluster};
+use tests::kubectl::Kubectl;
 
 const T: Duration = Duration::from_secs(30);
-
-struct Kubectl {
-    kubeconfig: PathBuf,
-    cache: PathBuf,
-    dir: PathBuf,
-}
-
-struct Ran {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-impl Kubectl {
-    fn new(cluster: &Cluster, tag: &str) -> Kubectl {
-        let dir =
-            std::env::temp_dir().join(format!("microvirt-kubectl-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let kubeconfig = dir.join("kubeconfig");
-        cluster.api.write_kubeconfig(&kubeconfig, None);
-        Kubectl {
-            kubeconfig,
-            cache: dir.join("cache"),
-            dir,
-        }
-    }
-
-    /// A manifest file for `-f`.
-    fn file(&self, name: &str, text: &str) -> String {
-        let p = self.dir.join(name);
-        std::fs::write(&p, text).unwrap();
-        p.display().to_string()
-    }
-
-    async fn run(&self, args: &[&str]) -> Ran {
-        let ran = self.run_quietly(args).await;
-        eprintln!(
-            "$ kubectl {}\n{}{}(exit {})",
-            args.join(" "),
-            ran.stdout,
-            ran.stderr,
-            ran.code
-        );
-        ran
-    }
-
-    async fn run_quietly(&self, args: &[&str]) -> Ran {
-        let out = tokio::process::Command::new("kubectl")
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--cache-dir")
-            .arg(&self.cache)
-            .args(args)
-            .output()
-            .await
-            .expect("kubectl runs (the kubectl package is installed by .ci/run)");
-        let ran = Ran {
-            code: out.status.code().unwrap_or(-1),
-            stdout: String::from_utf8_lossy(&out.stdout).into(),
-            stderr: String::from_utf8_lossy(&out.stderr).into(),
-        };
-        ran
-    }
-
-    /// Runs and requires exit 0; returns stdout.
-    async fn ok(&self, args: &[&str]) -> String {
-        let r = self.run(args).await;
-        assert_eq!(r.code, 0, "kubectl {args:?} failed: {}", r.stderr);
-        r.stdout
-    }
-
-    /// Runs until `check` accepts stdout (the controllers work asynchronously); the last
-    /// output is printed either way.
-    async fn until(&self, args: &[&str], what: &str, check: impl Fn(&str) -> bool) -> String {
-        let deadline = tokio::time::Instant::now() + T;
-        loop {
-            let r = self.run_quietly(args).await;
-            if r.code == 0 && check(&r.stdout) {
-                return r.stdout;
-            }
-            if tokio::time::Instant::now() > deadline {
-                self.run(args).await;
-                panic!("timed out after {T:?} waiting for: {what}");
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-}
 
 /// The lines of a table whose first column is `name`, split into columns.
 fn row(table: &str, name: &str) -> Option<Vec<String>> {
@@ -129,7 +40,7 @@ async fn cluster(tag: &str) -> (Cluster, tests::cluster::Replica, Kubectl) {
         .api
         .set_object_admission(Some(Arc::new(webhook).object_admission()));
     let controller = cluster.replica(test_config(), None);
-    let kubectl = Kubectl::new(&cluster, tag);
+    let kubectl = Kubectl::new(&cluster.api, tag);
     (cluster, controller, kubectl)
 }
 

@@ -5,7 +5,7 @@
 //! for the Deployment and DaemonSet controllers (there is no kube-controller-manager here): it
 //! reports the workloads rolled out, which is what the operator waits for.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -18,40 +18,10 @@ use kube::Client;
 use serde_json::json;
 use tests::apiserver::ApiServer;
 use tests::cluster::eventually;
+use tests::kubectl::Kubectl;
 
 const T: Duration = Duration::from_secs(60);
 const NS: &str = "kubevirt";
-
-struct Kubectl {
-    kubeconfig: PathBuf,
-    cache: PathBuf,
-}
-
-impl Kubectl {
-    fn run(&self, args: &[&str]) -> (i32, String) {
-        let out = Command::new("kubectl")
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--cache-dir")
-            .arg(&self.cache)
-            .args(args)
-            .output()
-            .expect("kubectl runs (installed by .ci/run)");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        eprintln!("$ kubectl {}\n{text}", args.join(" "));
-        (out.status.code().unwrap_or(-1), text)
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let (code, text) = self.run(args);
-        assert_eq!(code, 0, "kubectl {args:?}: {text}");
-        text
-    }
-}
 
 /// The real operator, as its Deployment runs it (the API server reached through a
 /// kubeconfig instead of the Pod's service account files).
@@ -80,6 +50,22 @@ impl Drop for Operator {
 
 fn repo(path: &str) -> String {
     tests::repo_root().join(path).display().to_string()
+}
+
+/// `kubectl wait kv kubevirt --for condition=Available`: its exit code.
+async fn wait_available(kubectl: &Kubectl, timeout: &str) -> i32 {
+    let timeout = format!("--timeout={timeout}");
+    let args = [
+        "wait",
+        "kv",
+        "kubevirt",
+        "-n",
+        NS,
+        "--for",
+        "condition=Available",
+        &timeout,
+    ];
+    kubectl.run(&args).await.code
 }
 
 /// What the Deployment and DaemonSet controllers report once every Pod of the current
@@ -128,28 +114,22 @@ async fn condition(kvs: &Api<KubeVirt>, name: &str, type_: &str) -> Option<(Stri
 struct Installed {
     server: ApiServer,
     kubectl: Kubectl,
-    dir: PathBuf,
     _operator: Operator,
 }
 
 async fn install(tag: &str) -> Installed {
     let server = ApiServer::start().await;
-    let dir = std::env::temp_dir().join(format!("microvirt-operator-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let kubeconfig = dir.join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig, None);
-    let kubectl = Kubectl {
-        kubeconfig: kubeconfig.clone(),
-        cache: dir.join("cache"),
-    };
-    kubectl.ok(&["apply", "-f", &repo("deploy/operator.yaml")]);
-    let operator = Operator::start(&kubeconfig);
-    kubectl.ok(&["apply", "-f", &repo("deploy/kubevirt-cr.yaml")]);
+    let kubectl = Kubectl::new(&server, &format!("operator-{tag}"));
+    kubectl
+        .ok(&["apply", "-f", &repo("deploy/operator.yaml")])
+        .await;
+    let operator = Operator::start(&kubectl.kubeconfig);
+    kubectl
+        .ok(&["apply", "-f", &repo("deploy/kubevirt-cr.yaml")])
+        .await;
     Installed {
         server,
         kubectl,
-        dir,
         _operator: operator,
     }
 }
@@ -159,7 +139,6 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
     let Installed {
         server,
         kubectl,
-        dir,
         _operator,
     } = install("install").await;
     let client = server.client();
@@ -195,29 +174,11 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
     })
     .await;
     assert_eq!(waiting.1, conditions::DEPLOYMENT_IN_PROGRESS);
-    let (code, _) = kubectl.run(&[
-        "wait",
-        "kv",
-        "kubevirt",
-        "-n",
-        NS,
-        "--for",
-        "condition=Available",
-        "--timeout=1s",
-    ]);
+    let code = wait_available(&kubectl, "1s").await;
     assert_ne!(code, 0, "Available before any workload is ready");
 
     roll_out(&client).await;
-    kubectl.ok(&[
-        "wait",
-        "kv",
-        "kubevirt",
-        "-n",
-        NS,
-        "--for",
-        "condition=Available",
-        "--timeout=60s",
-    ]);
+    assert_eq!(wait_available(&kubectl, "60s").await, 0);
     let kv = kvs.get("kubevirt").await.unwrap();
     let status = kv.status.unwrap();
     assert_eq!(status.phase, Some(KubeVirtPhase::Deployed));
@@ -227,19 +188,24 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
     let second = std::fs::read_to_string(repo("deploy/kubevirt-cr.yaml"))
         .unwrap()
         .replace("name: kubevirt\n", "name: second\n");
-    let second_path = dir.join("second.yaml");
-    std::fs::write(&second_path, second).unwrap();
-    kubectl.ok(&["apply", "-f", &second_path.display().to_string()]);
+    let second_path = kubectl.file("second.yaml", &second);
+    kubectl.ok(&["apply", "-f", &second_path]).await;
     let ignored = eventually("the second CR reported", T, || async {
         condition(&kvs, "second", conditions::SYNCHRONIZED).await
     })
     .await;
     assert_eq!(ignored.1, conditions::MULTIPLE_KUBEVIRTS);
-    kubectl.ok(&["delete", "kv", "second", "-n", NS, "--timeout=30s"]);
+    kubectl
+        .ok(&["delete", "kv", "second", "-n", NS, "--timeout=30s"])
+        .await;
 
     // With a VM present, uninstalling is blocked and nothing is torn down.
-    kubectl.ok(&["apply", "-f", &repo("examples/probe-smp.yaml")]);
-    kubectl.ok(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"]);
+    kubectl
+        .ok(&["apply", "-f", &repo("examples/probe-smp.yaml")])
+        .await;
+    kubectl
+        .ok(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"])
+        .await;
     let blocked = eventually("deletion blocked", T, || async {
         condition(&kvs, "kubevirt", conditions::DEGRADED)
             .await
@@ -256,7 +222,9 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
         .is_some());
 
     // Once the VM is gone, the installation goes, then the CR.
-    kubectl.ok(&["delete", "-f", &repo("examples/probe-smp.yaml")]);
+    kubectl
+        .ok(&["delete", "-f", &repo("examples/probe-smp.yaml")])
+        .await;
     eventually("the CR removed", T, || async {
         kvs.get_opt("kubevirt")
             .await
@@ -336,7 +304,6 @@ async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration(
     let Installed {
         server,
         kubectl,
-        dir: _dir,
         _operator,
     } = install("upgrade").await;
     let client = server.client();
@@ -349,16 +316,7 @@ async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration(
     })
     .await;
     roll_out(&client).await;
-    kubectl.ok(&[
-        "wait",
-        "kv",
-        "kubevirt",
-        "-n",
-        NS,
-        "--for",
-        "condition=Available",
-        "--timeout=60s",
-    ]);
+    assert_eq!(wait_available(&kubectl, "60s").await, 0);
     running_vmi(&client, "old", "quay.io/microvirt/virt-launcher:v0.1.0").await;
 
     let patch = json!({"spec": {"imageTag": "v0.2.0",
@@ -385,16 +343,7 @@ async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration(
         condition(&kvs, "kubevirt", conditions::PROGRESSING).await,
         Some(("True".into(), conditions::UPDATE_IN_PROGRESS.into()))
     );
-    kubectl.ok(&[
-        "wait",
-        "kv",
-        "kubevirt",
-        "-n",
-        NS,
-        "--for",
-        "condition=Available",
-        "--timeout=5s",
-    ]);
+    assert_eq!(wait_available(&kubectl, "5s").await, 0);
 
     roll_out(&client).await;
     eventually("virt-controller next", T, || async {

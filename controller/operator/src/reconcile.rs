@@ -307,6 +307,7 @@ const HONOURED: &[&str] = &[
     "spec.imageRegistry",
     "spec.imagePullPolicy",
     "spec.uninstallStrategy",
+    "spec.workloadUpdateStrategy",
 ];
 
 /// The spec fields set (to more than an empty value) that microvirt keeps but does not act
@@ -398,43 +399,37 @@ async fn uninstall(kvs: &Api<KubeVirt>, kv: &KubeVirt, ctx: &Context) -> Result<
 /// What keeps a `BlockUninstallIfWorkloadsExist` installation: KubeVirt's message naming the
 /// first kind that still has objects.
 async fn workloads_present(client: &Client) -> Result<Option<String>, Error> {
-    let lp = ListParams::default().limit(1);
-    let any = |n: usize, what: &str| (n > 0).then(|| format!("there are still {what} present"));
-    let checks = [
-        any(
-            Api::<VirtualMachineInstance>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .len(),
+    /// Whether any object of kind `K` exists, in any namespace.
+    async fn any<K>(client: &Client) -> Result<bool, kube::Error>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let lp = ListParams::default().limit(1);
+        Ok(!Api::<K>::all(client.clone())
+            .list(&lp)
+            .await?
+            .items
+            .is_empty())
+    }
+    let present = [
+        (
+            any::<VirtualMachineInstance>(client).await?,
             "Virtual Machine Instances",
         ),
-        any(
-            Api::<VirtualMachine>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .len(),
-            "Virtual Machines",
-        ),
-        any(
-            Api::<VirtualMachineInstanceReplicaSet>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .len(),
+        (any::<VirtualMachine>(client).await?, "Virtual Machines"),
+        (
+            any::<VirtualMachineInstanceReplicaSet>(client).await?,
             "Virtual Machine Instance Replica Sets",
         ),
-        any(
-            Api::<VirtualMachinePool>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .len(),
+        (
+            any::<VirtualMachinePool>(client).await?,
             "Virtual Machine Pools",
         ),
     ];
-    Ok(checks.into_iter().flatten().next())
+    Ok(present
+        .into_iter()
+        .find(|(p, _)| *p)
+        .map(|(_, what)| format!("there are still {what} present")))
 }
 
 #[cfg(test)]
