@@ -173,9 +173,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     if !args.no_webhook {
         let (tls, ca) = match (&args.tls_cert, &args.tls_key) {
+            // Given files are followed: a rotated Secret is served without a restart.
             (Some(c), Some(k)) => (
-                ServingCert::load_pem(c, k)
-                    .and_then(|c| c.server_config(None))
+                controller_runtime::tls::reloading_server_config(c, k, None)
                     .map_err(anyhow::Error::msg)?,
                 None,
             ),

@@ -118,15 +118,20 @@ struct Installed {
 }
 
 async fn install(tag: &str) -> Installed {
+    let cr = std::fs::read_to_string(repo("deploy/kubevirt-cr.yaml")).unwrap();
+    install_with(tag, &cr).await
+}
+
+/// [`install`] from the CR `cr` (YAML).
+async fn install_with(tag: &str, cr: &str) -> Installed {
     let server = ApiServer::start().await;
     let kubectl = Kubectl::new(&server, &format!("operator-{tag}"));
     kubectl
         .ok(&["apply", "-f", &repo("deploy/operator.yaml")])
         .await;
     let operator = Operator::start(&kubectl.kubeconfig);
-    kubectl
-        .ok(&["apply", "-f", &repo("deploy/kubevirt-cr.yaml")])
-        .await;
+    let cr = kubectl.file("kubevirt-cr.yaml", cr);
+    kubectl.ok(&["apply", "-f", &cr]).await;
     Installed {
         server,
         kubectl,
@@ -387,4 +392,145 @@ async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration(
         .annotations
         .unwrap()
         .contains_key("kubevirt.io/workloadUpdateMigration"));
+}
+
+/// The leaf certificate a TLS server at `addr` presents for `name`, verified against `bundle`
+/// (PEM) alone.
+async fn leaf_trusted_by(addr: std::net::SocketAddr, name: &str, bundle: &str) -> Vec<u8> {
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut bundle.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let server = rustls::pki_types::ServerName::try_from(name.to_string()).unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+        .connect(server, tcp)
+        .await
+        .expect("the served certificate is trusted through the CA bundle");
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+fn secret_field(s: &k8s_openapi::api::core::v1::Secret, key: &str) -> Vec<u8> {
+    s.data.as_ref().unwrap()[key].0.clone()
+}
+
+/// The webhook configuration's caBundle, as the API server reads it.
+async fn webhook_bundle(client: &Client) -> String {
+    let hooks: Api<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration> =
+        Api::all(client.clone());
+    let Some(cfg) = hooks.get_opt("microvirt").await.unwrap() else {
+        return String::new();
+    };
+    let webhook = &cfg.webhooks.unwrap()[0];
+    let b = webhook.client_config.ca_bundle.clone().unwrap_or_default();
+    String::from_utf8(b.0).unwrap()
+}
+
+/// The operator makes a CA and serving certificates, tells the API server to trust the CA
+/// (webhook configurations, APIServices), points the webhook and virt-api at the certificates,
+/// and replaces them before they expire; the real webhook server, serving the mounted files,
+/// presents the new certificate with no restart, still trusted through the bundle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
+    let cr = std::fs::read_to_string(repo("deploy/kubevirt-cr.yaml"))
+        .unwrap()
+        .replace(
+            "certificateRotateStrategy: {}",
+            "certificateRotateStrategy: {selfSigned: {server: {duration: 20s, renewBefore: 14s}}}",
+        );
+    let Installed {
+        server,
+        kubectl,
+        _operator,
+    } = install_with("certs", &cr).await;
+    let client = server.client();
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), NS);
+    let first = eventually("the webhook's certificate", T, || async {
+        secrets.get_opt("virt-controller-certs").await.unwrap()
+    })
+    .await;
+    let bundle = eventually("the webhook configuration trusts the CA", T, || async {
+        let b = webhook_bundle(&client).await;
+        (!b.is_empty()).then_some(b)
+    })
+    .await;
+    {
+        use base64::Engine;
+        let gvk = kube::api::GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
+        let ar = kube::api::ApiResource::from_gvk(&gvk);
+        let services: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &ar);
+        let svc = services.get("v1.subresources.kubevirt.io").await.unwrap();
+        let b64 = svc.data["spec"]["caBundle"].as_str().unwrap().to_string();
+        let pem = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .unwrap();
+        assert_eq!(String::from_utf8(pem).unwrap(), bundle);
+    }
+    let controller = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("virt-controller")
+        .await
+        .unwrap();
+    let args = controller.spec.unwrap().template.spec.unwrap().containers[0]
+        .args
+        .clone()
+        .unwrap();
+    assert!(
+        args.iter().any(|a| a.starts_with("--tls-cert=")),
+        "{args:?}"
+    );
+
+    // The mounted Secret, served by the real webhook server as virt-controller serves it.
+    let dir = kubectl.dir.join("serving-certs");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mount = |s: &k8s_openapi::api::core::v1::Secret| {
+        std::fs::write(dir.join("tls.crt"), secret_field(s, "tls.crt")).unwrap();
+        std::fs::write(dir.join("tls.key"), secret_field(s, "tls.key")).unwrap();
+    };
+    mount(&first);
+    let tls = controller_runtime::tls::reloading_server_config(
+        &dir.join("tls.crt"),
+        &dir.join("tls.key"),
+        None,
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = controller::webhook::router(controller::webhook::WebhookState {
+        client: None,
+        settings: controller_runtime::LiveSettings::fixed(Default::default()),
+        host_disk_prefixes: vec![],
+    });
+    tokio::spawn(controller_runtime::tls::serve_tls(listener, tls, app));
+    let name = format!("virt-controller-webhook.{NS}.svc");
+    let leaf = leaf_trusted_by(addr, &name, &bundle).await;
+    let pem_der = |pem: &[u8]| {
+        rustls_pemfile::certs(&mut &pem[..])
+            .next()
+            .unwrap()
+            .unwrap()
+            .to_vec()
+    };
+    assert_eq!(leaf, pem_der(&secret_field(&first, "tls.crt")));
+
+    // Six seconds after issue the certificate is due (20 s lifetime, renewed 14 s before).
+    let rotated = eventually("a new certificate", T, || async {
+        let s = secrets.get("virt-controller-certs").await.unwrap();
+        (secret_field(&s, "tls.crt") != secret_field(&first, "tls.crt")).then_some(s)
+    })
+    .await;
+    mount(&rotated);
+    let want = pem_der(&secret_field(&rotated, "tls.crt"));
+    eventually("the new certificate served", T, || async {
+        let bundle = webhook_bundle(&client).await;
+        (leaf_trusted_by(addr, &name, &bundle).await == want).then_some(())
+    })
+    .await;
 }

@@ -120,8 +120,14 @@ pub enum WorkloadKind {
 }
 
 /// One release's objects for `kv`: in its namespace, with its images, labelled as the
-/// operator's.
-pub fn objects(kv: &KubeVirt, release: &Release) -> Result<Vec<Value>, InstallError> {
+/// operator's. With `ca_bundle` (the operator's CA bundle, PEM) the API server is told to
+/// trust it for the webhook and virt-api, and those serve the operator's certificates
+/// (`certs::SERVED`) instead of making their own.
+pub fn objects(
+    kv: &KubeVirt,
+    release: &Release,
+    ca_bundle: Option<&str>,
+) -> Result<Vec<Value>, InstallError> {
     let namespace = kv.namespace().unwrap_or_default();
     let mut out = Vec::new();
     for &(file, text) in MANIFESTS {
@@ -134,6 +140,9 @@ pub fn objects(kv: &KubeVirt, release: &Release) -> Result<Vec<Value>, InstallEr
                 continue;
             }
             render(&mut obj, &namespace, release);
+            if let Some(bundle) = ca_bundle {
+                use_operator_certificates(&mut obj, bundle);
+            }
             out.push(obj);
         }
     }
@@ -216,6 +225,53 @@ fn render(obj: &mut Value, namespace: &str, release: &Release) {
     }
 }
 
+/// Where a component mounts its serving certificate.
+const CERT_DIR: &str = "/etc/microvirt/serving-certs";
+
+/// Points the API server at the operator's CA, and the webhook and virt-api at the
+/// operator's certificates (they follow the files, so a rotation needs no restart).
+fn use_operator_certificates(obj: &mut Value, bundle: &str) {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(bundle);
+    for w in obj["webhooks"].as_array_mut().into_iter().flatten() {
+        w["clientConfig"]["caBundle"] = b64.clone().into();
+    }
+    if obj["kind"] == "APIService" {
+        obj["spec"]["caBundle"] = b64.into();
+        obj["spec"]["insecureSkipTLSVerify"] = false.into();
+        return;
+    }
+    if obj["kind"] != "Deployment" {
+        return;
+    }
+    let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+    let Some(served) = crate::certs::SERVED
+        .iter()
+        .find(|s| s.secret.strip_suffix("-certs") == Some(name))
+    else {
+        return;
+    };
+    let spec = &mut obj["spec"]["template"]["spec"];
+    let volume =
+        serde_json::json!({"name": "serving-certs", "secret": {"secretName": served.secret}});
+    match spec["volumes"].as_array_mut() {
+        Some(v) => v.push(volume),
+        None => spec["volumes"] = serde_json::json!([volume]),
+    }
+    for c in spec["containers"].as_array_mut().into_iter().flatten() {
+        let mount =
+            serde_json::json!({"name": "serving-certs", "mountPath": CERT_DIR, "readOnly": true});
+        match c["volumeMounts"].as_array_mut() {
+            Some(m) => m.push(mount),
+            None => c["volumeMounts"] = serde_json::json!([mount]),
+        }
+        if let Some(args) = c["args"].as_array_mut() {
+            args.push(format!("--tls-cert={CERT_DIR}/tls.crt").into());
+            args.push(format!("--tls-key={CERT_DIR}/tls.key").into());
+        }
+    }
+}
+
 /// `virt-handler` from `quay.io/microvirt/virt-handler:v0.1.0`: a component of this project.
 fn component_of(image: &str) -> Option<String> {
     let rest = image.strip_prefix(DEFAULT_REGISTRY)?.strip_prefix('/')?;
@@ -235,7 +291,7 @@ mod tests {
     fn renders_into_the_namespace_with_the_release_images() {
         let kv = kv("apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: kubevirt}\nspec: {imageTag: v9.9.9, imageRegistry: registry.local:5000/mv}\n");
         let release = Release::of(&kv, DEFAULT_REGISTRY);
-        let objs = objects(&kv, &release).unwrap();
+        let objs = objects(&kv, &release, None).unwrap();
         let find = |kind: &str, name: &str| {
             objs.iter()
                 .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)

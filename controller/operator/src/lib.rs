@@ -1,6 +1,7 @@
 //! virt-operator: microvirt installed, configured and removed as KubeVirt's operator does it,
 //! from one `KubeVirt` custom resource (`api::kubevirt`).
 //!
+//! - [`certs`]: the CA and serving certificates, made and rotated.
 //! - [`install`]: the objects of one release (the manifests of `deploy/`, carried by the
 //!   operator) rendered for a CR: its namespace, registry and tag.
 //! - [`status`]: the CR's phase and conditions from what was observed (pure).
@@ -8,6 +9,8 @@
 //!   uninstall on deletion.
 //! - [`workloads`]: running VMIs moved onto the new launcher after an upgrade.
 
+pub mod certs;
+pub mod duration;
 pub mod install;
 pub mod reconcile;
 pub mod status;

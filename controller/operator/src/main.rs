@@ -52,7 +52,7 @@ async fn main() -> anyhow::Result<()> {
             let kv: KubeVirt = serde_yaml::from_str(&text)
                 .with_context(|| format!("{} is not a KubeVirt CR", file.display()))?;
             let release = Release::of(&kv, DEFAULT_REGISTRY);
-            for obj in install::objects(&kv, &release)? {
+            for obj in install::objects(&kv, &release, None)? {
                 print!("---\n{}", serde_yaml::to_string(&obj)?);
             }
         }

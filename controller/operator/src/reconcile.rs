@@ -19,6 +19,7 @@ use kube::runtime::controller::Action;
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 
+use crate::certs::{self, Lifetime, Rotation};
 use crate::install::{self, Release, Workload, WorkloadKind};
 use crate::status::{self, Observed, WorkloadState};
 use crate::workloads::{self, UpdateStrategy};
@@ -64,6 +65,18 @@ pub enum Error {
     Install(#[from] install::InstallError),
 }
 
+/// The rotation in force while the CR's cannot be taken (KubeVirt's defaults).
+const DEFAULT_ROTATION: Rotation = Rotation {
+    ca: Lifetime {
+        duration: Duration::from_secs(7 * 24 * 3600),
+        renew_before: Duration::from_secs(7 * 24 * 3600 / 5),
+    },
+    server: Lifetime {
+        duration: Duration::from_secs(24 * 3600),
+        renew_before: Duration::from_secs(24 * 3600 / 5),
+    },
+};
+
 /// How often an installation that is not yet available, or is being removed, is looked at.
 const WHILE_CHANGING: Duration = Duration::from_secs(2);
 /// How often a settled installation is checked against its objects (a deleted or edited
@@ -90,7 +103,14 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
         Arc::new(patch_finalizer(&kvs, &kv, true).await?)
     };
     let release = Release::of(&kv, &ctx.registry);
-    let objects = install::objects(&kv, &release)?;
+    let rotation = Rotation::of(&kv);
+    let issued = certs::ensure(
+        &ctx.client,
+        &kv,
+        rotation.as_ref().unwrap_or(&DEFAULT_ROTATION),
+    )
+    .await?;
+    let objects = install::objects(&kv, &release, Some(&issued.bundle))?;
     let (apply_error, workloads) = roll_out(&ctx.client, &kv, &release, &objects).await?;
     let mut observed = Observed {
         kv: &kv,
@@ -104,7 +124,10 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
             .err(),
     };
     let strategy = UpdateStrategy::of(&kv);
-    if let Err(why) = &strategy {
+    for why in [strategy.as_ref().err(), rotation.as_ref().err()]
+        .into_iter()
+        .flatten()
+    {
         observed.invalid_configuration.get_or_insert(why.clone());
     }
     let mut status = status::installing(&observed);
@@ -129,11 +152,19 @@ pub async fn reconcile(kv: Arc<KubeVirt>, ctx: Arc<Context>) -> Result<Action, E
         .outdated_virtual_machine_instance_workloads
         .unwrap_or(0);
     write_status(&kvs, &kv, status).await?;
-    Ok(Action::requeue(if settled && outdated == 0 {
+    let next = if settled && outdated == 0 {
         WHILE_SETTLED
     } else {
         WHILE_CHANGING
-    }))
+    };
+    // Back in time to replace the next certificate that falls due.
+    let renewal = issued
+        .next_renewal
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    Ok(Action::requeue(
+        next.min(renewal.max(Duration::from_secs(1))),
+    ))
 }
 
 /// Applies the release. The shared objects (definitions, permissions, services, webhooks)
@@ -308,6 +339,7 @@ const HONOURED: &[&str] = &[
     "spec.imagePullPolicy",
     "spec.uninstallStrategy",
     "spec.workloadUpdateStrategy",
+    "spec.certificateRotateStrategy",
 ];
 
 /// The spec fields set (to more than an empty value) that microvirt keeps but does not act
@@ -382,7 +414,7 @@ async fn uninstall(kvs: &Api<KubeVirt>, kv: &KubeVirt, ctx: &Context) -> Result<
     }
     write_status(kvs, kv, status::deleting(kv, None)).await?;
     let release = Release::of(kv, &ctx.registry);
-    let objects = install::objects(kv, &release)?;
+    let objects = install::objects(kv, &release, None)?;
     // In reverse: the workloads go before the permissions and definitions they use.
     for obj in objects.iter().rev() {
         let (api, _, name) = api_for(&ctx.client, obj);
@@ -392,6 +424,7 @@ async fn uninstall(kvs: &Api<KubeVirt>, kv: &KubeVirt, ctx: &Context) -> Result<
             Err(e) => return Err(e.into()),
         }
     }
+    certs::remove(&ctx.client, &kv.namespace().unwrap_or_default()).await?;
     patch_finalizer(kvs, kv, false).await?;
     Ok(Action::await_change())
 }

@@ -100,35 +100,137 @@ impl ServingCert {
         self,
         client_ca: Option<&str>,
     ) -> Result<Arc<rustls::ServerConfig>, String> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| e.to_string())?;
-        let builder = match client_ca {
-            None => builder.with_no_client_auth(),
-            Some(pem) => {
-                let mut roots = rustls::RootCertStore::empty();
-                for c in rustls_pemfile::certs(&mut pem.as_bytes()) {
-                    let c = c.map_err(|e| format!("client CA: {e}"))?;
-                    roots.add(c).map_err(|e| format!("client CA: {e}"))?;
-                }
-                if roots.is_empty() {
-                    return Err("client CA: no certificate in the bundle".into());
-                }
-                let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                    Arc::new(roots),
-                    provider,
-                )
-                .allow_unauthenticated()
-                .build()
-                .map_err(|e| format!("client CA: {e}"))?;
-                builder.with_client_cert_verifier(verifier)
-            }
-        };
-        let cfg = builder
+        let cfg = server_builder(client_ca)?
             .with_single_cert(self.chain, self.key)
             .map_err(|e| e.to_string())?;
         Ok(Arc::new(cfg))
+    }
+}
+
+/// As [`ServingCert::server_config`], with the certificate and key read from PEM files and
+/// read again when they change: the operator rotates serving certificates by replacing a
+/// Secret, and the kubelet swaps the mounted files; new connections get the new pair with no
+/// restart (established ones keep theirs).
+pub fn reloading_server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: Option<&str>,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    let resolver = ReloadingCert::new(cert, key)?;
+    let cfg = server_builder(client_ca)?.with_cert_resolver(Arc::new(resolver));
+    Ok(Arc::new(cfg))
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn server_builder(
+    client_ca: Option<&str>,
+) -> Result<rustls::ConfigBuilder<rustls::ServerConfig, rustls::server::WantsServerCert>, String> {
+    let provider = provider();
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let Some(pem) = client_ca else {
+        return Ok(builder.with_no_client_auth());
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut pem.as_bytes()) {
+        let c = c.map_err(|e| format!("client CA: {e}"))?;
+        roots.add(c).map_err(|e| format!("client CA: {e}"))?;
+    }
+    if roots.is_empty() {
+        return Err("client CA: no certificate in the bundle".into());
+    }
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+            .allow_unauthenticated()
+            .build()
+            .map_err(|e| format!("client CA: {e}"))?;
+    Ok(builder.with_client_cert_verifier(verifier))
+}
+
+/// How often the files behind a [`ReloadingCert`] are looked at (on a handshake, at most).
+const RELOAD_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A serving certificate that follows its files (see [`reloading_server_config`]). A pair
+/// that does not load (a key and a certificate caught mid-swap) is ignored until the next
+/// look; the last good pair keeps serving.
+#[derive(Debug)]
+struct ReloadingCert {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    state: std::sync::Mutex<Loaded>,
+}
+
+#[derive(Debug)]
+struct Loaded {
+    checked: std::time::Instant,
+    /// The files' modification times when `current` was read.
+    stamp: Option<(std::time::SystemTime, std::time::SystemTime)>,
+    current: Arc<rustls::sign::CertifiedKey>,
+}
+
+impl ReloadingCert {
+    fn new(cert: &Path, key: &Path) -> Result<ReloadingCert, String> {
+        let current = Self::load(cert, key)?;
+        Ok(ReloadingCert {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            state: std::sync::Mutex::new(Loaded {
+                checked: std::time::Instant::now(),
+                stamp: Self::stamp(cert, key),
+                current,
+            }),
+        })
+    }
+
+    fn stamp(cert: &Path, key: &Path) -> Option<(std::time::SystemTime, std::time::SystemTime)> {
+        let m = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        Some((m(cert)?, m(key)?))
+    }
+
+    fn load(cert: &Path, key: &Path) -> Result<Arc<rustls::sign::CertifiedKey>, String> {
+        let pair = ServingCert::load_pem(cert, key)?;
+        let signing = provider()
+            .key_provider
+            .load_private_key(pair.key)
+            .map_err(|e| format!("{}: {e}", key.display()))?;
+        Ok(Arc::new(rustls::sign::CertifiedKey::new(
+            pair.chain, signing,
+        )))
+    }
+}
+
+impl ReloadingCert {
+    /// The newest pair that loads, looking at the files at most every [`RELOAD_CHECK`].
+    fn current(&self) -> Arc<rustls::sign::CertifiedKey> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.checked.elapsed() >= RELOAD_CHECK {
+            state.checked = std::time::Instant::now();
+            let stamp = Self::stamp(&self.cert, &self.key);
+            if stamp.is_some() && stamp != state.stamp {
+                match Self::load(&self.cert, &self.key) {
+                    Ok(k) => {
+                        tracing::info!(cert = %self.cert.display(), "serving certificate reloaded");
+                        state.current = k;
+                        state.stamp = stamp;
+                    }
+                    Err(e) => tracing::warn!(error = %e, "serving certificate not reloaded"),
+                }
+            }
+        }
+        state.current.clone()
+    }
+}
+
+impl rustls::server::ResolvesServerCert for ReloadingCert {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.current())
     }
 }
 
@@ -177,5 +279,50 @@ pub async fn serve_tls(
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_pair(dir: &Path, name: &str) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
+        std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
+        cert.der().to_vec()
+    }
+
+    #[test]
+    fn a_replaced_pair_is_served_from_the_next_look_and_a_broken_one_never() {
+        let dir = std::env::temp_dir().join(format!("mv-reload-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = write_pair(&dir, "first.example");
+        let r = ReloadingCert::new(&dir.join("tls.crt"), &dir.join("tls.key")).unwrap();
+        assert_eq!(r.current().cert[0].as_ref(), first.as_slice());
+        std::thread::sleep(RELOAD_CHECK + std::time::Duration::from_millis(100));
+        let second = write_pair(&dir, "second.example");
+        // The files' timestamps may share a coarse tick with the first pair's: look until the
+        // change is seen, within a few checks.
+        let deadline = std::time::Instant::now() + RELOAD_CHECK * 5;
+        while r.current().cert[0].as_ref() != second.as_slice() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the new pair is never served"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let _ = std::fs::write(
+                dir.join("tls.crt"),
+                std::fs::read(dir.join("tls.crt")).unwrap(),
+            );
+        }
+        std::fs::write(dir.join("tls.key"), "not a key").unwrap();
+        std::thread::sleep(RELOAD_CHECK + std::time::Duration::from_millis(100));
+        assert_eq!(r.current().cert[0].as_ref(), second.as_slice());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -61,21 +61,22 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("connecting to the Kubernetes API (in-cluster config or $KUBECONFIG)")?;
     let front_proxy = read_front_proxy(&client).await?;
-    let (cert, ca) = match (&args.tls_cert, &args.tls_key) {
+    let client_ca = Some(front_proxy.client_ca.as_str());
+    let (tls, ca) = match (&args.tls_cert, &args.tls_key) {
+        // Given files are followed: a rotated Secret is served without a restart.
         (Some(c), Some(k)) => (
-            ServingCert::load_pem(c, k).map_err(anyhow::Error::msg)?,
+            controller_runtime::tls::reloading_server_config(c, k, client_ca),
             None,
         ),
         _ => {
             let names = controller_runtime::tls::service_dns_names(&args.service, &args.namespace);
             let (cert, pem) = ServingCert::self_signed(names).map_err(anyhow::Error::msg)?;
-            (cert, Some(pem))
+            (cert.server_config(client_ca), Some(pem))
         }
     };
-    let tls = cert
-        .server_config(Some(&front_proxy.client_ca))
+    let tls = tls
         .map_err(anyhow::Error::msg)
-        .context("the front proxy's request-header CA")?;
+        .context("the serving certificate, or the front proxy's request-header CA")?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("--listen {}", args.listen))?;
