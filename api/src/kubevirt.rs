@@ -217,6 +217,7 @@ pub struct ClusterSettings {
     /// The eviction strategy of VMIs that set none.
     pub eviction_strategy: crate::migratability::EvictionStrategy,
     pub feature_gates: std::collections::BTreeSet<String>,
+    pub network: crate::validation::NetworkDefaults,
 }
 
 impl Default for ClusterSettings {
@@ -235,6 +236,7 @@ impl Default for ClusterSettings {
             parallel_outbound_migrations_per_node: 2,
             eviction_strategy: Default::default(),
             feature_gates: Default::default(),
+            network: Default::default(),
         }
     }
 }
@@ -296,6 +298,21 @@ impl ClusterSettings {
                 .parse()
                 .map_err(|why| format!("spec.configuration.evictionStrategy: {why}"))?;
         }
+        if let Some(n) = &config.network {
+            match n.default_network_interface.as_deref() {
+                None | Some("") => {}
+                Some("masquerade") => s.network.binding = crate::closed::Binding::Masquerade,
+                Some("bridge") => s.network.binding = crate::closed::Binding::Bridge,
+                Some(other) => {
+                    return Err(format!(
+                        "spec.configuration.network.defaultNetworkInterface: {other:?} is not a binding microvirt has; accepted: masquerade, bridge"
+                    ))
+                }
+            }
+            if let Some(p) = n.permit_bridge_interface_on_pod_network {
+                s.network.permit_bridge_on_pod_network = p;
+            }
+        }
         if let Some(d) = &config.developer_configuration {
             s.feature_gates.extend(d.feature_gates.iter().cloned());
             for g in &d.disabled_feature_gates {
@@ -328,6 +345,8 @@ pub const HONOURED_CONFIGURATION: &[&str] = &[
     "spec.configuration.migrations.allowAutoConverge",
     "spec.configuration.migrations.allowPostCopy",
     "spec.configuration.evictionStrategy",
+    "spec.configuration.network.defaultNetworkInterface",
+    "spec.configuration.network.permitBridgeInterfaceOnPodNetwork",
     "spec.configuration.developerConfiguration.featureGates",
     "spec.configuration.developerConfiguration.disabledFeatureGates",
 ];
@@ -385,6 +404,10 @@ mod tests {
                 "parallelMigrationsPerCluster",
             ),
             ("evictionStrategy: Sometimes", "evictionStrategy"),
+            (
+                "network: {defaultNetworkInterface: slirp}",
+                "defaultNetworkInterface",
+            ),
         ] {
             let err = base.with(&config(yaml)).unwrap_err();
             assert!(err.contains(path), "{yaml}: {err}");

@@ -812,8 +812,77 @@ pub fn check_mac(mac: &str) -> Result<[u8; 6], String> {
     Ok(m)
 }
 
-/// KubeVirt's defaults for a VMI spec.
+/// The cluster's pod-network rules (`spec.configuration.network` of the KubeVirt CR).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetworkDefaults {
+    /// The binding of the interface added when a VMI names none (`defaultNetworkInterface`).
+    pub binding: crate::closed::Binding,
+    /// Whether an interface may bind the pod network as a bridge
+    /// (`permitBridgeInterfaceOnPodNetwork`).
+    pub permit_bridge_on_pod_network: bool,
+}
+
+impl Default for NetworkDefaults {
+    /// KubeVirt's: bridge, permitted. (microvirt's built-in default binding is masquerade,
+    /// which works on every pod network; the KubeVirt CR's `defaultNetworkInterface` changes
+    /// it.)
+    fn default() -> Self {
+        NetworkDefaults {
+            binding: crate::closed::Binding::Masquerade,
+            permit_bridge_on_pod_network: true,
+        }
+    }
+}
+
+impl NetworkDefaults {
+    /// The interfaces `spec` binds to the pod network as a bridge, when the cluster forbids it
+    /// (KubeVirt's words), by path.
+    pub fn refusals(&self, spec: &VirtualMachineInstanceSpec, base: &str) -> Vec<FieldError> {
+        if self.permit_bridge_on_pod_network {
+            return Vec::new();
+        }
+        let pod_networks: Vec<&str> = spec
+            .networks
+            .iter()
+            .filter(|n| n.pod.is_some())
+            .map(|n| n.name.as_str())
+            .collect();
+        spec.domain
+            .devices
+            .interfaces
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.bridge.is_some() && pod_networks.contains(&i.name.as_str()))
+            .map(|(n, _)| FieldError {
+                path: format!("{base}.domain.devices.interfaces[{n}].bridge"),
+                reason: "Bridge on pod network configuration is not enabled under kubevirt-config (permitBridgeInterfaceOnPodNetwork is false); use masquerade".into(),
+            })
+            .collect()
+    }
+
+    /// [`refusals`](Self::refusals) as a validation result for `kind` named by `meta`.
+    pub fn check(
+        &self,
+        kind: &str,
+        meta: &ObjectMeta,
+        spec: &VirtualMachineInstanceSpec,
+        base: &str,
+    ) -> Result<(), ValidationError> {
+        let mut e = Errors(Vec::new());
+        for f in self.refusals(spec, base) {
+            e.add(f.path, f.reason);
+        }
+        finish(kind, &object_name(meta), e)
+    }
+}
+
+/// KubeVirt's defaults for a VMI spec, with microvirt's pod-network defaults.
 pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
+    default_vmi_spec_with(spec, &NetworkDefaults::default())
+}
+
+/// KubeVirt's defaults for a VMI spec, with the cluster's pod-network defaults.
+pub fn default_vmi_spec_with(spec: &mut VirtualMachineInstanceSpec, network: &NetworkDefaults) {
     let d = &mut spec.domain;
     let cpu = d.cpu.get_or_insert_with(Default::default);
     cpu.sockets.get_or_insert(1);
@@ -876,11 +945,15 @@ pub fn default_vmi_spec(spec: &mut VirtualMachineInstanceSpec) {
             pod: Some(PodNetwork::default()),
             ..Default::default()
         });
-        d.devices.interfaces.push(Interface {
+        let mut auto = Interface {
             name: "default".into(),
-            masquerade: Some(serde_json::json!({})),
             ..Default::default()
-        });
+        };
+        match network.binding {
+            crate::closed::Binding::Bridge => auto.bridge = Some(serde_json::json!({})),
+            _ => auto.masquerade = Some(serde_json::json!({})),
+        }
+        d.devices.interfaces.push(auto);
     }
     for i in &mut d.devices.interfaces {
         if i.masquerade.is_none() && i.bridge.is_none() && i.sriov.is_none() && i.slirp.is_none() {
@@ -903,6 +976,11 @@ pub fn run_strategy(vm: &VirtualMachine) -> RunStrategy {
 }
 
 pub fn default_vm(vm: &mut VirtualMachine) {
+    default_vm_with(vm, &NetworkDefaults::default())
+}
+
+/// [`default_vm`] with the cluster's pod-network defaults.
+pub fn default_vm_with(vm: &mut VirtualMachine, network: &NetworkDefaults) {
     // A VM with an instance type or a preference is defaulted when its VMI is made, after the
     // expansion: defaults written into the template now would conflict with the instance type
     // and leave a preference nothing to fill (KubeVirt's VM mutator leaves them alone too).
@@ -910,7 +988,7 @@ pub fn default_vm(vm: &mut VirtualMachine) {
         return;
     }
     if let Some(spec) = vm.spec.template.spec.as_mut() {
-        default_vmi_spec(spec);
+        default_vmi_spec_with(spec, network);
     }
 }
 

@@ -32,7 +32,13 @@ impl ReplicaOwner for VirtualMachinePool {
     }
 
     /// The lowest free ordinals.
-    fn new_members(&self, active: &[VirtualMachine], count: usize) -> Vec<VirtualMachine> {
+    /// (The VMs' VMIs get the cluster's defaults when the VM controller makes them.)
+    fn new_members(
+        &self,
+        active: &[VirtualMachine],
+        count: usize,
+        _: &api::kubevirt::ClusterSettings,
+    ) -> Vec<VirtualMachine> {
         let name = self.name_any();
         let used: BTreeSet<u32> = active
             .iter()

@@ -55,8 +55,14 @@ pub trait ReplicaOwner:
     fn is_ready(member: &Self::Member) -> bool;
     /// A member that has ended and is to be replaced (a VMI that Succeeded or Failed).
     fn has_finished(member: &Self::Member) -> bool;
-    /// `count` new members to create beside `active`.
-    fn new_members(&self, active: &[Self::Member], count: usize) -> Vec<Self::Member>;
+    /// `count` new members to create beside `active`, with the cluster's settings as they
+    /// are now.
+    fn new_members(
+        &self,
+        active: &[Self::Member],
+        count: usize,
+        settings: &api::kubevirt::ClusterSettings,
+    ) -> Vec<Self::Member>;
     /// Orders `active` so that the members to remove first come first.
     fn removal_order(&self, active: &mut [Self::Member]);
 }
@@ -217,7 +223,11 @@ impl<K: ReplicaOwner> Pass<'_, K> {
         let want = self.obj.target().replicas.unwrap_or(1).max(0) as usize;
         let mut failure = None;
         if active.len() < want {
-            for m in self.obj.new_members(&active, want - active.len()) {
+            let settings = self.ctx.settings();
+            for m in self
+                .obj
+                .new_members(&active, want - active.len(), &settings)
+            {
                 match self.members.create(&PostParams::default(), &m).await {
                     Ok(m) => {
                         self.event("SuccessfulCreate", "Create", "Created", &m)

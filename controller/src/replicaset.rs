@@ -38,8 +38,11 @@ impl ReplicaOwner for VirtualMachineInstanceReplicaSet {
         &self,
         _active: &[VirtualMachineInstance],
         count: usize,
+        settings: &api::kubevirt::ClusterSettings,
     ) -> Vec<VirtualMachineInstance> {
-        (0..count).map(|_| vmi_from_template(self)).collect()
+        (0..count)
+            .map(|_| vmi_from_template(self, &settings.network))
+            .collect()
     }
 
     fn removal_order(&self, active: &mut [VirtualMachineInstance]) {
@@ -66,11 +69,14 @@ fn deletion_rank(v: &VirtualMachineInstance) -> (u8, std::cmp::Reverse<String>) 
 }
 
 /// The set's template as a new VMI named after the set by the API server (`generateName`).
-fn vmi_from_template(rs: &VirtualMachineInstanceReplicaSet) -> VirtualMachineInstance {
+fn vmi_from_template(
+    rs: &VirtualMachineInstanceReplicaSet,
+    network: &api::validation::NetworkDefaults,
+) -> VirtualMachineInstance {
     let t = rs.spec.template.clone();
     let meta = t.metadata.unwrap_or_default();
     let mut spec = t.spec.unwrap_or_default();
-    api::validation::default_vmi_spec(&mut spec);
+    api::validation::default_vmi_spec_with(&mut spec, network);
     let mut vmi = VirtualMachineInstance::new("", spec);
     vmi.metadata.name = None;
     vmi.metadata.generate_name = Some(rs.name_any());

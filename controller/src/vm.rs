@@ -182,6 +182,7 @@ fn retry_after(vm: &VirtualMachine) -> Option<i64> {
 pub fn vmi_for(
     vm: &VirtualMachine,
     expansion: &crate::instancetype::Expansion,
+    network: &api::validation::NetworkDefaults,
 ) -> std::result::Result<VirtualMachineInstance, String> {
     let template = vm.spec.template.clone();
     let tmeta = template.metadata.unwrap_or_default();
@@ -192,7 +193,7 @@ pub fn vmi_for(
         expansion.preference.as_ref(),
         "spec.template.spec",
     )?;
-    api::validation::default_vmi_spec(&mut spec);
+    api::validation::default_vmi_spec_with(&mut spec, network);
     let mut labels = tmeta.labels.unwrap_or_default();
     labels.insert(
         api::labels::VM_NAME.into(),
@@ -473,7 +474,7 @@ impl Pass<'_> {
 
     async fn create_vmi(&mut self) -> Result<Outcome> {
         let expanded = match crate::instancetype::resolve(&self.ctx.client, self.vm).await {
-            Ok(x) => vmi_for(self.vm, &x),
+            Ok(x) => vmi_for(self.vm, &x, &self.ctx.settings().network),
             Err(crate::instancetype::ResolveError::Missing(m)) => Err(m),
             Err(crate::instancetype::ResolveError::Kube(e)) => return Err(e.into()),
         };

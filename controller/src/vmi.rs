@@ -175,12 +175,13 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         return Ok(Action::await_change());
     }
     let admitted = api::validation::validate_vmi(vmi).and_then(|()| {
-        ctx.pod_config().host_disks.check(
-            "VirtualMachineInstance",
-            &vmi.metadata,
-            &vmi.spec,
-            "spec",
-        )
+        ctx.pod_config()
+            .host_disks
+            .check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
+            .and_then(|()| {
+                let network = ctx.settings().network;
+                network.check("VirtualMachineInstance", &vmi.metadata, &vmi.spec, "spec")
+            })
     });
     if let Err(e) = admitted {
         return pass.refuse(e.to_string()).await;

@@ -85,6 +85,7 @@ pub fn validate_object(
     kind: &str,
     obj: &DynamicObject,
     host_disks: &api::validation::HostDiskPolicy,
+    network: &api::validation::NetworkDefaults,
 ) -> Result<Vec<String>, String> {
     let mut warnings = vec![];
     let checked = match kind {
@@ -96,12 +97,17 @@ pub fn validate_object(
             warnings.extend(api::validation::warnings_vm(&vm));
             // Judged as its VMI will be made: defaulted (the template itself is not).
             let mut defaulted = vm;
-            api::validation::default_vm(&mut defaulted);
+            api::validation::default_vm_with(&mut defaulted, network);
             api::validation::validate_vm(&defaulted).and_then(|()| {
                 match &defaulted.spec.template.spec {
-                    Some(spec) => {
-                        host_disks.check(kind, &defaulted.metadata, spec, "spec.template.spec")
-                    }
+                    Some(spec) => cluster_rules(
+                        kind,
+                        &defaulted.metadata,
+                        spec,
+                        "spec.template.spec",
+                        host_disks,
+                        network,
+                    ),
                     None => Ok(()),
                 }
             })
@@ -109,16 +115,24 @@ pub fn validate_object(
         "VirtualMachineInstance" => {
             let vmi: VirtualMachineInstance = decode(obj, kind)?;
             warnings.extend(api::validation::warnings_vmi(&vmi));
-            api::validation::validate_vmi(&vmi)
-                .and_then(|()| host_disks.check(kind, &vmi.metadata, &vmi.spec, "spec"))
+            api::validation::validate_vmi(&vmi).and_then(|()| {
+                cluster_rules(kind, &vmi.metadata, &vmi.spec, "spec", host_disks, network)
+            })
         }
         "VirtualMachineInstanceReplicaSet" => {
             let mut rs: VirtualMachineInstanceReplicaSet = decode(obj, kind)?;
             if let Some(spec) = rs.spec.template.spec.as_mut() {
-                api::validation::default_vmi_spec(spec);
+                api::validation::default_vmi_spec_with(spec, network);
             }
             api::validation::validate_vmirs(&rs).and_then(|()| match &rs.spec.template.spec {
-                Some(spec) => host_disks.check(kind, &rs.metadata, spec, "spec.template.spec"),
+                Some(spec) => cluster_rules(
+                    kind,
+                    &rs.metadata,
+                    spec,
+                    "spec.template.spec",
+                    host_disks,
+                    network,
+                ),
                 None => Ok(()),
             })
         }
@@ -186,7 +200,12 @@ async fn validation(
 ) -> AdmissionResponse {
     let mut resp = AdmissionResponse::from(&req);
     if let (Some(obj), Operation::Create | Operation::Update) = (&req.object, &req.operation) {
-        let mut verdict = validate_object(&req.kind.kind, obj, &state.host_disks());
+        let mut verdict = validate_object(
+            &req.kind.kind,
+            obj,
+            &state.host_disks(),
+            &state.settings.current().network,
+        );
         if let (Ok(_), Some(client), "VirtualMachineInstanceMigration", Operation::Create) = (
             &verdict,
             &state.client,
@@ -229,7 +248,26 @@ fn defaulted<T: DeserializeOwned + Serialize>(
 }
 
 /// KubeVirt's defaulting as a JSON patch against the submitted object.
-pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patch::Patch>, String> {
+/// The cluster's own rules for a VMI spec: where hostDisks may be, whether the pod network may
+/// be bridged.
+fn cluster_rules(
+    kind: &str,
+    meta: &kube::api::ObjectMeta,
+    spec: &api::VirtualMachineInstanceSpec,
+    base: &str,
+    host_disks: &api::validation::HostDiskPolicy,
+    network: &api::validation::NetworkDefaults,
+) -> Result<(), api::validation::ValidationError> {
+    host_disks
+        .check(kind, meta, spec, base)
+        .and_then(|()| network.check(kind, meta, spec, base))
+}
+
+pub fn default_patch(
+    kind: &str,
+    obj: &DynamicObject,
+    network: &api::validation::NetworkDefaults,
+) -> Result<Option<json_patch::Patch>, String> {
     let (before, after) = match kind {
         // KubeVirt's VM mutator: the instance type's and preference's kinds, nothing in the
         // template. The VMI is defaulted when virt-controller makes it; defaults written into
@@ -248,7 +286,7 @@ pub fn default_patch(kind: &str, obj: &DynamicObject) -> Result<Option<json_patc
             }
         })?,
         "VirtualMachineInstance" => defaulted::<VirtualMachineInstance>(obj, kind, |v| {
-            api::validation::default_vmi_spec(&mut v.spec)
+            api::validation::default_vmi_spec_with(&mut v.spec, network)
         })?,
         "VirtualMachineInstanceReplicaSet" => {
             // The template, like a VM's, is defaulted in each VMI made from it.
@@ -277,21 +315,29 @@ fn base64_patch(review: AdmissionReview<DynamicObject>) -> Json<Value> {
     Json(v)
 }
 
-async fn mutate(review: Review) -> Json<Value> {
-    base64_patch(mutate_review(review).await.0)
+async fn mutate(state: State<Arc<WebhookState>>, review: Review) -> Json<Value> {
+    base64_patch(mutate_review(state, review).await.0)
 }
 
-async fn mutate_review(Json(review): Review) -> Json<AdmissionReview<DynamicObject>> {
-    answer(review, |req| async move { defaulting(&req) }).await
+async fn mutate_review(
+    State(state): State<Arc<WebhookState>>,
+    Json(review): Review,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let network = state.settings.current().network;
+    answer(review, |req| async move { defaulting(&req, &network) }).await
 }
 
-/// The patch that fills in KubeVirt's defaults on the object `req` carries.
-fn defaulting(req: &AdmissionRequest<DynamicObject>) -> AdmissionResponse {
+/// The patch that fills in KubeVirt's defaults (and the cluster's) on the object `req`
+/// carries.
+fn defaulting(
+    req: &AdmissionRequest<DynamicObject>,
+    network: &api::validation::NetworkDefaults,
+) -> AdmissionResponse {
     let resp = AdmissionResponse::from(req);
     let Some(obj) = &req.object else {
         return resp;
     };
-    match default_patch(&req.kind.kind, obj) {
+    match default_patch(&req.kind.kind, obj, network) {
         Ok(Some(p)) => match resp.clone().with_patch(p) {
             Ok(r) => r,
             Err(e) => resp.deny(format!("building the defaulting patch: {e}")),

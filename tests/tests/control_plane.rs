@@ -715,7 +715,7 @@ async fn migration_in_flight_vmi(
     mig: &str,
 ) -> (VirtualMachineInstance, Pod, Pod) {
     let vm: VirtualMachine = serde_yaml::from_str(&vm_yaml(name, "Always")).unwrap();
-    let mut vmi = controller::vm::vmi_for(&vm, &Default::default()).unwrap();
+    let mut vmi = controller::vm::vmi_for(&vm, &Default::default(), &Default::default()).unwrap();
     vmi.metadata.namespace = Some(tests::cluster::NS.into());
     vmi.metadata.owner_references = None;
     c.api::<VirtualMachineInstance>()

@@ -189,6 +189,55 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
     assert_eq!(status.phase, Some(KubeVirtPhase::Deployed));
     assert_eq!(status.observed_kube_virt_version.as_deref(), Some("v0.1.0"));
 
+    // A bad edit is reported on the CR and tears nothing down.
+    let bad = json!({"spec": {"certificateRotateStrategy": {"selfSigned": {"server": {"duration": "a while"}}},
+                              "configuration": {"migrations": {"bandwidthPerMigration": "fast"}},
+                              "infra": {"replicas": 3}}});
+    kvs.patch("kubevirt", &PatchParams::default(), &Patch::Merge(bad))
+        .await
+        .unwrap();
+    let degraded = eventually("the bad edit reported", T, || async {
+        condition(&kvs, "kubevirt", conditions::DEGRADED)
+            .await
+            .filter(|c| c.1 == conditions::INVALID_CONFIGURATION)
+    })
+    .await;
+    assert_eq!(degraded.0, "True");
+    let kv = kvs.get("kubevirt").await.unwrap();
+    let conds = kv.status.unwrap().conditions;
+    let find = |t: &str| conds.iter().find(|c| c.type_ == t).unwrap().clone();
+    let degraded = find(conditions::DEGRADED);
+    assert!(
+        degraded
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("spec.configuration.migrations.bandwidthPerMigration"),
+        "{degraded:?}"
+    );
+    assert_eq!(find(conditions::AVAILABLE).status, "True");
+    let not_honoured = find(conditions::FIELDS_NOT_HONOURED);
+    assert!(
+        not_honoured
+            .message
+            .as_deref()
+            .unwrap()
+            .contains("spec.infra"),
+        "{not_honoured:?}"
+    );
+    assert!(deployments.get_opt("virt-api").await.unwrap().is_some());
+    let fixed = json!({"spec": {"certificateRotateStrategy": null, "infra": null,
+                                "configuration": {"migrations": null}}});
+    kvs.patch("kubevirt", &PatchParams::default(), &Patch::Merge(fixed))
+        .await
+        .unwrap();
+    eventually("the fix taken", T, || async {
+        condition(&kvs, "kubevirt", conditions::DEGRADED)
+            .await
+            .filter(|c| c.0 == "False")
+    })
+    .await;
+
     // A second CR is not an installation of its own.
     let second = std::fs::read_to_string(repo("deploy/kubevirt-cr.yaml"))
         .unwrap()

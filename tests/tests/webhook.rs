@@ -204,6 +204,79 @@ async fn mutation_applies_kubevirt_defaults_as_a_json_patch() {
     assert_eq!(patched["spec"]["template"], vm["spec"]["template"]);
 }
 
+/// The KubeVirt CR's network rules reach admission: the interface a VMI without one gets is
+/// `defaultNetworkInterface`'s binding, and with `permitBridgeInterfaceOnPodNetwork: false` a
+/// bridge on the pod network is refused by path.
+#[tokio::test]
+async fn the_clusters_network_defaults_apply_at_admission() {
+    use api::kubevirt::{ClusterSettings, KubeVirtConfiguration};
+    let config: KubeVirtConfiguration = serde_yaml::from_str(
+        "network: {defaultNetworkInterface: bridge, permitBridgeInterfaceOnPodNetwork: false}",
+    )
+    .unwrap();
+    let bridge_default = ClusterSettings::default()
+        .with(&serde_yaml::from_str("network: {defaultNetworkInterface: bridge}").unwrap())
+        .unwrap();
+    let w = tests::admission::serve_webhook(controller::webhook::WebhookState {
+        client: None,
+        settings: controller_runtime::LiveSettings::fixed(bridge_default),
+        host_disk_prefixes: vec![],
+    })
+    .await;
+    let vm = vm(json!({"runStrategy": "Always"}), "64Mi");
+    let vmi = json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                     "metadata": {"name": "web", "namespace": "default"},
+                     "spec": vm["spec"]["template"]["spec"]});
+    let patched = mutated(
+        &w,
+        "VirtualMachineInstance",
+        "virtualmachineinstances",
+        vmi.clone(),
+    )
+    .await;
+    let iface = &patched["spec"]["domain"]["devices"]["interfaces"][0];
+    assert_eq!(iface["bridge"], json!({}), "{iface}");
+
+    let forbidding = tests::admission::serve_webhook(controller::webhook::WebhookState {
+        client: None,
+        settings: controller_runtime::LiveSettings::fixed(
+            ClusterSettings::default().with(&config).unwrap(),
+        ),
+        host_disk_prefixes: vec![],
+    })
+    .await;
+    let r = forbidding
+        .post(
+            "/validate",
+            &review(
+                "VirtualMachineInstance",
+                "virtualmachineinstances",
+                "CREATE",
+                patched,
+            ),
+        )
+        .await;
+    assert_eq!(r["response"]["allowed"], false, "{r}");
+    let msg = r["response"]["status"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("spec.domain.devices.interfaces[0].bridge: Bridge on pod network configuration is not enabled"),
+        "{msg}"
+    );
+    // A VMI with no bridge on the pod network stays allowed.
+    let r = forbidding
+        .post(
+            "/validate",
+            &review(
+                "VirtualMachineInstance",
+                "virtualmachineinstances",
+                "CREATE",
+                vmi,
+            ),
+        )
+        .await;
+    assert_eq!(r["response"]["allowed"], true, "{r}");
+}
+
 fn evictable_vm(name: &str) -> String {
     format!(
         "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: {name}\nspec:\n  runStrategy: Always\n  template:\n    spec:\n      evictionStrategy: LiveMigrate\n      domain:\n        memory: {{guest: 32Mi}}\n        devices: {{}}\n"
