@@ -583,3 +583,148 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
     })
     .await;
 }
+
+/// A free loopback address (a Pod would have an IP of its own; here every component shares
+/// the host's).
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// A process started as the kubelet would start a Deployment's container, killed on drop.
+struct Container(Child);
+
+impl Drop for Container {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The virt-controller Deployment the operator made, run as its Pod would run it: the real
+/// binary with the Deployment's arguments and environment, its Secret volume's files in a
+/// directory (paths under the mount rewritten to it), and its own loopback ports.
+async fn run_controller_deployment(
+    client: &Client,
+    kubectl: &Kubectl,
+) -> (Container, std::net::SocketAddr, std::net::SocketAddr) {
+    let d = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("virt-controller")
+        .await
+        .unwrap();
+    let pod = d.spec.unwrap().template.spec.unwrap();
+    let c = &pod.containers[0];
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), NS);
+    let mut rewrites = vec![];
+    for m in c.volume_mounts.iter().flatten() {
+        let v = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == m.name)
+            .unwrap();
+        let Some(secret) = &v.secret else { continue };
+        let name = secret.secret_name.clone().unwrap();
+        let s = eventually(&name, T, || async { secrets.get_opt(&name).await.unwrap() }).await;
+        let dir = kubectl.dir.join(&m.name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (k, v) in s.data.unwrap() {
+            std::fs::write(dir.join(k), v.0).unwrap();
+        }
+        rewrites.push((m.mount_path.clone(), dir.display().to_string()));
+    }
+    let args: Vec<String> = c
+        .args
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|a| {
+            rewrites
+                .iter()
+                .fold(a, |a, (from, to)| a.replace(from.as_str(), to))
+        })
+        .collect();
+    let (metrics, webhook) = (free_addr(), free_addr());
+    let bin = tests::build_bin("controller", "virt-controller");
+    let child = Command::new(bin)
+        .args(&args)
+        .arg(format!("--metrics-addr={metrics}"))
+        .arg(format!("--webhook-addr={webhook}"))
+        .env("KUBECONFIG", &kubectl.kubeconfig)
+        .env("POD_NAMESPACE", NS)
+        .env("POD_NAME", "virt-controller-0")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("virt-controller starts");
+    (Container(child), metrics, webhook)
+}
+
+/// The operator's virt-controller Deployment runs as made: the real binary takes its
+/// arguments, serves the admission webhook with the operator's certificate (trusted through
+/// the bundle in the webhook configuration), turns an applied VM into a VMI and a launcher
+/// Pod of the release's launcher image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operators_controller_deployment_runs_as_made() {
+    let Installed {
+        server,
+        kubectl,
+        _operator,
+    } = install("run").await;
+    let client = server.client();
+    eventually("virt-controller installed", T, || async {
+        Api::<Deployment>::namespaced(client.clone(), NS)
+            .get_opt("virt-controller")
+            .await
+            .unwrap()
+    })
+    .await;
+    let (_controller, metrics, webhook) = run_controller_deployment(&client, &kubectl).await;
+    eventually("virt-controller serving", T, || async {
+        tokio::net::TcpStream::connect(metrics).await.ok()
+    })
+    .await;
+    assert_eq!(tests::cluster::http_get(metrics, "/healthz").await, "ok");
+    let bundle = webhook_bundle(&client).await;
+    eventually("the webhook serving", T, || async {
+        tokio::net::TcpStream::connect(webhook).await.ok()
+    })
+    .await;
+    let leaf = leaf_trusted_by(
+        webhook,
+        &format!("virt-controller-webhook.{NS}.svc"),
+        &bundle,
+    )
+    .await;
+    let secret = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), NS)
+        .get("virt-controller-certs")
+        .await
+        .unwrap();
+    let served = rustls_pemfile::certs(&mut &secret_field(&secret, "tls.crt")[..])
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(leaf, served.to_vec());
+
+    kubectl
+        .ok(&["apply", "-f", &repo("examples/probe-smp.yaml")])
+        .await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), "default");
+    let pod = eventually("the launcher Pod", T, || async {
+        pods.list(&Default::default()).await.unwrap().items.pop()
+    })
+    .await;
+    let compute = pod
+        .spec
+        .unwrap()
+        .containers
+        .into_iter()
+        .find(|c| c.name == "compute")
+        .unwrap();
+    assert_eq!(
+        compute.image.as_deref(),
+        Some("quay.io/microvirt/virt-launcher:v0.1.0")
+    );
+}
