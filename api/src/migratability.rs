@@ -168,18 +168,10 @@ pub fn live_migration_blocker(
     if annotations.contains_key(ALLOW_POD_BRIDGE_MIGRATION) {
         return None;
     }
-    let pod_networks: Vec<&str> = spec
-        .networks
-        .iter()
-        .filter(|n| n.pod.is_some())
-        .map(|n| n.name.as_str())
-        .collect();
-    spec.domain
-        .devices
-        .interfaces
-        .iter()
-        .find(|i| i.bridge.is_some() && pod_networks.contains(&i.name.as_str()))
-        .map(|i| NotMigratable {
+    spec.pod_network_bridges()
+        .into_iter()
+        .next()
+        .map(|(_, i)| NotMigratable {
             reason: REASON_INTERFACE,
             message: format!(
                 "interface {:?} uses bridge binding on the pod network, whose address stays \

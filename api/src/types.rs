@@ -229,6 +229,26 @@ pub struct VirtualMachineInstanceSpec {
     pub extra: Extra,
 }
 
+impl VirtualMachineInstanceSpec {
+    /// The interfaces (with their index) bound to the pod network as a bridge: what a
+    /// cluster may forbid, and what keeps a VMI from live migration.
+    pub fn pod_network_bridges(&self) -> Vec<(usize, &Interface)> {
+        let pod_networks: Vec<&str> = self
+            .networks
+            .iter()
+            .filter(|n| n.pod.is_some())
+            .map(|n| n.name.as_str())
+            .collect();
+        self.domain
+            .devices
+            .interfaces
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.bridge.is_some() && pod_networks.contains(&i.name.as_str()))
+            .collect()
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-preserve-unknown-fields" = true))]

@@ -841,18 +841,8 @@ impl NetworkDefaults {
         if self.permit_bridge_on_pod_network {
             return Vec::new();
         }
-        let pod_networks: Vec<&str> = spec
-            .networks
-            .iter()
-            .filter(|n| n.pod.is_some())
-            .map(|n| n.name.as_str())
-            .collect();
-        spec.domain
-            .devices
-            .interfaces
-            .iter()
-            .enumerate()
-            .filter(|(_, i)| i.bridge.is_some() && pod_networks.contains(&i.name.as_str()))
+        spec.pod_network_bridges()
+            .into_iter()
             .map(|(n, _)| FieldError {
                 path: format!("{base}.domain.devices.interfaces[{n}].bridge"),
                 reason: "Bridge on pod network configuration is not enabled under kubevirt-config (permitBridgeInterfaceOnPodNetwork is false); use masquerade".into(),

@@ -204,6 +204,17 @@ async fn mutation_applies_kubevirt_defaults_as_a_json_patch() {
     assert_eq!(patched["spec"]["template"], vm["spec"]["template"]);
 }
 
+/// The `/validate` answer for creating the VMI `vmi`.
+async fn validated_vmi(w: &tests::admission::Webhook, vmi: Value) -> Value {
+    let r = review(
+        "VirtualMachineInstance",
+        "virtualmachineinstances",
+        "CREATE",
+        vmi,
+    );
+    w.post("/validate", &r).await
+}
+
 /// The KubeVirt CR's network rules reach admission: the interface a VMI without one gets is
 /// `defaultNetworkInterface`'s binding, and with `permitBridgeInterfaceOnPodNetwork: false` a
 /// bridge on the pod network is refused by path.
@@ -245,17 +256,7 @@ async fn the_clusters_network_defaults_apply_at_admission() {
         host_disk_prefixes: vec![],
     })
     .await;
-    let r = forbidding
-        .post(
-            "/validate",
-            &review(
-                "VirtualMachineInstance",
-                "virtualmachineinstances",
-                "CREATE",
-                patched,
-            ),
-        )
-        .await;
+    let r = validated_vmi(&forbidding, patched).await;
     assert_eq!(r["response"]["allowed"], false, "{r}");
     let msg = r["response"]["status"]["message"].as_str().unwrap();
     assert!(
@@ -263,17 +264,7 @@ async fn the_clusters_network_defaults_apply_at_admission() {
         "{msg}"
     );
     // A VMI with no bridge on the pod network stays allowed.
-    let r = forbidding
-        .post(
-            "/validate",
-            &review(
-                "VirtualMachineInstance",
-                "virtualmachineinstances",
-                "CREATE",
-                vmi,
-            ),
-        )
-        .await;
+    let r = validated_vmi(&forbidding, vmi).await;
     assert_eq!(r["response"]["allowed"], true, "{r}");
 }
 
