@@ -91,7 +91,7 @@ unsafe fn read_boot_info(zero_page: *const u8) -> &'static BootInfo {
             kind: core::ptr::read_unaligned(p.add(16) as *const u32),
         };
     }
-    boot.e820_len = n;
+    boot.e820_len = sanitize_e820(&mut boot.e820[..n]);
     let ptr = core::ptr::read_unaligned(zero_page.add(BP_CMD_LINE_PTR) as *const u32) as *const u8;
     if !ptr.is_null() {
         let mut len = 0;
@@ -101,6 +101,39 @@ unsafe fn read_boot_info(zero_page: *const u8) -> &'static BootInfo {
         boot.cmdline = core::str::from_utf8(core::slice::from_raw_parts(ptr, len)).unwrap_or("");
     }
     boot
+}
+
+/// Sorts the map by address, drops empty entries and merges adjacent or overlapping entries of
+/// one kind, as Linux does with the map a boot loader gives it (Firecracker, for one, lists
+/// its entries out of order); returns the entries kept, at the front of `map`. Overlapping
+/// entries of different kinds are left for `check_e820` to refuse.
+fn sanitize_e820(map: &mut [E820]) -> usize {
+    // Insertion sort: a handful of entries, and no allocator here.
+    for i in 1..map.len() {
+        let mut j = i;
+        while j > 0 && map[j - 1].addr > map[j].addr {
+            map.swap(j - 1, j);
+            j -= 1;
+        }
+    }
+    let mut kept = 0;
+    for i in 0..map.len() {
+        let e = map[i];
+        if e.size == 0 {
+            continue;
+        }
+        if kept > 0 {
+            let last = &mut map[kept - 1];
+            let last_end = last.addr + last.size;
+            if last.kind == e.kind && e.addr <= last_end {
+                last.size = last_end.max(e.addr + e.size) - last.addr;
+                continue;
+            }
+        }
+        map[kept] = e;
+        kept += 1;
+    }
+    kept
 }
 
 /// What the e820 map must look like for any guest this VMM builds: RAM from 0, RAM at 1 MiB
@@ -119,7 +152,7 @@ fn check_e820(b: &BootInfo) -> Result<(), &'static str> {
     let mut prev_end = 0;
     for e in &b.e820[..b.e820_len] {
         if e.addr < prev_end || e.size == 0 {
-            return Err("e820 entries overlap, are unsorted or empty");
+            return Err("e820 entries of different kinds overlap");
         }
         prev_end = e.addr + e.size;
         if e.kind == 1 && e.addr < 0x1_0000_0000 && prev_end > 0xc000_0000 {
