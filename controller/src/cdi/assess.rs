@@ -243,9 +243,12 @@ fn from_pod(mut status: DataVolumeStatus, o: &Observed, pod: &Pod) -> Assessment
             now,
         );
         set_condition(&mut status.conditions, "Ready", true, "", done, now);
+        // The Pod stays until a pass sees the DataVolume Succeeded: deleted now, a pass that
+        // read the DataVolume before this status reached its cache would find no Pod and an
+        // unfinished import, and import again over the finished claim.
         return Assessment {
             status,
-            pod: PodAction::Delete,
+            pod: PodAction::Keep,
         };
     }
     if let Some(f) = &failure {
@@ -384,7 +387,12 @@ mod tests {
         assert_eq!(a.status.phase, Some(DataVolumePhase::Succeeded));
         assert_eq!(cond(&a.status, "Ready"), ("True", None));
         assert_eq!(a.status.progress.as_deref(), Some("100.0%"));
-        assert_eq!(a.pod, PodAction::Delete);
+        assert_eq!(a.pod, PodAction::Keep, "deleted only once Succeeded is read back");
+        let a = assess(&observe(Some(&a.status), Some(&c), Some(&done)));
+        assert_eq!(
+            (a.status.phase, a.pod),
+            (Some(DataVolumePhase::Succeeded), PodAction::Delete)
+        );
         // Once Succeeded, it stays so.
         let a = assess(&observe(Some(&a.status), Some(&c), None));
         assert_eq!(
