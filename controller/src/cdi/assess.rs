@@ -387,7 +387,11 @@ mod tests {
         assert_eq!(a.status.phase, Some(DataVolumePhase::Succeeded));
         assert_eq!(cond(&a.status, "Ready"), ("True", None));
         assert_eq!(a.status.progress.as_deref(), Some("100.0%"));
-        assert_eq!(a.pod, PodAction::Keep, "deleted only once Succeeded is read back");
+        assert_eq!(
+            a.pod,
+            PodAction::Keep,
+            "deleted only once Succeeded is read back"
+        );
         let a = assess(&observe(Some(&a.status), Some(&c), Some(&done)));
         assert_eq!(
             (a.status.phase, a.pod),
