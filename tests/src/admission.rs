@@ -142,140 +142,53 @@ pub fn eviction(pod: &str) -> Value {
     )
 }
 
-/// One webhook of `deploy/webhook.yaml` that admits objects: its name, its path, and the
-/// rules (API groups, operations, resources) it is called for.
-struct Registration {
-    name: String,
-    path: String,
-    rules: Vec<Rule>,
-}
-
-struct Rule {
-    groups: Vec<String>,
-    operations: Vec<String>,
-    resources: Vec<String>,
-}
-
-impl Registration {
-    fn applies(&self, group: &str, operation: &str, resource: &str) -> bool {
-        let has = |list: &[String], v: &str| list.iter().any(|x| x == v || x == "*");
-        self.rules.iter().any(|r| {
-            has(&r.groups, group) && has(&r.operations, operation) && has(&r.resources, resource)
-        })
-    }
-}
-
-/// The object webhooks `deploy/webhook.yaml` registers, read from the file the cluster gets,
-/// mutating before validating as the API server calls them (a subresource's webhook, such as
-/// `pods/eviction`, is the eviction admission's).
-fn registrations() -> Vec<Registration> {
-    let path = crate::repo_root().join("deploy/webhook.yaml");
-    let text = std::fs::read_to_string(&path).expect("deploy/webhook.yaml");
-    let strings = |v: &Value| -> Vec<String> {
-        v.as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|x| x.as_str().map(str::to_string))
-            .collect()
-    };
-    let mut out = vec![];
-    for order in [
-        "MutatingWebhookConfiguration",
-        "ValidatingWebhookConfiguration",
-    ] {
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let doc = <Value as serde::Deserialize>::deserialize(doc).expect("webhook.yaml parses");
-            if doc["kind"] != order {
-                continue;
-            }
-            for w in doc["webhooks"].as_array().into_iter().flatten() {
-                let rules: Vec<Rule> = w["rules"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|r| Rule {
-                        groups: strings(&r["apiGroups"]),
-                        operations: strings(&r["operations"]),
-                        resources: strings(&r["resources"])
-                            .into_iter()
-                            .filter(|r| !r.contains('/'))
-                            .collect(),
-                    })
-                    .filter(|r| !r.resources.is_empty())
-                    .collect();
-                if rules.is_empty() {
-                    continue;
-                }
-                out.push(Registration {
-                    name: w["name"].as_str().unwrap_or_default().to_string(),
-                    path: w["clientConfig"]["service"]["path"]
-                        .as_str()
-                        .unwrap_or("/")
-                        .to_string(),
-                    rules,
-                });
-            }
-        }
-    }
-    out
-}
-
 impl Webhook {
-    /// This webhook as the test API server's object admission, called as the API server calls
-    /// the webhooks `deploy/webhook.yaml` registers: the mutating one's JSON patch applied, then
-    /// the validating one's decision; warnings of both returned to the client.
-    pub fn object_admission(self: Arc<Self>) -> crate::apiserver::ObjectAdmission {
-        Arc::new(move |attrs: crate::apiserver::AdmissionAttributes| {
-            let webhook = self.clone();
-            Box::pin(async move { webhook.admit(attrs).await })
-        })
-    }
-
-    async fn admit(
-        &self,
-        attrs: crate::apiserver::AdmissionAttributes,
-    ) -> Result<(Value, Vec<String>), (u16, String)> {
-        let mut object = attrs.object;
-        let mut warnings = vec![];
-        let called = registrations()
-            .into_iter()
-            .filter(|r| r.applies(attrs.group, attrs.operation, attrs.resource));
-        for Registration { name, path, .. } in called {
-            let review = admission_review(
-                &crate::apiserver::new_uid(),
-                attrs.kind,
-                attrs.resource,
-                attrs.operation,
-                attrs.namespace.as_deref(),
-                object.clone(),
-                attrs.old_object.clone(),
-            );
-            let answer = self.post(&path, &review).await;
-            let response = &answer["response"];
-            for w in response["warnings"].as_array().into_iter().flatten() {
-                if let Some(w) = w.as_str() {
-                    warnings.push(w.to_string());
+    /// Registers this webhook with `api` as a cluster has it: the configurations of
+    /// `deploy/webhook.yaml` created with this webhook's CA as their `caBundle` (as
+    /// virt-controller publishes it), and the Service they name pointed at this server. The
+    /// API server then calls it as kube-apiserver would, for what the file registers.
+    pub async fn register(&self, api: &crate::apiserver::ApiServer) {
+        use k8s_openapi::api::admissionregistration::v1::{
+            MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+        };
+        use kube::api::PostParams;
+        let text = std::fs::read_to_string(crate::repo_root().join("deploy/webhook.yaml"))
+            .expect("deploy/webhook.yaml");
+        let bundle = {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD.encode(&self.ca)
+        };
+        let client = api.client();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let mut doc =
+                <Value as serde::Deserialize>::deserialize(doc).expect("webhook.yaml parses");
+            for w in doc["webhooks"].as_array_mut().into_iter().flatten() {
+                w["clientConfig"]["caBundle"] = json!(bundle);
+                let svc = &w["clientConfig"]["service"];
+                api.set_service_endpoint(
+                    svc["namespace"].as_str().unwrap(),
+                    svc["name"].as_str().unwrap(),
+                    self.addr,
+                );
+            }
+            let pp = PostParams::default();
+            match doc["kind"].as_str() {
+                Some("ValidatingWebhookConfiguration") => {
+                    let obj: ValidatingWebhookConfiguration = serde_json::from_value(doc).unwrap();
+                    kube::Api::all(client.clone())
+                        .create(&pp, &obj)
+                        .await
+                        .unwrap();
                 }
-            }
-            if response["allowed"] != json!(true) {
-                let code = response["status"]["code"].as_u64().unwrap_or(400) as u16;
-                let message = response["status"]["message"].as_str().unwrap_or("");
-                return Err((
-                    code,
-                    format!("admission webhook \"{name}\" denied the request: {message}"),
-                ));
-            }
-            if let Some(patch) = response["patch"].as_str() {
-                use base64::Engine;
-                let bytes = base64::engine::general_purpose::STANDARD
-                    .decode(patch)
-                    .map_err(|e| (500, format!("webhook {name} sent a bad patch: {e}")))?;
-                let patch: json_patch::Patch = serde_json::from_slice(&bytes)
-                    .map_err(|e| (500, format!("webhook {name} sent a bad patch: {e}")))?;
-                json_patch::patch(&mut object, &patch)
-                    .map_err(|e| (500, format!("webhook {name}'s patch does not apply: {e}")))?;
+                Some("MutatingWebhookConfiguration") => {
+                    let obj: MutatingWebhookConfiguration = serde_json::from_value(doc).unwrap();
+                    kube::Api::all(client.clone())
+                        .create(&pp, &obj)
+                        .await
+                        .unwrap();
+                }
+                other => panic!("deploy/webhook.yaml holds a {other:?}"),
             }
         }
-        Ok((object, warnings))
     }
 }

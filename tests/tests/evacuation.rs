@@ -532,8 +532,9 @@ async fn drain_taint_evacuates_and_failed_attempts_pause_before_retrying() {
 }
 
 /// `kubectl drain` as it happens: the Eviction API on the launcher Pods, with the webhook
-/// called by the API server first and the disruption budgets after. While the webhook is
-/// unreachable (failurePolicy Ignore), the budget alone keeps a LiveMigrate VM's Pod.
+/// `deploy/webhook.yaml` registers called by the API server first and the disruption budgets
+/// after. While the webhook is unreachable (failurePolicy Ignore), the budget alone keeps a
+/// LiveMigrate VM's Pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_through_the_eviction_api_with_and_without_the_webhook() {
     let c = Cluster::start().await;
@@ -541,24 +542,8 @@ async fn drain_through_the_eviction_api_with_and_without_the_webhook() {
     let w = std::sync::Arc::new(
         start_webhook(Some(c.controller_client()), EvictionStrategy::None).await,
     );
-    let webhook_up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let (hook_w, up) = (w.clone(), webhook_up.clone());
-    c.api
-        .set_eviction_admission(Some(std::sync::Arc::new(move |_ns, pod| {
-            let (w, up) = (hook_w.clone(), up.clone());
-            Box::pin(async move {
-                if !up.load(std::sync::atomic::Ordering::SeqCst) {
-                    return None; // unreachable: failurePolicy Ignore admits
-                }
-                let resp = w.post("/eviction", &eviction(&pod)).await;
-                denial(&resp).map(|m| {
-                    (
-                        resp["response"]["status"]["code"].as_u64().unwrap_or(403) as u16,
-                        m,
-                    )
-                })
-            })
-        })));
+    // Registered as deploy/webhook.yaml registers it: the API server calls it.
+    w.register(&c.api).await;
     let disk = "containerDisk: {image: quay.io/containerdisks/alpine:3.20}";
     let mut pods = BTreeMap::new();
     for (name, strategy) in [
@@ -606,8 +591,13 @@ async fn drain_through_the_eviction_api_with_and_without_the_webhook() {
     })
     .await;
 
-    // With the webhook down, the budget refuses: the Pod stays, nothing is marked.
-    webhook_up.store(false, std::sync::atomic::Ordering::SeqCst);
+    // With the webhook down (its Service's endpoint refuses connections), failurePolicy
+    // Ignore admits and the budget refuses: the Pod stays, nothing is marked.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap();
+    drop(dead);
+    c.api
+        .set_service_endpoint("microvirt", "virt-controller-webhook", dead_addr);
     match evict(pods["guarded"].clone()).await {
         Err(kube::Error::Api(s)) => {
             assert_eq!(s.code, 429, "{s:?}");

@@ -3,7 +3,6 @@
 //! virt-controller's admission webhook as `deploy/webhook.yaml` registers it; virt-controller
 //! runs against it under its RBAC; kubectl's own output is asserted — what a KubeVirt user sees.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use api::migratability::EvictionStrategy;
@@ -36,9 +35,7 @@ fn header(table: &str) -> Vec<String> {
 async fn cluster(tag: &str) -> (Cluster, tests::cluster::Replica, Kubectl) {
     let cluster = Cluster::start().await;
     let webhook = start_webhook(Some(cluster.client.clone()), EvictionStrategy::None).await;
-    cluster
-        .api
-        .set_object_admission(Some(Arc::new(webhook).object_admission()));
+    webhook.register(&cluster.api).await;
     let controller = cluster.replica(test_config(), None);
     let kubectl = Kubectl::new(&cluster.api, tag);
     (cluster, controller, kubectl)

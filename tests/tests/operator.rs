@@ -28,11 +28,14 @@ const NS: &str = "kubevirt";
 struct Operator(Child);
 
 impl Operator {
-    fn start(kubeconfig: &Path) -> Operator {
+    /// Starts the operator with its admission webhook on `webhook`.
+    fn start(kubeconfig: &Path, webhook: std::net::SocketAddr) -> Operator {
         let bin = tests::build_bin("virt-operator", "virt-operator");
         let child = Command::new(bin)
             .arg("run")
+            .arg(format!("--webhook-addr={webhook}"))
             .env("KUBECONFIG", kubeconfig)
+            .env("POD_NAMESPACE", NS)
             .env("RUST_LOG", "info,kube=warn")
             .stdout(Stdio::null())
             .spawn()
@@ -129,7 +132,10 @@ async fn install_with(tag: &str, cr: &str) -> Installed {
     kubectl
         .ok(&["apply", "-f", &repo("deploy/operator.yaml")])
         .await;
-    let operator = Operator::start(&kubectl.kubeconfig);
+    // The operator's webhook Service leads to the operator, as its selector would.
+    let webhook = free_addr();
+    server.set_service_endpoint(NS, "kubevirt-operator-webhook", webhook);
+    let operator = Operator::start(&kubectl.kubeconfig, webhook);
     let cr = kubectl.file("kubevirt-cr.yaml", cr);
     kubectl.ok(&["apply", "-f", &cr]).await;
     Installed {
@@ -253,22 +259,26 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
         .ok(&["delete", "kv", "second", "-n", NS, "--timeout=30s"])
         .await;
 
-    // With a VM present, uninstalling is blocked and nothing is torn down.
+    // With a VM present, deleting the CR is refused by the operator's webhook, as KubeVirt
+    // refuses it, and nothing is torn down. (virt-controller's webhook admits the VM.)
+    let _webhook = serve_controller_webhook(&server).await;
     kubectl
         .ok(&["apply", "-f", &repo("examples/probe-smp.yaml")])
         .await;
-    kubectl
-        .ok(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"])
+    let refused = kubectl
+        .run(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"])
         .await;
-    let blocked = eventually("deletion blocked", T, || async {
-        condition(&kvs, "kubevirt", conditions::DEGRADED)
-            .await
-            .filter(|c| c.1 == conditions::DELETION_BLOCKED)
-    })
-    .await;
-    assert_eq!(blocked.0, "True");
+    assert_ne!(refused.code, 0, "{}", refused.stdout);
+    assert!(
+        refused.stderr.contains(
+            "admission webhook \"kubevirt-validator.kubevirt.io\" denied the request: there are still Virtual Machines present"
+        ),
+        "{}",
+        refused.stderr
+    );
     let kv = kvs.get("kubevirt").await.unwrap();
-    assert_eq!(kv.status.unwrap().phase, Some(KubeVirtPhase::Deleting));
+    assert!(kv.metadata.deletion_timestamp.is_none());
+    assert_eq!(kv.status.unwrap().phase, Some(KubeVirtPhase::Deployed));
     assert!(deployments
         .get_opt("virt-controller")
         .await
@@ -278,6 +288,9 @@ async fn operator_installs_reports_available_and_uninstalls_once_workloads_are_g
     // Once the VM is gone, the installation goes, then the CR.
     kubectl
         .ok(&["delete", "-f", &repo("examples/probe-smp.yaml")])
+        .await;
+    kubectl
+        .ok(&["delete", "kv", "kubevirt", "-n", NS, "--wait=false"])
         .await;
     eventually("the CR removed", T, || async {
         kvs.get_opt("kubevirt")
@@ -348,6 +361,41 @@ async fn running_vmi(client: &Client, name: &str, image: &str) {
         .unwrap();
 }
 
+/// virt-controller's admission webhook served as its Pod serves it — the real router, with
+/// the certificate the operator issued into `virt-controller-certs` — and its Service pointed
+/// there, so the API server calls it through the registration the operator made (trusted
+/// through the operator's CA bundle). Returns the server task.
+async fn serve_controller_webhook(server: &ApiServer) -> tokio::task::JoinHandle<()> {
+    let client = server.client();
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), NS);
+    let s = eventually("the webhook's certificate", T, || async {
+        secrets.get_opt("virt-controller-certs").await.unwrap()
+    })
+    .await;
+    let pair = controller_runtime::tls::ServingCert::from_pem(
+        &secret_field(&s, "tls.crt"),
+        "tls.crt",
+        &secret_field(&s, "tls.key"),
+        "tls.key",
+    )
+    .unwrap();
+    let tls = pair.server_config(None).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    server.set_service_endpoint(
+        NS,
+        "virt-controller-webhook",
+        listener.local_addr().unwrap(),
+    );
+    let app = controller::webhook::router(controller::webhook::WebhookState {
+        client: Some(client),
+        settings: controller_runtime::LiveSettings::fixed(Default::default()),
+        host_disk_prefixes: vec![],
+    });
+    tokio::spawn(async move {
+        let _ = controller_runtime::tls::serve_tls(listener, tls, app).await;
+    })
+}
+
 /// A new `imageTag` rolls out in KubeVirt's order — virt-handler, then virt-controller, then
 /// virt-api, each once the one before is ready — while `Available` stays True with
 /// `Progressing` and `Degraded` telling the upgrade apart; then, with `LiveMigrate`, running
@@ -371,6 +419,7 @@ async fn an_image_tag_rolls_out_in_order_and_workloads_follow_by_live_migration(
     .await;
     roll_out(&client).await;
     assert_eq!(wait_available(&kubectl, "60s").await, 0);
+    let _webhook = serve_controller_webhook(&server).await;
     running_vmi(&client, "old", "quay.io/microvirt/virt-launcher:v0.1.0").await;
 
     let patch = json!({"spec": {"imageTag": "v0.2.0",
@@ -682,6 +731,8 @@ async fn the_operators_controller_deployment_runs_as_made() {
     })
     .await;
     let (_controller, metrics, webhook) = run_controller_deployment(&client, &kubectl).await;
+    // The webhook Service leads to the Pod: the API server calls it for the VM below.
+    server.set_service_endpoint(NS, "virt-controller-webhook", webhook);
     eventually("virt-controller serving", T, || async {
         tokio::net::TcpStream::connect(metrics).await.ok()
     })

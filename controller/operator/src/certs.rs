@@ -30,7 +30,7 @@ pub struct Served {
 }
 
 /// The endpoints the API server calls, which need a certificate it trusts.
-pub const SERVED: [Served; 2] = [
+pub const SERVED: [Served; 3] = [
     Served {
         secret: "virt-controller-certs",
         service: "virt-controller-webhook",
@@ -38,6 +38,10 @@ pub const SERVED: [Served; 2] = [
     Served {
         secret: "virt-api-certs",
         service: "virt-api",
+    },
+    Served {
+        secret: crate::webhook::SECRET,
+        service: "kubevirt-operator-webhook",
     },
 ];
 

@@ -45,6 +45,10 @@ const MANIFESTS: &[(&str, &str)] = &[
     ),
     ("webhook.yaml", include_str!("../../../deploy/webhook.yaml")),
     (
+        "operator-webhook.yaml",
+        include_str!("../../../deploy/operator-webhook.yaml"),
+    ),
+    (
         "virt-api.yaml",
         include_str!("../../../deploy/virt-api.yaml"),
     ),

@@ -8,10 +8,12 @@
 //! - [`reconcile`]: apply (an upgrade in KubeVirt's order), watch the workloads, report;
 //!   uninstall on deletion.
 //! - [`workloads`]: running VMIs moved onto the new launcher after an upgrade.
+//! - [`webhook`]: the deletion of an installation that still has workloads refused.
 
 pub mod certs;
 pub mod duration;
 pub mod install;
 pub mod reconcile;
 pub mod status;
+pub mod webhook;
 pub mod workloads;

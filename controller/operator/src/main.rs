@@ -11,6 +11,7 @@ use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, CustomResourceExt};
 use virt_operator::install::{self, Release, DEFAULT_REGISTRY};
 use virt_operator::reconcile::{error_policy, reconcile, Context};
+use virt_operator::webhook;
 
 #[derive(Parser)]
 #[command(name = "virt-operator", version)]
@@ -26,6 +27,14 @@ enum Command {
         /// The registry of this release's images (the CR's `imageRegistry` overrides it).
         #[arg(long, env = "OPERATOR_IMAGE_REGISTRY", default_value = DEFAULT_REGISTRY)]
         registry: String,
+        /// Where the admission webhook listens (the `kubevirt-operator-webhook` Service's
+        /// target port).
+        #[arg(long, default_value = "0.0.0.0:8444")]
+        webhook_addr: std::net::SocketAddr,
+        /// The namespace the operator runs in, where its certificate Secret is (the
+        /// Deployment passes its own through the downward API).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "kubevirt")]
+        namespace: String,
     },
     /// Print the KubeVirt CRD.
     Crd,
@@ -56,15 +65,34 @@ async fn main() -> anyhow::Result<()> {
                 print!("---\n{}", serde_yaml::to_string(&obj)?);
             }
         }
-        Command::Run { registry } => run(registry).await?,
+        Command::Run {
+            registry,
+            webhook_addr,
+            namespace,
+        } => run(registry, webhook_addr, namespace).await?,
     }
     Ok(())
 }
 
-async fn run(registry: String) -> anyhow::Result<()> {
+async fn run(
+    registry: String,
+    webhook_addr: std::net::SocketAddr,
+    namespace: String,
+) -> anyhow::Result<()> {
     let client = Client::try_default()
         .await
         .context("connecting to the API server")?;
+    let cert = Arc::new(controller_runtime::tls::SwappableCert::default());
+    let tls = cert.server_config().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind(webhook_addr)
+        .await
+        .with_context(|| format!("--webhook-addr {webhook_addr}"))?;
+    tokio::spawn(webhook::follow_secret(client.clone(), namespace, cert));
+    tokio::spawn(controller_runtime::tls::serve_tls(
+        listener,
+        tls,
+        webhook::router(client.clone()),
+    ));
     let kvs: Api<KubeVirt> = Api::all(client.clone());
     let ctx = Arc::new(Context::new(client, registry));
     tracing::info!(version = %install::operator_version(), "virt-operator running");

@@ -431,7 +431,7 @@ async fn uninstall(kvs: &Api<KubeVirt>, kv: &KubeVirt, ctx: &Context) -> Result<
 
 /// What keeps a `BlockUninstallIfWorkloadsExist` installation: KubeVirt's message naming the
 /// first kind that still has objects.
-async fn workloads_present(client: &Client) -> Result<Option<String>, Error> {
+pub async fn workloads_present(client: &Client) -> Result<Option<String>, Error> {
     /// Whether any object of kind `K` exists, in any namespace.
     async fn any<K>(client: &Client) -> Result<bool, kube::Error>
     where

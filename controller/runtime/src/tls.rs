@@ -81,15 +81,30 @@ impl ServingCert {
     /// A PEM certificate chain and key (e.g. from a cert-manager Secret).
     pub fn load_pem(cert: &Path, key: &Path) -> Result<ServingCert, String> {
         let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
-        let chain = rustls_pemfile::certs(&mut read(cert)?.as_slice())
+        Self::from_pem(
+            &read(cert)?,
+            &cert.display().to_string(),
+            &read(key)?,
+            &key.display().to_string(),
+        )
+    }
+
+    /// A PEM certificate chain and key held in memory; the names say where they came from.
+    pub fn from_pem(
+        cert: &[u8],
+        cert_name: &str,
+        key: &[u8],
+        key_name: &str,
+    ) -> Result<ServingCert, String> {
+        let chain = rustls_pemfile::certs(&mut &cert[..])
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("{}: {e}", cert.display()))?;
+            .map_err(|e| format!("{cert_name}: {e}"))?;
         if chain.is_empty() {
-            return Err(format!("{}: no certificate found", cert.display()));
+            return Err(format!("{cert_name}: no certificate found"));
         }
-        let key = rustls_pemfile::private_key(&mut read(key)?.as_slice())
-            .map_err(|e| format!("{}: {e}", key.display()))?
-            .ok_or_else(|| format!("{}: no private key found", key.display()))?;
+        let key = rustls_pemfile::private_key(&mut &key[..])
+            .map_err(|e| format!("{key_name}: {e}"))?
+            .ok_or_else(|| format!("{key_name}: no private key found"))?;
         Ok(ServingCert { chain, key })
     }
 
@@ -231,6 +246,41 @@ impl rustls::server::ResolvesServerCert for ReloadingCert {
         _: rustls::server::ClientHello<'_>,
     ) -> Option<Arc<rustls::sign::CertifiedKey>> {
         Some(self.current())
+    }
+}
+
+/// A serving certificate held in memory and replaced at will, for a server that reads its
+/// pair from an object itself rather than from mounted files (virt-operator's webhook serves
+/// the certificate it issues into a Secret, which exists only after it first runs). Until a
+/// pair is set, handshakes fail: callers see the server as unavailable, not as trusted.
+#[derive(Debug, Default)]
+pub struct SwappableCert(std::sync::RwLock<Option<Arc<rustls::sign::CertifiedKey>>>);
+
+impl SwappableCert {
+    /// Serves `pair` on new connections from now on.
+    pub fn set(&self, pair: ServingCert) -> Result<(), String> {
+        let signing = provider()
+            .key_provider
+            .load_private_key(pair.key)
+            .map_err(|e| format!("serving key: {e}"))?;
+        let key = Arc::new(rustls::sign::CertifiedKey::new(pair.chain, signing));
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Some(key);
+        Ok(())
+    }
+
+    /// A server configuration that serves whatever pair is set when a client connects.
+    pub fn server_config(self: &Arc<Self>) -> Result<Arc<rustls::ServerConfig>, String> {
+        let cfg = server_builder(None)?.with_cert_resolver(self.clone());
+        Ok(Arc::new(cfg))
+    }
+}
+
+impl rustls::server::ResolvesServerCert for SwappableCert {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 

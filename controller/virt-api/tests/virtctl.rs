@@ -242,8 +242,7 @@ async fn migrate_makes_a_migration_and_migrate_cancel_removes_it() {
         api::migratability::EvictionStrategy::None,
     )
     .await;
-    b.c.api
-        .set_object_admission(Some(std::sync::Arc::new(webhook).object_admission()));
+    webhook.register(&b.c.api).await;
     b.c.apply_yaml::<VirtualMachine>(&vm_yaml("db", "Always"))
         .await;
     let err = refused(&b.virtctl("alice", &["migrate", "nope"]).await);

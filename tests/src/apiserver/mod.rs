@@ -64,6 +64,7 @@ mod json;
 pub mod resources;
 mod schema;
 mod selectors;
+mod webhooks;
 
 pub use aggregator::{groups_of, Caller, FRONT_PROXY_CLIENT};
 use errors::{json_response, with_warnings, ApiError, ApiResult};
@@ -113,54 +114,33 @@ struct Inner {
     requests: AtomicU64,
     request_log: Mutex<Vec<(Method, String, u16)>>,
     auth: Mutex<Authentication>,
-    eviction_admission: Mutex<Option<EvictionAdmission>>,
-    object_admission: Mutex<Option<ObjectAdmission>>,
     /// The aggregation layer's client certificate and CA (see `aggregator`).
     front_proxy: aggregator::FrontProxy,
     /// Where each Service's endpoints listen, by (namespace, name).
     endpoints: Mutex<HashMap<(String, String), SocketAddr>>,
 }
 
-/// A validating admission webhook on `pods/eviction`, as the API server calls it: given the
-/// Pod's namespace and name, `Some((code, message))` refuses the eviction, `None` admits it
-/// (also what an unreachable webhook with failurePolicy Ignore amounts to).
-pub type EvictionAdmission = Arc<
-    dyn Fn(
-            String,
-            String,
-        )
-            -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<(u16, String)>> + Send>>
-        + Send
-        + Sync,
->;
-
-/// A create or update of an object, as the API server hands it to admission webhooks.
+/// A create, update or delete of an object (or a `pods/eviction`), as the API server hands it
+/// to admission webhooks.
 #[derive(Clone, Debug)]
 pub struct AdmissionAttributes {
-    /// `CREATE` or `UPDATE`.
+    /// `CREATE`, `UPDATE` or `DELETE`.
     pub operation: &'static str,
     pub group: &'static str,
     pub version: &'static str,
     pub resource: &'static str,
     pub kind: &'static str,
+    pub subresource: Option<String>,
     pub namespace: Option<String>,
+    pub name: Option<String>,
+    /// The object as it would be stored (null for a delete).
     pub object: Value,
+    /// The stored object, for an update or a delete.
     pub old_object: Option<Value>,
+    /// Who asked.
+    pub user: String,
+    pub dry_run: bool,
 }
-
-/// Mutating and validating admission of objects (`kubectl apply` goes through it): the object
-/// as admitted and the warnings to return, or the refusal's code and message.
-pub type ObjectAdmission = Arc<
-    dyn Fn(
-            AdmissionAttributes,
-        ) -> std::pin::Pin<
-            Box<
-                dyn std::future::Future<Output = Result<(Value, Vec<String>), (u16, String)>>
-                    + Send,
-            >,
-        > + Send
-        + Sync,
->;
 
 /// Bearer token → user, and the RBAC rules such users are held to. Requests without a token
 /// are the cluster admin's (the test itself).
@@ -347,15 +327,6 @@ fn core_event(e: &Value) -> Value {
     c
 }
 
-fn admission_refusal((code, message): (u16, String)) -> ApiError {
-    let reason = match code {
-        403 => "Forbidden",
-        422 => "Invalid",
-        _ => "BadRequest",
-    };
-    ApiError::new(code, reason, message)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Request routing
 
@@ -366,6 +337,8 @@ struct Target {
     subresource: Option<String>,
     /// `dryRun=All`: the write is checked and answered as if stored, and nothing is stored.
     dry_run: bool,
+    /// The authenticated user (admission webhooks are told).
+    user: String,
 }
 
 impl Inner {
@@ -412,6 +385,7 @@ impl Inner {
             name,
             subresource: sub,
             dry_run: false,
+            user: String::new(),
         })
     }
 }
@@ -462,8 +436,6 @@ impl ApiServer {
             requests: AtomicU64::new(0),
             request_log: Mutex::new(vec![]),
             auth: Mutex::new(Authentication::default()),
-            eviction_admission: Mutex::new(None),
-            object_admission: Mutex::new(None),
             front_proxy: aggregator::FrontProxy::generate(),
             endpoints: Mutex::new(HashMap::new()),
         });
@@ -479,6 +451,7 @@ impl ApiServer {
             name: None,
             subresource: None,
             dry_run: false,
+            user: String::new(),
         };
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             let obj = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
@@ -523,19 +496,6 @@ impl ApiServer {
     pub fn client(&self) -> kube::Client {
         let config = kube::Config::new(self.url().parse().unwrap());
         kube::Client::try_from(config).unwrap()
-    }
-
-    /// Calls `hook` for every `pods/eviction` before the disruption budgets are checked (see
-    /// [`EvictionAdmission`]); `None` removes it.
-    pub fn set_eviction_admission(&self, hook: Option<EvictionAdmission>) {
-        *self.inner.eviction_admission.lock().unwrap() = hook;
-    }
-
-    /// Sends every create and update of an object (not of its subresources) through `hook`
-    /// before it is stored, as the API server calls the admission webhooks registered for it;
-    /// `None` removes it.
-    pub fn set_object_admission(&self, hook: Option<ObjectAdmission>) {
-        *self.inner.object_admission.lock().unwrap() = hook;
     }
 
     /// Holds every request made with a token (see [`ApiServer::client_as`]) to these RBAC
@@ -926,6 +886,10 @@ impl Inner {
     ) -> ApiResult<Response<Body>> {
         let mut t = self.route(path)?;
         t.dry_run = dry_run(q)?;
+        t.user = self
+            .authenticate(headers)
+            .map(|c| c.user)
+            .unwrap_or_default();
         let body_json = || -> ApiResult<Value> {
             serde_json::from_slice(body)
                 .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON body: {e}")))
@@ -985,7 +949,7 @@ impl Inner {
                     body_json()?
                 };
                 let name = name.clone();
-                self.delete_request(&mut t, &name, q, &opts)
+                self.delete_request(&mut t, &name, q, &opts).await
             }
             _ => Err(ApiError::new(
                 405,
@@ -1003,16 +967,13 @@ impl Inner {
         mut obj: Value,
     ) -> ApiResult<Response<Body>> {
         let mut warnings = field_validation(&t.rtype, q, &obj)?;
-        let hook = self.object_admission.lock().unwrap().clone();
-        if let Some(hook) = hook {
-            if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
-                m.entry("namespace").or_insert(json!(ns));
-            }
-            let attrs = self.admission_attributes(t, "CREATE", obj, None);
-            let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
-            obj = admitted;
-            warnings.extend(more);
+        if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
+            m.entry("namespace").or_insert(json!(ns));
         }
+        let attrs = self.admission_attributes(t, "CREATE", obj, None);
+        let (admitted, more) = self.dynamic_admission(attrs, t.rtype.namespaced).await?;
+        obj = admitted;
+        warnings.extend(more);
         Ok(with_warnings(
             json_response(201, &self.create(t, obj)?),
             &warnings,
@@ -1114,7 +1075,7 @@ impl Inner {
 
     /// DELETE with its options (query or DeleteOptions body): grace period, preconditions,
     /// propagation policy, dry run.
-    fn delete_request(
+    async fn delete_request(
         &self,
         t: &mut Target,
         name: &str,
@@ -1143,6 +1104,11 @@ impl Inner {
                 .or_else(|| opts.get("propagationPolicy").and_then(Value::as_str)),
         )
         .map_err(|m| ApiError::new(400, "BadRequest", m))?;
+        if self.has_webhooks_for(t, "DELETE") {
+            let old = self.get(t, name)?;
+            let attrs = self.admission_attributes(t, "DELETE", Value::Null, Some(old));
+            self.dynamic_admission(attrs, t.rtype.namespaced).await?;
+        }
         Ok(json_response(
             200,
             &self.delete(t, name, grace, precondition_rv, propagation)?,
@@ -1156,20 +1122,27 @@ impl Inner {
         object: Value,
         old_object: Option<Value>,
     ) -> AdmissionAttributes {
+        let name = meta_str(old_object.as_ref().unwrap_or(&object), "name")
+            .map(str::to_string)
+            .or_else(|| t.name.clone());
         AdmissionAttributes {
             operation,
             group: t.rtype.group,
             version: t.rtype.version,
             resource: t.rtype.plural,
             kind: t.rtype.kind,
+            subresource: None,
             namespace: t.namespace.clone(),
+            name,
             object,
             old_object,
+            user: t.user.clone(),
+            dry_run: t.dry_run,
         }
     }
 
-    /// An update or patch of an object, through admission when a hook is set: the hook sees
-    /// the object as it would be stored; it is then stored only if nothing changed it meanwhile
+    /// An update or patch of an object, through the admission webhooks registered for it:
+    /// they see the object as it would be stored; it is then stored only if nothing changed it meanwhile
     /// (a patch is retried on the newer object, as the real server does; a replace with the
     /// client's resourceVersion gets the conflict).
     async fn admitted_update(
@@ -1179,15 +1152,14 @@ impl Inner {
         q: &BTreeMap<String, String>,
         update: Update,
     ) -> ApiResult<Response<Body>> {
-        let hook = self.object_admission.lock().unwrap().clone();
-        let Some(hook) = hook else {
+        if !self.has_webhooks_for(t, "UPDATE") {
             let warnings = match &update {
                 Update::Replace(obj) => field_validation(&t.rtype, q, obj)?,
                 _ => vec![],
             };
             let stored = self.update(t, name, None, update)?;
             return Ok(with_warnings(json_response(200, &stored), &warnings));
-        };
+        }
         let client_pinned = match &update {
             Update::Replace(_) => true,
             Update::Merge(p) => p.pointer("/metadata/resourceVersion").is_some(),
@@ -1210,7 +1182,7 @@ impl Inner {
             };
             let mut warnings = field_validation(&t.rtype, q, &candidate)?;
             let attrs = self.admission_attributes(t, "UPDATE", candidate, Some(old));
-            let (admitted, more) = hook(attrs).await.map_err(admission_refusal)?;
+            let (admitted, more) = self.dynamic_admission(attrs, t.rtype.namespaced).await?;
             warnings.extend(more);
             match self.update(t, name, None, Update::Replace(admitted)) {
                 Err(e) if e.code == 409 && !client_pinned => continue,
@@ -1245,23 +1217,14 @@ impl Inner {
     async fn evict(&self, t: &Target, name: &str, eviction: &Value) -> ApiResult<Response<Body>> {
         let pod = self.get(t, name)?;
         let ns = t.namespace.clone().unwrap_or_default();
-        let hook = self.eviction_admission.lock().unwrap().clone();
-        if let Some(hook) = hook {
-            if let Some((code, message)) = hook(ns.clone(), name.to_string()).await {
-                let reason = if code == 429 {
-                    "TooManyRequests"
-                } else {
-                    "Forbidden"
-                };
-                return Err(ApiError::new(
-                    code,
-                    reason,
-                    format!(
-                        "admission webhook \"eviction.microvirt.kubevirt.io\" denied the request: {message}"
-                    ),
-                ));
-            }
+        let mut object = eviction.clone();
+        if let Some(m) = object["metadata"].as_object_mut() {
+            m.entry("namespace").or_insert(json!(ns));
         }
+        let mut attrs = self.admission_attributes(t, "CREATE", object, None);
+        attrs.subresource = Some("eviction".into());
+        attrs.name = Some(name.to_string());
+        self.dynamic_admission(attrs, true).await?;
         let running = pod.pointer("/status/phase").and_then(Value::as_str) == Some("Running");
         if running {
             self.check_disruption_budgets(&ns, &pod)?;
@@ -1275,6 +1238,7 @@ impl Inner {
             name: Some(name.to_string()),
             subresource: None,
             dry_run: t.dry_run,
+            user: t.user.clone(),
         };
         self.delete(&target, name, grace, None, gc::Propagation::Background)?;
         Ok(json_response(
