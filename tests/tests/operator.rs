@@ -652,15 +652,19 @@ impl Drop for Container {
     }
 }
 
-/// The virt-controller Deployment the operator made, run as its Pod would run it: the real
-/// binary with the Deployment's arguments and environment, its Secret volume's files in a
-/// directory (paths under the mount rewritten to it), and its own loopback ports.
-async fn run_controller_deployment(
+/// A Deployment the operator made, run as its Pod would run it: the real binary `bin` of
+/// package `package` with the Deployment's arguments and environment, its Secret volumes'
+/// files in a directory (paths under the mount rewritten to it), and `ports` (its own
+/// loopback listen flags: a Pod would have an IP of its own).
+async fn run_deployment(
     client: &Client,
     kubectl: &Kubectl,
-) -> (Container, std::net::SocketAddr, std::net::SocketAddr) {
+    name: &str,
+    (package, bin): (&str, &str),
+    ports: &[String],
+) -> Container {
     let d = Api::<Deployment>::namespaced(client.clone(), NS)
-        .get("virt-controller")
+        .get(name)
         .await
         .unwrap();
     let pod = d.spec.unwrap().template.spec.unwrap();
@@ -675,11 +679,21 @@ async fn run_controller_deployment(
             .find(|v| v.name == m.name)
             .unwrap();
         let Some(secret) = &v.secret else { continue };
-        let name = secret.secret_name.clone().unwrap();
-        let s = eventually(&name, T, || async { secrets.get_opt(&name).await.unwrap() }).await;
-        let dir = kubectl.dir.join(&m.name);
+        let secret_name = secret.secret_name.clone().unwrap();
+        let optional = secret.optional == Some(true);
+        let s = if optional {
+            secrets.get_opt(&secret_name).await.unwrap()
+        } else {
+            Some(
+                eventually(&secret_name, T, || async {
+                    secrets.get_opt(&secret_name).await.unwrap()
+                })
+                .await,
+            )
+        };
+        let dir = kubectl.dir.join(format!("{name}-{}", m.name));
         std::fs::create_dir_all(&dir).unwrap();
-        for (k, v) in s.data.unwrap() {
+        for (k, v) in s.and_then(|s| s.data).unwrap_or_default() {
             std::fs::write(dir.join(k), v.0).unwrap();
         }
         rewrites.push((m.mount_path.clone(), dir.display().to_string()));
@@ -687,7 +701,7 @@ async fn run_controller_deployment(
     let args: Vec<String> = c
         .args
         .clone()
-        .unwrap()
+        .unwrap_or_default()
         .into_iter()
         .map(|a| {
             rewrites
@@ -695,20 +709,40 @@ async fn run_controller_deployment(
                 .fold(a, |a, (from, to)| a.replace(from.as_str(), to))
         })
         .collect();
-    let (metrics, webhook) = (free_addr(), free_addr());
-    let bin = tests::build_bin("controller", "virt-controller");
+    let bin = tests::build_bin(package, bin);
     let child = Command::new(bin)
         .args(&args)
-        .arg(format!("--metrics-addr={metrics}"))
-        .arg(format!("--webhook-addr={webhook}"))
+        .args(ports)
         .env("KUBECONFIG", &kubectl.kubeconfig)
         .env("POD_NAMESPACE", NS)
-        .env("POD_NAME", "virt-controller-0")
+        .env("POD_NAME", format!("{name}-0"))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
-        .expect("virt-controller starts");
-    (Container(child), metrics, webhook)
+        .unwrap_or_else(|e| panic!("{name} starts: {e}"));
+    Container(child)
+}
+
+/// The virt-controller Deployment, run by [`run_deployment`]: the container and its metrics
+/// and webhook addresses.
+async fn run_controller_deployment(
+    client: &Client,
+    kubectl: &Kubectl,
+) -> (Container, std::net::SocketAddr, std::net::SocketAddr) {
+    let (metrics, webhook) = (free_addr(), free_addr());
+    let ports = [
+        format!("--metrics-addr={metrics}"),
+        format!("--webhook-addr={webhook}"),
+    ];
+    let c = run_deployment(
+        client,
+        kubectl,
+        "virt-controller",
+        ("controller", "virt-controller"),
+        &ports,
+    )
+    .await;
+    (c, metrics, webhook)
 }
 
 /// The operator's virt-controller Deployment runs as made: the real binary takes its
@@ -777,5 +811,45 @@ async fn the_operators_controller_deployment_runs_as_made() {
     assert_eq!(
         compute.image.as_deref(),
         Some("quay.io/microvirt/virt-launcher:v0.1.0")
+    );
+
+    // virt-api from its Deployment, with the operator's certificate; the API server reaches
+    // it through the APIService the operator made (trusting the operator's CA), and the real
+    // virtctl stops the VM through it.
+    let api_addr = free_addr();
+    let _virt_api = run_deployment(
+        &client,
+        &kubectl,
+        "virt-api",
+        ("virt-api", "virt-api"),
+        &[format!("--listen={api_addr}")],
+    )
+    .await;
+    server.set_service_endpoint(NS, "virt-api", api_addr);
+    let version = kubectl
+        .until(
+            &["get", "--raw", "/apis/subresources.kubevirt.io/v1/version"],
+            "virt-api served through the aggregation layer",
+            |t| t.contains("gitVersion"),
+        )
+        .await;
+    assert!(version.contains("gitVersion"), "{version}");
+    let virtctl = tests::build_bin("virt-api", "virtctl");
+    let out = Command::new(virtctl)
+        .args(["stop", "probe-smp"])
+        .env("KUBECONFIG", &kubectl.kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let vms: Api<api::VirtualMachine> = Api::namespaced(client.clone(), "default");
+    let vm = vms.get("probe-smp").await.unwrap();
+    assert_eq!(
+        vm.spec.run_strategy,
+        Some(api::RunStrategy::Halted),
+        "stopped through virt-api"
     );
 }
