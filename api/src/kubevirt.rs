@@ -167,6 +167,16 @@ pub struct KubeVirtStatus {
 /// The finalizer the operator keeps on the CR until it has removed what it installed.
 pub const FINALIZER: &str = "foregroundDeleteKubeVirt";
 
+/// The signer virt-operator runs for virt-handler's node certificates (migration and
+/// console): a CertificateSigningRequest with this `signerName`, made by virt-handler's service
+/// account with a node-bound token, for a certificate naming that node and no other.
+pub const NODE_CERTIFICATE_SIGNER: &str = "kubevirt.io/virt-handler";
+/// Where the API server records the node a node-bound service-account token was issued for,
+/// in a CertificateSigningRequest's `spec.extra` (Kubernetes ≥ 1.30).
+pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
+/// virt-handler's service account in the install namespace.
+pub const HANDLER_SERVICE_ACCOUNT: &str = "virt-handler";
+
 /// `spec.uninstallStrategy` values.
 pub const BLOCK_UNINSTALL_IF_WORKLOADS_EXIST: &str = "BlockUninstallIfWorkloadsExist";
 pub const REMOVE_WORKLOADS: &str = "RemoveWorkloads";

@@ -26,7 +26,7 @@ pub struct HandlerConfig {
     pub retry_max: Duration,
     /// Mutual TLS for migration streams between nodes: this node's own certificate (its name
     /// as DNS name) and the cluster's CA; None: plain.
-    pub migration_tls: Option<api::protocol::MigrationTls>,
+    pub migration_tls: Option<crate::node_certificate::NodeIdentity>,
     /// The node address a migration target listens on and publishes (the handler's Pod IP,
     /// which is the node's: it runs on the host network).
     pub migration_ip: std::net::IpAddr,
@@ -53,7 +53,7 @@ impl Context {
         self.config
             .migration_tls
             .as_ref()
-            .map(crate::migration_proxy::NodeTls::new)
+            .map(|identity| crate::migration_proxy::NodeTls::new(&identity.current()))
             .transpose()
     }
 }

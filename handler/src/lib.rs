@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod migration;
 pub mod migration_proxy;
 pub mod network;
+pub mod node_certificate;
 pub mod rest;
 pub mod sync;
 

@@ -38,8 +38,17 @@ enum Command {
         /// Mutual TLS for migrations between nodes: a directory with `ca.crt`, `tls.crt` and
         /// `tls.key` (the certificate for migration.microvirt.internal, server and client use).
         /// Without it migration streams are plain TCP.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "request_node_certificate")]
         migration_tls_dir: Option<PathBuf>,
+        /// Ask the cluster for this node's certificate instead (as virt-operator installs it):
+        /// a key made in memory, a CertificateSigningRequest to virt-operator's signer
+        /// (kubevirt.io/virt-handler) under a node-bound token, renewed before it expires; the
+        /// CA bundle from ConfigMap kubevirt-ca in --namespace.
+        #[arg(long)]
+        request_node_certificate: bool,
+        /// virt-handler's namespace (the DaemonSet passes its own).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "microvirt")]
+        namespace: String,
         /// The node address migration targets listen on and publish (the DaemonSet sets
         /// POD_IP, the node's address on the host network). Without it: loopback only.
         #[arg(long, env = "POD_IP")]
@@ -79,6 +88,8 @@ async fn main() -> ExitCode {
             no_device_plugins,
             device_root,
             migration_tls_dir,
+            request_node_certificate,
+            namespace,
             migration_address,
             console_addr,
             api_client_ca,
@@ -89,15 +100,16 @@ async fn main() -> ExitCode {
                     handler::migration_proxy::NodeTls::new(&t)?;
                     Ok(t)
                 }) {
-                    Ok(t) => Some(t),
+                    Ok(t) => Some(handler::node_certificate::NodeIdentity::new(t)),
                     Err(e) => {
                         eprintln!("virt-handler: --migration-tls-dir: {e}");
                         return ExitCode::from(2);
                     }
                 },
+                None if request_node_certificate => None,
                 None => {
                     tracing::warn!(
-                        "no --migration-tls-dir: migrations between nodes are not encrypted"
+                        "no --migration-tls-dir or --request-node-certificate: migrations between nodes are not encrypted"
                     );
                     None
                 }
@@ -121,6 +133,19 @@ async fn main() -> ExitCode {
                     eprintln!("virt-handler: no Kubernetes API to talk to: {e} (set KUBECONFIG, or run in a cluster)");
                     return ExitCode::from(2);
                 }
+            };
+            let migration_tls = if request_node_certificate {
+                let requester = handler::node_certificate::CertificateRequester {
+                    client: client.clone(),
+                    node: node_name.clone(),
+                    namespace,
+                    patience: std::time::Duration::from_secs(30),
+                };
+                let identity = requester.first().await;
+                tokio::spawn(requester.keep_renewed(identity.clone()));
+                Some(identity)
+            } else {
+                migration_tls
             };
             let console = match console_server(
                 migration_tls.as_ref(),
@@ -157,7 +182,7 @@ async fn main() -> ExitCode {
 /// not installed yet (an optional ConfigMap) means no console server, not a node agent that
 /// does not start.
 async fn console_server(
-    node_tls: Option<&api::protocol::MigrationTls>,
+    node_tls: Option<&handler::node_certificate::NodeIdentity>,
     api_client_ca: Option<PathBuf>,
     addr: &str,
     api_client_name: String,
@@ -173,10 +198,8 @@ async fn console_server(
         tracing::warn!("no --api-client-ca or --migration-tls-dir: no console server (virt-api cannot reach consoles or pause VMIs on this node)");
         return Ok(None);
     };
-    let pem = std::fs::read_to_string(&ca)
-        .map_err(|e| format!("--api-client-ca {}: {e}", ca.display()))?;
-    let tls = handler::rest::Serving::tls_config(tls, &pem)
-        .map_err(|e| format!("console server: {e}"))?;
+    let tls =
+        handler::rest::Serving::tls_config(tls, &ca).map_err(|e| format!("console server: {e}"))?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("--console-addr {addr}: {e}"))?;

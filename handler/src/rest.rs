@@ -62,15 +62,19 @@ pub struct Serving {
 impl Serving {
     /// The TLS side from this node's certificate (`tls`, the migration identity) and virt-api's
     /// CA (`api_client_ca`, PEM).
+    /// This node's certificate as it is renewed; virt-api's client certificate checked against
+    /// the CA file `api_client_ca` as it is when virt-api connects (the operator rotates it).
     pub fn tls_config(
-        tls: &api::protocol::MigrationTls,
-        api_client_ca: &str,
+        identity: &crate::node_certificate::NodeIdentity,
+        api_client_ca: &std::path::Path,
     ) -> Result<Arc<tokio_rustls::rustls::ServerConfig>, String> {
-        controller_runtime::tls::ServingCert {
-            chain: tls.cert_chain()?,
-            key: tls.private_key()?,
-        }
-        .server_config(Some(api_client_ca))
+        let served = crate::node_certificate::ServedIdentity::new(identity.clone());
+        let path = api_client_ca.to_path_buf();
+        let client_ca = controller_runtime::tls::FollowedClientCa::new(move || {
+            std::fs::read_to_string(&path).ok()
+        })
+        .map_err(|e| format!("{}: {e}", api_client_ca.display()))?;
+        controller_runtime::tls::server_config_following(Arc::new(served), Arc::new(client_ca))
     }
 
     /// Serves until the process ends.

@@ -846,3 +846,234 @@ spec:
     );
     let _ = std::fs::remove_dir_all(work);
 }
+
+/// The nodes' certificates from the cluster, as virt-operator installs them: each handler asks
+/// with a CSR under its node-bound token (`--request-node-certificate`), the operator's signer
+/// issues for that node alone — 20-second certificates here — and the handlers renew them on
+/// their own. The guest migrates node-1 → node-2 on the first certificates and back after
+/// those have expired, on renewed ones. A request for another node's name, even with a real
+/// handler token, is denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_certificates_from_the_operators_signer_carry_migrations_across_renewals() {
+    use futures::StreamExt;
+    use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
+    use kube::api::{Api, PostParams};
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-csr");
+    let pods_dir = work.join("pods");
+    let (n1, n2) = tests::two_nodes("hc1", "hc2");
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+
+    // The installation's CA as virt-operator keeps it, its CR asking for 20 s server
+    // certificates, and the operator's signer.
+    let ca = virt_operator::certs::new_ca(Duration::from_secs(3600)).unwrap();
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubevirt-ca", "namespace": "microvirt"},
+        "stringData": {"tls.crt": ca.cert, "tls.key": ca.key},
+    }))
+    .unwrap();
+    let pp = PostParams::default();
+    Api::namespaced(cluster.client.clone(), "microvirt")
+        .create(&pp, &secret)
+        .await
+        .unwrap();
+    let bundle: k8s_openapi::api::core::v1::ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kubevirt-ca", "namespace": "microvirt"},
+        "data": {"ca-bundle": ca.cert},
+    }))
+    .unwrap();
+    Api::namespaced(cluster.client.clone(), "microvirt")
+        .create(&pp, &bundle)
+        .await
+        .unwrap();
+    let kv: api::kubevirt::KubeVirt = serde_yaml::from_str(
+        "apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: microvirt}\nspec:\n  certificateRotateStrategy: {selfSigned: {server: {duration: 20s, renewBefore: 4s}}}\n",
+    )
+    .unwrap();
+    Api::namespaced(cluster.client.clone(), "microvirt")
+        .create(&pp, &kv)
+        .await
+        .unwrap();
+    let signer = std::sync::Arc::new(virt_operator::node_certs::Signer {
+        client: cluster.client.clone(),
+        namespace: "microvirt".into(),
+    });
+    let csrs: Api<CertificateSigningRequest> = Api::all(cluster.client.clone());
+    let _signer = tokio::spawn(
+        kube::runtime::Controller::new(csrs.clone(), Default::default())
+            .run(
+                virt_operator::node_certs::reconcile,
+                virt_operator::node_certs::error_policy,
+                signer,
+            )
+            .for_each(|_| async {}),
+    );
+
+    // node-1's own token cannot get node-2's name.
+    let account = tests::rbac::service_account_user("microvirt", "virt-handler");
+    let forged = handler::node_certificate::CertificateRequester {
+        client: cluster.api.client_on_node(&account, "node-1"),
+        node: "node-2".into(),
+        namespace: "microvirt".into(),
+        patience: Duration::from_secs(20),
+    };
+    let refused = forged.request().await.unwrap_err().to_string();
+    assert!(
+        refused.contains("denied") && refused.contains("node-2"),
+        "{refused}"
+    );
+
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    cluster
+        .apply_yaml::<VirtualMachineInstance>(&VMI.replace(
+            "probe.test=console",
+            "probe.test=dirty probe.passes=1000000",
+        ))
+        .await;
+    let source = launcher_pod_of(&cluster, "probe").await;
+    let source_name = source.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&source_name, "node-1").await;
+    kubelet_pod_ip(&cluster, &source_name, "10.78.0.1").await;
+    let _l1 = start_launcher_in(
+        Some(&n1.name),
+        &pods_dir,
+        source.metadata.uid.as_deref().unwrap(),
+        &work,
+    );
+    let request = ["--request-node-certificate".to_string()];
+    let _h1 = start_handler_args("node-1", &cluster, &pods_dir, &work, None, &request);
+    let _h2 = start_handler_args("node-2", &cluster, &pods_dir, &work, None, &request);
+    eventually("VMI Running on node-1", Duration::from_secs(60), || async {
+        let v = vmis.get("probe").await.unwrap();
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+
+    // The issued certificates: one per node, each naming its node.
+    let issued = |node: &'static str| {
+        let csrs = csrs.clone();
+        async move {
+            let mut out: Vec<String> = csrs
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .into_iter()
+                .filter(|c| {
+                    c.spec
+                        .extra
+                        .as_ref()
+                        .and_then(|e| e.get(api::kubevirt::NODE_NAME_EXTRA))
+                        == Some(&vec![node.to_string()])
+                })
+                .filter_map(|c| String::from_utf8(c.status?.certificate?.0).ok())
+                .collect();
+            out.sort();
+            out
+        }
+    };
+    for node in ["node-1", "node-2"] {
+        let certs = eventually(
+            &format!("{node}'s certificate"),
+            Duration::from_secs(30),
+            || async {
+                let c = issued(node).await;
+                (!c.is_empty()).then_some(c)
+            },
+        )
+        .await;
+        let (_, pem) = x509_parser::pem::parse_x509_pem(certs[0].as_bytes()).unwrap();
+        let cert = pem.parse_x509().unwrap();
+        let names: Vec<String> = cert
+            .subject_alternative_name()
+            .unwrap()
+            .unwrap()
+            .value
+            .general_names
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        assert_eq!(names, [format!("DNSName({node})")]);
+    }
+
+    let (first, _l2) = migrate(
+        &cluster,
+        &pods_dir,
+        &work,
+        "there",
+        ("node-2", &n2.name, "10.78.0.2"),
+    )
+    .await;
+    assert_eq!(first, api::MigrationPhase::Succeeded);
+
+    // Both handlers renew (every ~16 s); once the first certificates have expired, the guest
+    // goes back on renewed ones.
+    let t = Duration::from_secs(90);
+    let first_ends = std::time::SystemTime::now() + Duration::from_secs(21);
+    for node in ["node-1", "node-2"] {
+        eventually(&format!("{node} renewed twice"), t, || async {
+            (issued(node).await.len() >= 3).then_some(())
+        })
+        .await;
+    }
+    while std::time::SystemTime::now() < first_ends {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (back, _l3) = migrate(
+        &cluster,
+        &pods_dir,
+        &work,
+        "back",
+        ("node-1", &n1.name, "10.78.0.1"),
+    )
+    .await;
+    assert_eq!(back, api::MigrationPhase::Succeeded);
+    eventually("VMI Running on node-1 again", t, || async {
+        let s = vmis.get("probe").await.unwrap().status?;
+        (s.phase == Some(VmiPhase::Running) && s.node_name.as_deref() == Some("node-1"))
+            .then_some(())
+    })
+    .await;
+    drop((n1, n2));
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// Migrates the VMI `probe` through the API to `(node, its namespace, its address)`: the
+/// migration `name`, its target Pod run there with a real launcher; returns how it ended, and
+/// the target launcher (the guest runs on in it).
+async fn migrate(
+    cluster: &Cluster,
+    pods_dir: &Path,
+    work: &Path,
+    name: &str,
+    (node, netns, ip): (&str, &str, &str),
+) -> (api::MigrationPhase, Proc) {
+    use api::{MigrationPhase, VirtualMachineInstanceMigration};
+    let m = cluster
+        .apply_yaml::<VirtualMachineInstanceMigration>(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {{name: {name}}}\nspec: {{vmiName: probe}}\n"
+        ))
+        .await;
+    let target = cluster.target_pod(&m.metadata.uid.clone().unwrap()).await;
+    let target_name = target.metadata.name.clone().unwrap();
+    cluster.kubelet_run(&target_name, node).await;
+    kubelet_pod_ip(cluster, &target_name, ip).await;
+    let launcher = start_launcher_in(
+        Some(netns),
+        pods_dir,
+        target.metadata.uid.as_deref().unwrap(),
+        work,
+    );
+    let migrations = cluster.api::<VirtualMachineInstanceMigration>();
+    let phase = eventually(
+        &format!("migration {name} to end"),
+        Duration::from_secs(90),
+        || async {
+            let p = migrations.get(name).await.unwrap().status?.phase?;
+            matches!(p, MigrationPhase::Succeeded | MigrationPhase::Failed).then_some(p)
+        },
+    )
+    .await;
+    (phase, launcher)
+}

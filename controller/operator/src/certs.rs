@@ -45,6 +45,15 @@ pub const SERVED: [Served; 3] = [
     },
 ];
 
+/// virt-api's client certificate for the handlers' console servers (its Secret, and the
+/// common name the handlers accept, `--api-client-name`).
+pub const API_CLIENT: (&str, &str) = ("virt-api-handler-client", "virt-api");
+
+/// ConfigMaps (key `ca.crt`) that carry the bundle to components reading a CA file: the
+/// handlers check virt-api's client certificate against the first, virt-api the nodes'
+/// certificates against the second.
+pub const CA_FILES: [&str; 2] = ["virt-api-client-ca", "microvirt-node-ca"];
+
 /// How long a certificate lives, and how long before its end it is replaced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lifetime {
@@ -79,6 +88,21 @@ struct LifetimeFields {
 }
 
 impl Rotation {
+    /// KubeVirt's defaults: CA 7 days, servers 1 day, each renewed with 20 % left.
+    pub fn default_rotation() -> Rotation {
+        let day = Duration::from_secs(24 * 3600);
+        Rotation {
+            ca: Lifetime {
+                duration: 7 * day,
+                renew_before: 7 * day / 5,
+            },
+            server: Lifetime {
+                duration: day,
+                renew_before: day / 5,
+            },
+        }
+    }
+
     /// The CR's rotation, or why it cannot be taken (by path).
     pub fn of(kv: &KubeVirt) -> Result<Rotation, String> {
         const PATH: &str = "spec.certificateRotateStrategy";
@@ -125,7 +149,7 @@ pub struct Pair {
     pub key: String,
 }
 
-fn validity(params: &mut rcgen::CertificateParams, lifetime: Duration) {
+pub fn validity(params: &mut rcgen::CertificateParams, lifetime: Duration) {
     let now = time::OffsetDateTime::now_utc();
     // A minute back: clocks across the cluster differ a little.
     params.not_before = now - time::Duration::minutes(1);
@@ -149,6 +173,26 @@ pub fn new_ca(lifetime: Duration) -> Result<Pair, String> {
     ];
     validity(&mut params, lifetime);
     let cert = params.self_signed(&key).map_err(|e| e.to_string())?;
+    Ok(Pair {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    })
+}
+
+/// A client certificate with common name `cn`, signed by `ca`.
+pub fn issue_client(ca: &Pair, cn: &str, lifetime: Duration) -> Result<Pair, String> {
+    let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|e| format!("the CA key: {e}"))?;
+    let issuer = rcgen::Issuer::from_ca_cert_pem(&ca.cert, ca_key)
+        .map_err(|e| format!("the CA certificate: {e}"))?;
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
+    let mut params =
+        rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, cn.to_string());
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    validity(&mut params, lifetime);
+    let cert = params.signed_by(&key, &issuer).map_err(|e| e.to_string())?;
     Ok(Pair {
         cert: cert.pem(),
         key: key.serialize_pem(),
@@ -242,6 +286,17 @@ fn data_str(s: &Secret, key: &str) -> Option<String> {
     String::from_utf8(v.0.clone()).ok()
 }
 
+/// The installation's CA as stored, if it has been made.
+pub async fn current_ca(client: &Client, namespace: &str) -> Result<Option<Pair>, kube::Error> {
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    Ok(secrets.get_opt(CA_NAME).await?.and_then(|s| {
+        Some(Pair {
+            cert: data_str(&s, "tls.crt")?,
+            key: data_str(&s, "tls.key")?,
+        })
+    }))
+}
+
 /// Makes what is missing, replaces what is due, and publishes the bundle.
 pub async fn ensure(
     client: &Client,
@@ -288,7 +343,24 @@ pub async fn ensure(
             )
             .await?;
     }
+    if bundle != previous {
+        for name in CA_FILES {
+            let cm = serde_json::json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": ns, "labels": managed()},
+                "data": {"ca.crt": bundle},
+            });
+            configmaps
+                .patch(
+                    name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&cm),
+                )
+                .await?;
+        }
+    }
     let mut next_renewal = renew_at(&ca.cert, &rotation.ca).unwrap_or(now);
+    next_renewal = next_renewal.min(ensure_api_client(&secrets, &ca, rotation, now).await?);
     for s in &SERVED {
         let current = secrets.get_opt(s.secret).await?;
         let signed_by_ca =
@@ -315,16 +387,50 @@ pub async fn ensure(
     })
 }
 
+/// virt-api's client certificate, issued when missing, due, or signed by a replaced CA;
+/// returns when it is next due.
+async fn ensure_api_client(
+    secrets: &Api<Secret>,
+    ca: &Pair,
+    rotation: &Rotation,
+    now: SystemTime,
+) -> Result<SystemTime, kube::Error> {
+    let (secret, cn) = API_CLIENT;
+    let current = secrets.get_opt(secret).await?;
+    let signed_by_ca =
+        current.as_ref().and_then(|c| data_str(c, "ca.crt")) == Some(ca.cert.clone());
+    let renew = current
+        .as_ref()
+        .and_then(|c| data_str(c, "tls.crt"))
+        .and_then(|c| renew_at(&c, &rotation.server));
+    match renew {
+        Some(at) if at > now && signed_by_ca => Ok(at),
+        _ => {
+            let pair = issue_client(ca, cn, rotation.server.duration).map_err(internal)?;
+            apply_secret(secrets, secret, &pair, Some(&ca.cert)).await?;
+            tracing::info!(secret, "issued virt-api's client certificate");
+            Ok(renew_at(&pair.cert, &rotation.server).unwrap_or(now))
+        }
+    }
+}
+
 /// Removes the CA and every serving certificate (uninstall).
 pub async fn remove(client: &Client, ns: &str) -> Result<(), kube::Error> {
     use controller_runtime::delete_if_present;
     let dp = Default::default();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    for name in SERVED.iter().map(|s| s.secret).chain([CA_NAME]) {
+    for name in SERVED
+        .iter()
+        .map(|s| s.secret)
+        .chain([CA_NAME, API_CLIENT.0])
+    {
         delete_if_present(&secrets, name, &dp).await?;
     }
     let configmaps: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    delete_if_present(&configmaps, CA_NAME, &dp).await
+    for name in CA_FILES.into_iter().chain([CA_NAME]) {
+        delete_if_present(&configmaps, name, &dp).await?;
+    }
+    Ok(())
 }
 
 fn managed() -> serde_json::Value {

@@ -202,6 +202,9 @@ fn render(obj: &mut Value, namespace: &str, release: &Release) {
         obj["spec"]["service"]["namespace"] = namespace.into();
     }
     let is_controller = obj["kind"] == "Deployment" && obj["metadata"]["name"] == "virt-controller";
+    if obj["kind"] == "DaemonSet" && obj["metadata"]["name"] == "virt-handler" {
+        request_node_certificates(obj);
+    }
     let template = &mut obj["spec"]["template"];
     if template.is_null() {
         return;
@@ -225,6 +228,31 @@ fn render(obj: &mut Value, namespace: &str, release: &Release) {
                 args.push(format!("--launcher-image={}", release.image("virt-launcher")).into());
                 args.push(format!("--importer-image={}", release.image("cdi-importer")).into());
             }
+        }
+    }
+}
+
+/// The handlers of an operator install ask the operator's signer for their node certificates
+/// (`node_certs`) instead of reading them from a directory each node was given by hand.
+fn request_node_certificates(obj: &mut Value) {
+    let spec = &mut obj["spec"]["template"]["spec"];
+    if let Some(v) = spec["volumes"].as_array_mut() {
+        v.retain(|v| v["name"] != "migration-tls");
+    }
+    for c in spec["containers"].as_array_mut().into_iter().flatten() {
+        if let Some(m) = c["volumeMounts"].as_array_mut() {
+            m.retain(|m| m["name"] != "migration-tls");
+        }
+        if let Some(args) = c["args"].as_array_mut() {
+            args.retain(|a| !a.as_str().unwrap_or("").starts_with("--migration-tls-dir"));
+            args.push("--request-node-certificate".into());
+        }
+        let env = serde_json::json!({"name": "POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}});
+        match c["env"].as_array_mut() {
+            Some(e) if !e.iter().any(|x| x["name"] == "POD_NAMESPACE") => e.push(env),
+            Some(_) => {}
+            None => c["env"] = serde_json::json!([env]),
         }
     }
 }
@@ -308,6 +336,15 @@ mod tests {
             "registry.local:5000/mv/virt-handler:v9.9.9"
         );
         assert_eq!(handler["metadata"]["labels"][labels::VERSION], "v9.9.9");
+        // Node certificates come from the operator's signer, not from a directory per node.
+        let pod = &handler["spec"]["template"]["spec"];
+        let args = pod["containers"][0]["args"].to_string();
+        assert!(args.contains("--request-node-certificate"), "{args}");
+        assert!(!args.contains("--migration-tls-dir"), "{args}");
+        assert!(!pod.to_string().contains("migration-tls"), "{pod}");
+        assert!(pod["containers"][0]["env"]
+            .to_string()
+            .contains("POD_NAMESPACE"));
         let controller = find("Deployment", "virt-controller");
         let args = controller["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
         assert!(

@@ -2,6 +2,8 @@
 //! from one `KubeVirt` custom resource (`api::kubevirt`).
 //!
 //! - [`certs`]: the CA and serving certificates, made and rotated.
+//! - [`node_certs`]: the signer of virt-handler's node certificates (CSRs from node-bound
+//!   tokens, each for its own node only).
 //! - [`install`]: the objects of one release (the manifests of `deploy/`, carried by the
 //!   operator) rendered for a CR: its namespace, registry and tag.
 //! - [`status`]: the CR's phase and conditions from what was observed (pure).
@@ -13,6 +15,7 @@
 pub mod certs;
 pub mod duration;
 pub mod install;
+pub mod node_certs;
 pub mod reconcile;
 pub mod status;
 pub mod webhook;

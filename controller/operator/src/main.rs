@@ -7,11 +7,12 @@ use anyhow::Context as _;
 use api::kubevirt::KubeVirt;
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
+use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, CustomResourceExt};
 use virt_operator::install::{self, Release, DEFAULT_REGISTRY};
 use virt_operator::reconcile::{error_policy, reconcile, Context};
-use virt_operator::webhook;
+use virt_operator::{node_certs, webhook};
 
 #[derive(Parser)]
 #[command(name = "virt-operator", version)]
@@ -87,7 +88,26 @@ async fn run(
     let listener = tokio::net::TcpListener::bind(webhook_addr)
         .await
         .with_context(|| format!("--webhook-addr {webhook_addr}"))?;
-    tokio::spawn(webhook::follow_secret(client.clone(), namespace, cert));
+    tokio::spawn(webhook::follow_secret(
+        client.clone(),
+        namespace.clone(),
+        cert,
+    ));
+    // The signer of the nodes' certificates runs beside the installation's reconciler.
+    let signer = Arc::new(node_certs::Signer {
+        client: client.clone(),
+        namespace,
+    });
+    let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
+    tokio::spawn(
+        Controller::new(csrs, watcher::Config::default())
+            .run(node_certs::reconcile, node_certs::error_policy, signer)
+            .for_each(|r| async move {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "node certificate request");
+                }
+            }),
+    );
     tokio::spawn(controller_runtime::tls::serve_tls(
         listener,
         tls,

@@ -136,6 +136,167 @@ pub fn reloading_server_config(
     Ok(Arc::new(cfg))
 }
 
+/// A server configuration whose certificate `resolver` picks at each handshake (a pair that
+/// is renewed in memory), clients checked against `client_ca` as in
+/// [`ServingCert::server_config`].
+pub fn server_config_with(
+    resolver: Arc<dyn rustls::server::ResolvesServerCert>,
+    client_ca: Option<&str>,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    Ok(Arc::new(
+        server_builder(client_ca)?.with_cert_resolver(resolver),
+    ))
+}
+
+/// A client CA read again whenever it changes (a mounted ConfigMap the kubelet refreshes when
+/// the operator rotates its CA): clients are checked against the bundle as it is when they
+/// connect; one that presents no certificate is let in unidentified, as with
+/// [`ServingCert::server_config`]'s `client_ca`. A bundle that cannot be read or parsed leaves
+/// the last good one in force.
+pub struct FollowedClientCa {
+    read: Box<dyn Fn() -> Option<String> + Send + Sync>,
+    cached: std::sync::Mutex<Option<(String, Arc<dyn rustls::server::danger::ClientCertVerifier>)>>,
+}
+
+impl std::fmt::Debug for FollowedClientCa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FollowedClientCa")
+    }
+}
+
+impl FollowedClientCa {
+    /// Follows the PEM `read` returns; fails when there is none to start with.
+    pub fn new(
+        read: impl Fn() -> Option<String> + Send + Sync + 'static,
+    ) -> Result<FollowedClientCa, String> {
+        let f = FollowedClientCa {
+            read: Box::new(read),
+            cached: Default::default(),
+        };
+        f.current().map(|_| f)
+    }
+
+    fn current(&self) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, String> {
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        let pem = (self.read)();
+        if let (Some(pem), Some((seen, v))) = (&pem, cached.as_ref()) {
+            if pem == seen {
+                return Ok(v.clone());
+            }
+        }
+        let built = pem
+            .as_deref()
+            .ok_or_else(|| "client CA: nothing to read".to_string())
+            .and_then(client_verifier);
+        match (built, cached.as_ref()) {
+            (Ok(v), _) => {
+                *cached = Some((pem.unwrap_or_default(), v.clone()));
+                Ok(v)
+            }
+            (Err(e), Some((_, v))) => {
+                tracing::warn!(error = %e, "client CA not reloaded");
+                Ok(v.clone())
+            }
+            (Err(e), None) => Err(e),
+        }
+    }
+
+    /// The verifier for this connection (the last good one if the bundle just broke).
+    fn verifier(&self) -> Arc<dyn rustls::server::danger::ClientCertVerifier> {
+        self.current()
+            .unwrap_or_else(|_| Arc::new(rustls::server::NoClientAuth))
+    }
+}
+
+fn client_verifier(
+    pem: &str,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pemfile::certs(&mut pem.as_bytes()) {
+        let c = c.map_err(|e| format!("client CA: {e}"))?;
+        roots.add(c).map_err(|e| format!("client CA: {e}"))?;
+    }
+    if roots.is_empty() {
+        return Err("client CA: no certificate in the bundle".into());
+    }
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| format!("client CA: {e}"))
+}
+
+impl rustls::server::danger::ClientCertVerifier for FollowedClientCa {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        // Hints are optional; the bundle may change under a borrowed slice.
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        self.verifier()
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.verifier().verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.verifier().verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.verifier().supported_verify_schemes()
+    }
+}
+
+/// A server configuration with both ends followed: the certificate `resolver` picks, clients
+/// checked against the client CA as it is when they connect.
+pub fn server_config_following(
+    resolver: Arc<dyn rustls::server::ResolvesServerCert>,
+    client_ca: Arc<FollowedClientCa>,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    let cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(client_ca)
+        .with_cert_resolver(resolver);
+    Ok(Arc::new(cfg))
+}
+
+/// A signing key for rustls from its DER.
+pub fn certified_key(pair: ServingCert) -> Result<Arc<rustls::sign::CertifiedKey>, String> {
+    let signing = provider()
+        .key_provider
+        .load_private_key(pair.key)
+        .map_err(|e| format!("serving key: {e}"))?;
+    Ok(Arc::new(rustls::sign::CertifiedKey::new(
+        pair.chain, signing,
+    )))
+}
+
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
@@ -259,19 +420,14 @@ pub struct SwappableCert(std::sync::RwLock<Option<Arc<rustls::sign::CertifiedKey
 impl SwappableCert {
     /// Serves `pair` on new connections from now on.
     pub fn set(&self, pair: ServingCert) -> Result<(), String> {
-        let signing = provider()
-            .key_provider
-            .load_private_key(pair.key)
-            .map_err(|e| format!("serving key: {e}"))?;
-        let key = Arc::new(rustls::sign::CertifiedKey::new(pair.chain, signing));
+        let key = certified_key(pair)?;
         *self.0.write().unwrap_or_else(|e| e.into_inner()) = Some(key);
         Ok(())
     }
 
     /// A server configuration that serves whatever pair is set when a client connects.
     pub fn server_config(self: &Arc<Self>) -> Result<Arc<rustls::ServerConfig>, String> {
-        let cfg = server_builder(None)?.with_cert_resolver(self.clone());
-        Ok(Arc::new(cfg))
+        server_config_with(self.clone(), None)
     }
 }
 

@@ -172,10 +172,15 @@ pub fn start_handler_args(
     extra: &[String],
 ) -> Proc {
     let kubeconfig = work.join(format!("handler-{node}.kubeconfig"));
-    cluster.api.write_kubeconfig(
-        &kubeconfig,
-        Some(&service_account_user("microvirt", "virt-handler")),
-    );
+    let account = service_account_user("microvirt", "virt-handler");
+    if extra.iter().any(|a| a == "--request-node-certificate") {
+        // The kubelet mounts a node-bound token: the API server knows the handler's node.
+        cluster
+            .api
+            .write_kubeconfig_on_node(&kubeconfig, &account, node);
+    } else {
+        cluster.api.write_kubeconfig(&kubeconfig, Some(&account));
+    }
     let console = extra.iter().any(|a| a.starts_with("--api-client-ca"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
         .args(["run", "--node-name", node, "--resync-seconds", "1"])

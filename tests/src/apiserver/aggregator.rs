@@ -88,10 +88,12 @@ impl FrontProxy {
 }
 
 /// Who made a request, as the authenticator says.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Caller {
     pub user: String,
     pub groups: Vec<String>,
+    /// What the token says beyond the user (a node-bound token's node).
+    pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 /// Where an APIService sends its group/version.

@@ -65,14 +65,19 @@ impl Inner {
             return Ok(Caller {
                 user: "system:admin".into(),
                 groups: vec!["system:masters".into(), "system:authenticated".into()],
+                extra: Default::default(),
             });
         };
         let user = self.auth.lock().unwrap().users.get(token).cloned();
-        let Some(user) = user else {
+        let Some((user, extra)) = user else {
             return Err(ApiError::new(401, "Unauthorized", "Unauthorized"));
         };
         let groups = groups_of(&user);
-        Ok(Caller { user, groups })
+        Ok(Caller {
+            user,
+            groups,
+            extra,
+        })
     }
 
     /// A SubjectAccessReview, answered from the RBAC rules the server enforces (everything is

@@ -36,7 +36,7 @@ impl Inner {
             name: Some(name.to_string()),
             subresource: None,
             dry_run: t.dry_run,
-            user: t.user.clone(),
+            caller: t.caller.clone(),
         };
         self.delete(&target, name, grace, None, gc::Propagation::Background)?;
         Ok(json_response(

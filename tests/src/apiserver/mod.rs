@@ -64,6 +64,7 @@ use crate::rbac::{Authorizer, RequestAttributes};
 mod aggregator;
 mod apply;
 mod auth;
+mod csr;
 mod errors;
 mod eviction;
 mod gc;
@@ -155,7 +156,8 @@ pub struct AdmissionAttributes {
 /// are the cluster admin's (the test itself).
 #[derive(Default)]
 struct Authentication {
-    users: HashMap<String, String>,
+    /// Token → user and the token's extra (a node-bound token's node).
+    users: HashMap<String, (String, BTreeMap<String, Vec<String>>)>,
     rbac: Option<Arc<Authorizer>>,
 }
 
@@ -263,6 +265,15 @@ fn random_suffix(n: usize) -> String {
 }
 
 /// A fresh UID, as the server gives objects (and admission requests).
+/// What a node-bound service-account token says beyond the user: the node.
+fn node_bound(node: &str) -> BTreeMap<String, Vec<String>> {
+    [(
+        "authentication.kubernetes.io/node-name".to_string(),
+        vec![node.to_string()],
+    )]
+    .into()
+}
+
 pub fn new_uid() -> String {
     uid()
 }
@@ -346,8 +357,8 @@ struct Target {
     subresource: Option<String>,
     /// `dryRun=All`: the write is checked and answered as if stored, and nothing is stored.
     dry_run: bool,
-    /// The authenticated user (admission webhooks are told).
-    user: String,
+    /// Who is asking (admission webhooks are told; a CSR is stamped with it).
+    caller: Caller,
 }
 
 impl Inner {
@@ -394,7 +405,7 @@ impl Inner {
             name,
             subresource: sub,
             dry_run: false,
-            user: String::new(),
+            caller: Caller::default(),
         })
     }
 }
@@ -460,7 +471,7 @@ impl ApiServer {
             name: None,
             subresource: None,
             dry_run: false,
-            user: String::new(),
+            caller: Caller::default(),
         };
         for ns in ["default", "kube-system", "kube-public", "kube-node-lease"] {
             let obj = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
@@ -525,10 +536,31 @@ impl ApiServer {
 
     /// A new bearer token that authenticates as `user`.
     fn issue_token(&self, user: &str) -> String {
+        self.issue_token_with(user, BTreeMap::new())
+    }
+
+    fn issue_token_with(&self, user: &str, extra: BTreeMap<String, Vec<String>>) -> String {
         let token = format!("token-{}", random_suffix(16));
         let mut auth = self.inner.auth.lock().unwrap();
-        auth.users.insert(token.clone(), user.to_string());
+        auth.users.insert(token.clone(), (user.to_string(), extra));
         token
+    }
+
+    /// A kubeconfig (see [`ApiServer::write_kubeconfig`]) with a node-bound token of `user`
+    /// on `node` (see [`ApiServer::client_on_node`]).
+    pub fn write_kubeconfig_on_node(&self, path: &std::path::Path, user: &str, node: &str) {
+        let token = self.issue_token_with(user, node_bound(node));
+        self.write_kubeconfig_with(path, &format!("{{token: {token}}}"));
+    }
+
+    /// A client with a node-bound token of `user` (a service account) for a Pod on `node`, as
+    /// the kubelet mounts it (Kubernetes ≥ 1.30): the server knows the node the caller runs on
+    /// and records it where it records who asked (a CertificateSigningRequest's `spec.extra`).
+    pub fn client_on_node(&self, user: &str, node: &str) -> kube::Client {
+        let token = self.issue_token_with(user, node_bound(node));
+        let mut config = kube::Config::new(self.url().parse().unwrap());
+        config.auth_info.token = Some(secrecy::SecretString::from(token));
+        kube::Client::try_from(config).unwrap()
     }
 
     /// A client authenticated as `user` (a bearer token the server maps to that user), as a
@@ -547,6 +579,10 @@ impl ApiServer {
             Some(u) => format!("{{token: {}}}", self.issue_token(u)),
             None => "{}".into(),
         };
+        self.write_kubeconfig_with(path, &credentials);
+    }
+
+    fn write_kubeconfig_with(&self, path: &std::path::Path, credentials: &str) {
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\nusers:\n- name: fake\n  user: {credentials}\ncurrent-context: fake\n",
             self.url()
@@ -783,10 +819,7 @@ impl Inner {
     ) -> ApiResult<Response<Body>> {
         let mut t = self.route(path)?;
         t.dry_run = dry_run(q)?;
-        t.user = self
-            .authenticate(headers)
-            .map(|c| c.user)
-            .unwrap_or_default();
+        t.caller = self.authenticate(headers).unwrap_or_default();
         let body_json = || -> ApiResult<Value> {
             serde_json::from_slice(body)
                 .map_err(|e| ApiError::new(400, "BadRequest", format!("invalid JSON body: {e}")))
@@ -866,6 +899,9 @@ impl Inner {
         let mut warnings = field_validation(&t.rtype, q, &obj)?;
         if let (Some(ns), Some(m)) = (&t.namespace, obj["metadata"].as_object_mut()) {
             m.entry("namespace").or_insert(json!(ns));
+        }
+        if t.rtype.plural == csr::PLURAL {
+            csr::stamp(&mut obj, &t.caller);
         }
         let attrs = self.admission_attributes(t, "CREATE", obj, None);
         let (admitted, more) = self.dynamic_admission(attrs, t.rtype.namespaced).await?;
@@ -1033,7 +1069,7 @@ impl Inner {
             name,
             object,
             old_object,
-            user: t.user.clone(),
+            user: t.caller.user.clone(),
             dry_run: t.dry_run,
         }
     }

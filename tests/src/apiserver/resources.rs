@@ -91,6 +91,8 @@ const KINDS: &[Kind] = &[
     ("apps", "v1", "daemonsets", "DaemonSet", true, true, None),
     ("admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", "ValidatingWebhookConfiguration", false, false, None),
     ("admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", "MutatingWebhookConfiguration", false, false, None),
+    // virt-handler's node certificates (see `csr`).
+    ("certificates.k8s.io", "v1", "certificatesigningrequests", "CertificateSigningRequest", false, true, None),
 ];
 
 /// The kinds microvirt's control plane touches.

@@ -151,7 +151,8 @@ impl Inner {
             let new = self.write(&mut st, rt, old, new, t.dry_run)?;
             return self.scale_of_locked(rt, &new);
         }
-        if sub.is_some_and(|s| s != "status") {
+        let approval = sub == Some("approval") && rt.plural == super::csr::PLURAL;
+        if sub.is_some_and(|s| s != "status") && !approval {
             return Err(not_found(rt, name));
         }
         let mut body = match update {
@@ -183,8 +184,16 @@ impl Inner {
         };
         // What each endpoint may change.
         let mut new = old.clone();
-        if sub == Some("status") {
+        if approval {
+            new["status"]["conditions"] = body
+                .pointer("/status/conditions")
+                .cloned()
+                .unwrap_or(Value::Null);
+        } else if sub == Some("status") {
             new["status"] = body.get("status").cloned().unwrap_or(Value::Null);
+            if rt.plural == super::csr::PLURAL {
+                super::csr::check_status_update(name, &old, &new)?;
+            }
         } else {
             let status = old.get("status").cloned();
             if let Some(o) = body.as_object_mut() {
