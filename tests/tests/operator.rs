@@ -618,6 +618,19 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
     };
     assert_eq!(leaf, pem_der(&secret_field(&first, "tls.crt")));
 
+    // virt-api's client certificate for the consoles, signed by the CA whose bundle the
+    // handlers and virt-api read as files.
+    let api_client = eventually("virt-api's client certificate", T, || async {
+        secrets.get_opt("virt-api-handler-client").await.unwrap()
+    })
+    .await;
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(client.clone(), NS);
+    for cm in ["virt-api-client-ca", "microvirt-node-ca"] {
+        let data = configmaps.get(cm).await.unwrap().data.unwrap();
+        assert_eq!(data["ca.crt"], bundle, "{cm}");
+    }
+
     // Six seconds after issue the certificate is due (20 s lifetime, renewed 14 s before).
     let rotated = eventually("a new certificate", T, || async {
         let s = secrets.get("virt-controller-certs").await.unwrap();
@@ -629,6 +642,11 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
     eventually("the new certificate served", T, || async {
         let bundle = webhook_bundle(&client).await;
         (leaf_trusted_by(addr, &name, &bundle).await == want).then_some(())
+    })
+    .await;
+    eventually("virt-api's client certificate rotated too", T, || async {
+        let s = secrets.get("virt-api-handler-client").await.unwrap();
+        (secret_field(&s, "tls.crt") != secret_field(&api_client, "tls.crt")).then_some(())
     })
     .await;
 }
@@ -652,52 +670,82 @@ impl Drop for Container {
     }
 }
 
-/// A Deployment the operator made, run as its Pod would run it: the real binary `bin` of
-/// package `package` with the Deployment's arguments and environment, its Secret volumes'
-/// files in a directory (paths under the mount rewritten to it), and `ports` (its own
-/// loopback listen flags: a Pod would have an IP of its own).
-async fn run_deployment(
+/// How the test kubelet runs one Pod of a workload the operator made: the real binary `bin`
+/// (package, binary), the workload's arguments and environment with `extra` arguments (its
+/// own loopback listen flags: a Pod would have an IP of its own), as `node`, with `kubeconfig`.
+struct PodRun<'a> {
+    name: &'a str,
+    bin: (&'a str, &'a str),
+    extra: Vec<String>,
+    node: &'a str,
+    kubeconfig: std::path::PathBuf,
+}
+
+/// Writes each Secret or ConfigMap volume's files into a directory of its own and returns
+/// (mount path, directory) for every mount it backs.
+async fn mount_volumes(
     client: &Client,
     kubectl: &Kubectl,
     name: &str,
-    (package, bin): (&str, &str),
-    ports: &[String],
-) -> Container {
-    let d = Api::<Deployment>::namespaced(client.clone(), NS)
-        .get(name)
-        .await
-        .unwrap();
-    let pod = d.spec.unwrap().template.spec.unwrap();
-    let c = &pod.containers[0];
+    pod: &k8s_openapi::api::core::v1::PodSpec,
+) -> Vec<(String, String)> {
     let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(client.clone(), NS);
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(client.clone(), NS);
     let mut rewrites = vec![];
-    for m in c.volume_mounts.iter().flatten() {
+    for m in pod.containers[0].volume_mounts.iter().flatten() {
         let v = pod
             .volumes
             .iter()
             .flatten()
             .find(|v| v.name == m.name)
             .unwrap();
-        let Some(secret) = &v.secret else { continue };
-        let secret_name = secret.secret_name.clone().unwrap();
-        let optional = secret.optional == Some(true);
-        let s = if optional {
-            secrets.get_opt(&secret_name).await.unwrap()
+        let files: Vec<(String, Vec<u8>)> = if let Some(secret) = &v.secret {
+            let secret_name = secret.secret_name.clone().unwrap();
+            let s = if secret.optional == Some(true) {
+                secrets.get_opt(&secret_name).await.unwrap()
+            } else {
+                Some(
+                    eventually(&secret_name, T, || async {
+                        secrets.get_opt(&secret_name).await.unwrap()
+                    })
+                    .await,
+                )
+            };
+            s.and_then(|s| s.data)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.0))
+                .collect()
+        } else if let Some(cm) = &v.config_map {
+            let c = configmaps.get_opt(&cm.name).await.unwrap();
+            c.and_then(|c| c.data)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()))
+                .collect()
         } else {
-            Some(
-                eventually(&secret_name, T, || async {
-                    secrets.get_opt(&secret_name).await.unwrap()
-                })
-                .await,
-            )
+            continue; // host paths: the node's own
         };
         let dir = kubectl.dir.join(format!("{name}-{}", m.name));
         std::fs::create_dir_all(&dir).unwrap();
-        for (k, v) in s.and_then(|s| s.data).unwrap_or_default() {
-            std::fs::write(dir.join(k), v.0).unwrap();
+        for (k, v) in files {
+            std::fs::write(dir.join(k), v).unwrap();
         }
         rewrites.push((m.mount_path.clone(), dir.display().to_string()));
     }
+    rewrites
+}
+
+/// Runs `pod` as the kubelet would (see [`PodRun`]); killed on drop.
+async fn run_pod(
+    client: &Client,
+    kubectl: &Kubectl,
+    pod: k8s_openapi::api::core::v1::PodSpec,
+    run: PodRun<'_>,
+) -> Container {
+    let rewrites = mount_volumes(client, kubectl, run.name, &pod).await;
+    let c = &pod.containers[0];
     let args: Vec<String> = c
         .args
         .clone()
@@ -709,18 +757,88 @@ async fn run_deployment(
                 .fold(a, |a, (from, to)| a.replace(from.as_str(), to))
         })
         .collect();
-    let bin = tests::build_bin(package, bin);
-    let child = Command::new(bin)
+    let mut cmd = Command::new(tests::build_bin(run.bin.0, run.bin.1));
+    for e in c.env.iter().flatten() {
+        let field = e
+            .value_from
+            .as_ref()
+            .and_then(|v| v.field_ref.as_ref())
+            .map(|f| f.field_path.as_str());
+        let value = match (field, &e.value) {
+            (Some("spec.nodeName"), _) => run.node.to_string(),
+            (Some("metadata.namespace"), _) => NS.to_string(),
+            (Some("metadata.name"), _) => format!("{}-0", run.name),
+            (Some("status.podIP"), _) => "127.0.0.1".to_string(),
+            (_, Some(v)) => v.clone(),
+            _ => continue,
+        };
+        cmd.env(&e.name, value);
+    }
+    let child = cmd
         .args(&args)
-        .args(ports)
-        .env("KUBECONFIG", &kubectl.kubeconfig)
+        .args(&run.extra)
+        .env("KUBECONFIG", &run.kubeconfig)
         .env("POD_NAMESPACE", NS)
-        .env("POD_NAME", format!("{name}-0"))
+        .env("POD_NAME", format!("{}-0", run.name))
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("{name} starts: {e}"));
+        .unwrap_or_else(|e| panic!("{} starts: {e}", run.name));
     Container(child)
+}
+
+/// A Deployment the operator made, run as its Pod would run it (see [`run_pod`]), with the
+/// admin's kubeconfig.
+async fn run_deployment(
+    client: &Client,
+    kubectl: &Kubectl,
+    name: &str,
+    bin: (&str, &str),
+    ports: &[String],
+) -> Container {
+    let d = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get(name)
+        .await
+        .unwrap();
+    let run = PodRun {
+        name,
+        bin,
+        extra: ports.to_vec(),
+        node: "node-a",
+        kubeconfig: kubectl.kubeconfig.clone(),
+    };
+    run_pod(client, kubectl, d.spec.unwrap().template.spec.unwrap(), run).await
+}
+
+/// The virt-handler DaemonSet's Pod on `node`, run as the kubelet would run it (see
+/// [`run_pod`]) under its service account with a node-bound token, as the kubelet mounts one.
+async fn run_handler_daemonset(
+    server: &ApiServer,
+    kubectl: &Kubectl,
+    node: &str,
+    extra: Vec<String>,
+) -> Container {
+    let client = server.client();
+    let ds = Api::<DaemonSet>::namespaced(client.clone(), NS)
+        .get("virt-handler")
+        .await
+        .unwrap();
+    let pod = ds.spec.unwrap().template.spec.unwrap();
+    let account = pod.service_account_name.clone().unwrap();
+    let kubeconfig = kubectl.dir.join(format!("virt-handler-{node}.kubeconfig"));
+    server.write_kubeconfig_on_node(
+        &kubeconfig,
+        &format!("system:serviceaccount:{NS}:{account}"),
+        node,
+    );
+    let run = PodRun {
+        name: "virt-handler",
+        bin: ("handler", "virt-handler"),
+        extra,
+        node,
+        kubeconfig,
+    };
+    run_pod(&client, kubectl, pod, run).await
 }
 
 /// The virt-controller Deployment, run by [`run_deployment`]: the container and its metrics
@@ -745,10 +863,12 @@ async fn run_controller_deployment(
     (c, metrics, webhook)
 }
 
-/// The operator's virt-controller Deployment runs as made: the real binary takes its
+/// The operator's workloads run as made: the virt-controller Deployment's real binary takes its
 /// arguments, serves the admission webhook with the operator's certificate (trusted through
 /// the bundle in the webhook configuration), turns an applied VM into a VMI and a launcher
-/// Pod of the release's launcher image.
+/// Pod of the release's launcher image; virt-api's Deployment answers through the APIService;
+/// virt-handler's DaemonSet Pod gets its node's certificate from the operator's signer and
+/// serves its console with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operators_controller_deployment_runs_as_made() {
     let Installed {
@@ -851,5 +971,59 @@ async fn the_operators_controller_deployment_runs_as_made() {
         vm.spec.run_strategy,
         Some(api::RunStrategy::Halted),
         "stopped through virt-api"
+    );
+
+    // virt-handler from its DaemonSet on node-a, under its node-bound token: it asks the
+    // operator's signer for node-a's certificate and serves its console server with it.
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(client.clone(), NS);
+    eventually("the client CA published", T, || async {
+        configmaps.get_opt("virt-api-client-ca").await.unwrap()
+    })
+    .await;
+    let pods_dir = kubectl.dir.join("node-a-pods");
+    std::fs::create_dir_all(&pods_dir).unwrap();
+    let (handler_metrics, console) = (free_addr(), free_addr());
+    let _handler = run_handler_daemonset(
+        &server,
+        &kubectl,
+        "node-a",
+        vec![
+            format!("--metrics-addr={handler_metrics}"),
+            format!("--console-addr={console}"),
+            format!("--pods-dir={}", pods_dir.display()),
+            "--no-device-plugins".into(),
+        ],
+    )
+    .await;
+    let csrs: Api<k8s_openapi::api::certificates::v1::CertificateSigningRequest> =
+        Api::all(client.clone());
+    let node_cert = eventually("node-a's certificate issued", T, || async {
+        csrs.list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|c| {
+                c.spec.username.as_deref() == Some("system:serviceaccount:kubevirt:virt-handler")
+            })
+            .find_map(|c| c.status?.certificate)
+            .map(|b| b.0)
+    })
+    .await;
+    eventually("the console server", T, || async {
+        tokio::net::TcpStream::connect(console).await.ok()
+    })
+    .await;
+    let bundle = configmaps.get("kubevirt-ca").await.unwrap().data.unwrap()["ca-bundle"].clone();
+    let leaf = leaf_trusted_by(console, "node-a", &bundle).await;
+    let issued = rustls_pemfile::certs(&mut &node_cert[..])
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        leaf,
+        issued.to_vec(),
+        "the console serves node-a's issued certificate"
     );
 }
