@@ -181,30 +181,17 @@ pub fn new_ca(lifetime: Duration) -> Result<Pair, String> {
 
 /// A client certificate with common name `cn`, signed by `ca`.
 pub fn issue_client(ca: &Pair, cn: &str, lifetime: Duration) -> Result<Pair, String> {
-    let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|e| format!("the CA key: {e}"))?;
-    let issuer = rcgen::Issuer::from_ca_cert_pem(&ca.cert, ca_key)
-        .map_err(|e| format!("the CA certificate: {e}"))?;
-    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
     let mut params =
         rcgen::CertificateParams::new(Vec::<String>::new()).map_err(|e| e.to_string())?;
     params
         .distinguished_name
         .push(rcgen::DnType::CommonName, cn.to_string());
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-    validity(&mut params, lifetime);
-    let cert = params.signed_by(&key, &issuer).map_err(|e| e.to_string())?;
-    Ok(Pair {
-        cert: cert.pem(),
-        key: key.serialize_pem(),
-    })
+    sign_new_key(ca, params, lifetime)
 }
 
 /// A serving certificate for `dns_names`, signed by `ca`.
 pub fn issue(ca: &Pair, dns_names: Vec<String>, lifetime: Duration) -> Result<Pair, String> {
-    let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|e| format!("the CA key: {e}"))?;
-    let issuer = rcgen::Issuer::from_ca_cert_pem(&ca.cert, ca_key)
-        .map_err(|e| format!("the CA certificate: {e}"))?;
-    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
     let mut params = rcgen::CertificateParams::new(dns_names.clone()).map_err(|e| e.to_string())?;
     if let Some(first) = dns_names.first() {
         params
@@ -212,6 +199,24 @@ pub fn issue(ca: &Pair, dns_names: Vec<String>, lifetime: Duration) -> Result<Pa
             .push(rcgen::DnType::CommonName, first.clone());
     }
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    sign_new_key(ca, params, lifetime)
+}
+
+/// `ca` as the signer of new certificates.
+pub fn ca_issuer(ca: &Pair) -> Result<rcgen::Issuer<'static, rcgen::KeyPair>, String> {
+    let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|e| format!("the CA key: {e}"))?;
+    rcgen::Issuer::from_ca_cert_pem(&ca.cert, ca_key)
+        .map_err(|e| format!("the CA certificate: {e}"))
+}
+
+/// A new key, and `params` for it signed by `ca` for `lifetime`.
+fn sign_new_key(
+    ca: &Pair,
+    mut params: rcgen::CertificateParams,
+    lifetime: Duration,
+) -> Result<Pair, String> {
+    let issuer = ca_issuer(ca)?;
+    let key = rcgen::KeyPair::generate().map_err(|e| e.to_string())?;
     validity(&mut params, lifetime);
     let cert = params.signed_by(&key, &issuer).map_err(|e| e.to_string())?;
     Ok(Pair {

@@ -365,6 +365,9 @@ mod tests {
         );
         let api = find("APIService", "v1.subresources.kubevirt.io");
         assert_eq!(api["spec"]["service"]["namespace"], "kubevirt");
+        for pdb in ["virt-api-pdb", "virt-controller-pdb"] {
+            assert_eq!(find("PodDisruptionBudget", pdb)["spec"]["minAvailable"], 1);
+        }
         let kinds: Vec<_> = workloads(&objs).into_iter().map(|w| w.name).collect();
         assert_eq!(kinds, ["virt-handler", "virt-controller", "virt-api"]);
     }

@@ -131,9 +131,7 @@ pub fn sign(
     mut request: rcgen::CertificateSigningRequestParams,
     lifetime: Duration,
 ) -> Result<String, String> {
-    let ca_key = rcgen::KeyPair::from_pem(&ca.key).map_err(|e| format!("the CA key: {e}"))?;
-    let issuer = rcgen::Issuer::from_ca_cert_pem(&ca.cert, ca_key)
-        .map_err(|e| format!("the CA certificate: {e}"))?;
+    let issuer = certs::ca_issuer(ca)?;
     let p = &mut request.params;
     p.distinguished_name = rcgen::DistinguishedName::new();
     p.distinguished_name.push(

@@ -311,19 +311,7 @@ fn server_builder(
     let Some(pem) = client_ca else {
         return Ok(builder.with_no_client_auth());
     };
-    let mut roots = rustls::RootCertStore::empty();
-    for c in rustls_pemfile::certs(&mut pem.as_bytes()) {
-        let c = c.map_err(|e| format!("client CA: {e}"))?;
-        roots.add(c).map_err(|e| format!("client CA: {e}"))?;
-    }
-    if roots.is_empty() {
-        return Err("client CA: no certificate in the bundle".into());
-    }
-    let verifier =
-        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
-            .allow_unauthenticated()
-            .build()
-            .map_err(|e| format!("client CA: {e}"))?;
+    let verifier = client_verifier(pem)?;
     Ok(builder.with_client_cert_verifier(verifier))
 }
 
