@@ -10,6 +10,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Namespace, PodTemplateSpec, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -31,6 +32,7 @@ struct Objects {
     mutating: Vec<MutatingWebhookConfiguration>,
     /// APIServices, as JSON (k8s-openapi has no kube-aggregator types).
     api_services: Vec<serde_json::Value>,
+    budgets: Vec<PodDisruptionBudget>,
 }
 
 /// Roles every cluster bootstraps, which the manifests bind to without defining.
@@ -88,6 +90,7 @@ fn load() -> Objects {
                 "ValidatingWebhookConfiguration" => push!(validating),
                 "MutatingWebhookConfiguration" => push!(mutating),
                 "APIService" => push!(api_services),
+                "PodDisruptionBudget" => push!(budgets),
                 other => panic!("{ctx}: unexpected kind {other}"),
             }
         }
@@ -180,6 +183,38 @@ fn manifests_parse_and_references_line_up() {
         dspec.selector.match_labels.as_ref().unwrap(),
         &tlabels
     ));
+    // Each Deployment keeps one replica through a drain: a budget selecting its Pods, in its
+    // namespace, that allows fewer than all of them down.
+    for d in &o.deployments {
+        let s = d.spec.as_ref().unwrap();
+        let labels = s
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .clone()
+            .unwrap();
+        let name = d.metadata.name.as_deref().unwrap();
+        let budget = o
+            .budgets
+            .iter()
+            .find(|b| {
+                ns_of(&b.metadata) == ns_of(&d.metadata)
+                    && b.spec
+                        .as_ref()
+                        .and_then(|s| s.selector.as_ref())
+                        .and_then(|sel| sel.match_labels.as_ref())
+                        .is_some_and(|m| matches(m, &labels))
+            })
+            .unwrap_or_else(|| panic!("no PodDisruptionBudget for Deployment {name}"));
+        let min = budget.spec.as_ref().unwrap().min_available.clone();
+        assert_eq!(min, Some(IntOrString::Int(1)), "{name}'s budget");
+        assert!(
+            s.replicas.unwrap_or(1) > 1,
+            "{name}: a budget of 1 needs 2 replicas"
+        );
+    }
     for d in &o.deployments {
         let s = d.spec.as_ref().unwrap();
         let labels = s

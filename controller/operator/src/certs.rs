@@ -334,35 +334,25 @@ pub async fn ensure(
         .and_then(|c| c.data?.get(CA_BUNDLE_KEY).cloned())
         .unwrap_or_default();
     let bundle = bundle(&ca.cert, &previous, now);
-    if bundle != previous {
+    // The bundle where each reader looks for it: KubeVirt's ConfigMap, and the `ca.crt` files
+    // of the handlers and virt-api. Applied every pass (a no-op when unchanged), so one that
+    // went missing comes back.
+    let published = [(CA_NAME, CA_BUNDLE_KEY)]
+        .into_iter()
+        .chain(CA_FILES.map(|n| (n, "ca.crt")));
+    for (name, key) in published {
         let cm = serde_json::json!({
             "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": CA_NAME, "namespace": ns, "labels": managed()},
-            "data": {CA_BUNDLE_KEY: bundle},
+            "metadata": {"name": name, "namespace": ns, "labels": managed()},
+            "data": {key: bundle},
         });
         configmaps
             .patch(
-                CA_NAME,
+                name,
                 &PatchParams::apply(FIELD_MANAGER).force(),
                 &Patch::Apply(&cm),
             )
             .await?;
-    }
-    if bundle != previous {
-        for name in CA_FILES {
-            let cm = serde_json::json!({
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": name, "namespace": ns, "labels": managed()},
-                "data": {"ca.crt": bundle},
-            });
-            configmaps
-                .patch(
-                    name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&cm),
-                )
-                .await?;
-        }
     }
     let mut next_renewal = renew_at(&ca.cert, &rotation.ca).unwrap_or(now);
     next_renewal = next_renewal.min(ensure_api_client(&secrets, &ca, rotation, now).await?);
