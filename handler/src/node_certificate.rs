@@ -279,7 +279,12 @@ impl CertificateRequester {
                         identity.replace(tls);
                         received = SystemTime::now();
                     }
-                    Err(e) => tracing::warn!(error = %e, "node certificate not renewed yet"),
+                    Err(e) => {
+                        // Due already, so the next look would not wait: an API server that
+                        // refuses at once must not be asked in a tight loop.
+                        tracing::warn!(error = %e, retry_in = ?LOOK, "node certificate not renewed yet");
+                        tokio::time::sleep(LOOK).await;
+                    }
                 }
             } else if let Ok(bundle) = self.bundle().await {
                 if bundle != current.ca_pem {
