@@ -2,28 +2,38 @@
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 
+/// The file at `relative` (from the repository root) holds `generated`; `UPDATE_CRDS=1`
+/// rewrites it, and `how` says how to regenerate it by hand.
+fn assert_checked_in(relative: &str, generated: &str, how: &str) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(relative);
+    if std::env::var_os("UPDATE_CRDS").is_some() {
+        std::fs::write(&path, generated).unwrap();
+    }
+    let on_disk = std::fs::read_to_string(&path).expect(relative);
+    assert!(
+        on_disk == generated,
+        "{relative} drifted from the api types: run `{how} > {relative}`"
+    );
+}
+
 #[test]
 fn checked_in_crds_match_the_api_types() {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds/microvirt.yaml");
-    let generated = controller::crds::yaml();
-    if std::env::var_os("UPDATE_CRDS").is_some() {
-        std::fs::write(&path, &generated).unwrap();
-    }
-    let on_disk = std::fs::read_to_string(&path).expect("deploy/crds/microvirt.yaml");
-    assert!(on_disk == generated, "deploy/crds/microvirt.yaml drifted from the api types: run `cargo run -p controller -- crds > deploy/crds/microvirt.yaml`");
+    assert_checked_in(
+        "deploy/crds/microvirt.yaml",
+        &controller::crds::yaml(),
+        "cargo run -p controller -- crds",
+    );
 }
 
 #[test]
 fn checked_in_cdi_crds_match_the_api_types() {
-    let path =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/cdi/datavolume-crd.yaml");
-    let generated = controller::crds::cdi_yaml();
-    if std::env::var_os("UPDATE_CRDS").is_some() {
-        std::fs::write(&path, &generated).unwrap();
-    }
-    let on_disk = std::fs::read_to_string(&path).expect("deploy/cdi/datavolume-crd.yaml");
-    assert!(on_disk == generated, "deploy/cdi/datavolume-crd.yaml drifted from the api types: run `cargo run -p controller -- crds --cdi > deploy/cdi/datavolume-crd.yaml`");
+    assert_checked_in(
+        "deploy/cdi/datavolume-crd.yaml",
+        &controller::crds::cdi_yaml(),
+        "cargo run -p controller -- crds --cdi",
+    );
 }
 
 fn crd(kind: &str) -> CustomResourceDefinition {

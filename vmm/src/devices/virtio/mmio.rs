@@ -317,7 +317,7 @@ impl BusDevice for MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::{ActivateError, INT_USED_RING};
+    use crate::devices::virtio::{ActivateError, DeviceBase, INT_USED_RING};
     use std::sync::atomic::AtomicUsize;
     use vm_memory::GuestAddress;
     use vmm_sys_util::eventfd::EventFd;
@@ -325,11 +325,10 @@ mod tests {
     /// A device that records what the transport tells it.
     struct Recorder {
         evts: [EventFd; 2],
-        acked: u64,
+        base: DeviceBase,
         activations: Arc<AtomicUsize>,
         resets: usize,
         active: bool,
-        config: [u8; 8],
     }
 
     impl VirtioDevice for Recorder {
@@ -339,14 +338,11 @@ mod tests {
         fn queue_max_sizes(&self) -> &[u16] {
             &[16, 8]
         }
-        fn avail_features(&self) -> u64 {
-            VIRTIO_F_VERSION_1 | 0b101
+        fn base(&self) -> &DeviceBase {
+            &self.base
         }
-        fn set_acked_features(&mut self, f: u64) {
-            self.acked = f;
-        }
-        fn read_config(&self, offset: u64, data: &mut [u8]) {
-            super::super::read_config_bytes(&self.config, offset, data);
+        fn base_mut(&mut self) -> &mut DeviceBase {
+            &mut self.base
         }
         fn queue_events(&self) -> &[EventFd] {
             &self.evts
@@ -369,9 +365,6 @@ mod tests {
         fn is_activated(&self) -> bool {
             self.active
         }
-        fn acked_features(&self) -> u64 {
-            self.acked
-        }
         fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
             Vec::new()
         }
@@ -387,11 +380,11 @@ mod tests {
         let activations = Arc::new(AtomicUsize::new(0));
         let dev = Arc::new(Mutex::new(Recorder {
             evts: [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()],
-            acked: 0,
+            base: DeviceBase::new(VIRTIO_F_VERSION_1 | 0b101, vec![1, 2, 3, 4, 5, 6, 7, 8])
+                .unwrap(),
             activations: activations.clone(),
             resets: 0,
             active: false,
-            config: [1, 2, 3, 4, 5, 6, 7, 8],
         }));
         let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let t = MmioTransport::new(
@@ -491,7 +484,10 @@ mod tests {
     fn full_handshake_activates_once() {
         let (mut t, dev, activations, _) = setup();
         assert!(negotiate(&mut t, VIRTIO_F_VERSION_1 | 0b1));
-        assert_eq!(dev.lock().unwrap().acked, VIRTIO_F_VERSION_1 | 0b1);
+        assert_eq!(
+            dev.lock().unwrap().base.acked_features,
+            VIRTIO_F_VERSION_1 | 0b1
+        );
         setup_queue(&mut t, 0, 16, 0x10000);
         setup_queue(&mut t, 1, 8, 0x20000);
         w(

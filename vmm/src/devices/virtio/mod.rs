@@ -79,14 +79,53 @@ pub enum ActivateError {
     Backend(String),
 }
 
+/// What every device keeps alike: the features it offers and those the driver acked, its
+/// config space, and the eventfd `activate` writes so the device's event handler (on the
+/// event-manager thread) registers the queues. Devices hold one and the trait's feature and
+/// config methods work on it, so a new device writes only what is its own.
+pub struct DeviceBase {
+    pub avail_features: u64,
+    pub acked_features: u64,
+    pub config: Vec<u8>,
+    pub activate_evt: EventFd,
+}
+
+impl DeviceBase {
+    pub fn new(avail_features: u64, config: Vec<u8>) -> std::io::Result<DeviceBase> {
+        Ok(DeviceBase {
+            avail_features,
+            acked_features: 0,
+            config,
+            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
+        })
+    }
+
+    pub fn acked(&self, feature: u64) -> bool {
+        self.acked_features & feature != 0
+    }
+
+    /// Tells the event handler the queues are live (it registers them on the next event).
+    pub fn announce_activation(&self) {
+        let _ = self.activate_evt.write(1);
+    }
+}
+
 /// What a device implements; the transport does the rest.
 pub trait VirtioDevice: Send {
     fn device_type(&self) -> u32;
     fn queue_max_sizes(&self) -> &[u16];
-    fn avail_features(&self) -> u64;
+    fn base(&self) -> &DeviceBase;
+    fn base_mut(&mut self) -> &mut DeviceBase;
+    fn avail_features(&self) -> u64 {
+        self.base().avail_features
+    }
     /// Called once FEATURES_OK is accepted, with the features the driver acked.
-    fn set_acked_features(&mut self, features: u64);
-    fn read_config(&self, offset: u64, data: &mut [u8]);
+    fn set_acked_features(&mut self, features: u64) {
+        self.base_mut().acked_features = features;
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.base().config, offset, data);
+    }
     /// Most of our config spaces are read-only to the driver; writes are ignored by default.
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
     /// The eventfds KVM signals when the driver notifies queue i (registered as ioeventfds).
@@ -101,7 +140,9 @@ pub trait VirtioDevice: Send {
     fn reset(&mut self);
     fn is_activated(&self) -> bool;
     /// The features the driver acked (valid once FEATURES_OK was accepted).
-    fn acked_features(&self) -> u64;
+    fn acked_features(&self) -> u64 {
+        self.base().acked_features
+    }
     /// The live state of the device's queues while activated (empty before): what a snapshot
     /// records, since the device, not the transport, advances the indices.
     fn queue_states(&self) -> Vec<virtio_queue::QueueState>;

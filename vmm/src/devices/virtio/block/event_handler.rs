@@ -9,7 +9,7 @@ use super::Block;
 
 impl MutEventSubscriber for Block {
     fn init(&mut self, ops: &mut EventOps) {
-        for fd in [&self.queue_evts[0], &self.activate_evt] {
+        for fd in [&self.queue_evts[0], &self.base.activate_evt] {
             if let Err(e) = ops.add(Events::new(fd, EventSet::IN)) {
                 tracing::error!(disk = %self.id, "virtio-blk: cannot watch eventfd: {e:?}");
             }
@@ -20,8 +20,8 @@ impl MutEventSubscriber for Block {
         let fd = events.fd();
         if fd == self.queue_evts[0].as_raw_fd() {
             let _ = self.queue_evts[0].read();
-        } else if fd == self.activate_evt.as_raw_fd() {
-            let _ = self.activate_evt.read();
+        } else if fd == self.base.activate_evt.as_raw_fd() {
+            let _ = self.base.activate_evt.read();
         }
         self.process_queue();
     }

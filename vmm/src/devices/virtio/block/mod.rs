@@ -18,7 +18,7 @@ pub use disk::{CacheMode, Disk, DiskError};
 use request::*;
 
 use super::{
-    read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_BLOCK,
+    ActivateError, DeviceBase, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_BLOCK,
     VIRTIO_F_VERSION_1,
 };
 use crate::memory::GuestMemory;
@@ -56,11 +56,8 @@ pub struct Block {
     pub id: String,
     disk: Disk,
     serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
-    config: Vec<u8>,
-    avail_features: u64,
-    acked_features: u64,
+    base: DeviceBase,
     queue_evts: [EventFd; 1],
-    activate_evt: EventFd,
     active: Option<Active>,
     pub counters: BlockCounters,
 }
@@ -89,16 +86,13 @@ impl Block {
             let n = b.len().min(s.len());
             s[..n].copy_from_slice(&b[..n]);
         }
-        let config = build_config(disk.sectors());
+        let base = DeviceBase::new(avail_features, build_config(disk.sectors()))?;
         Ok(Block {
             id,
             disk,
             serial: s,
-            config,
-            avail_features,
-            acked_features: 0,
+            base,
             queue_evts: [EventFd::new(libc::EFD_NONBLOCK)?],
-            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
             active: None,
             counters: BlockCounters::default(),
         })
@@ -454,14 +448,11 @@ impl VirtioDevice for Block {
     fn queue_max_sizes(&self) -> &[u16] {
         &[QUEUE_SIZE]
     }
-    fn avail_features(&self) -> u64 {
-        self.avail_features
+    fn base(&self) -> &DeviceBase {
+        &self.base
     }
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config, offset, data);
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
     }
     fn queue_events(&self) -> &[EventFd] {
         &self.queue_evts
@@ -485,18 +476,15 @@ impl VirtioDevice for Block {
             interrupt,
         });
         // Requests queued before activation completed are picked up on the event thread.
-        let _ = self.activate_evt.write(1);
+        self.base.announce_activation();
         Ok(())
     }
     fn reset(&mut self) {
         self.active = None;
-        self.acked_features = 0;
+        self.base.acked_features = 0;
     }
     fn is_activated(&self) -> bool {
         self.active.is_some()
-    }
-    fn acked_features(&self) -> u64 {
-        self.acked_features
     }
     fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
         self.active.iter().map(|a| a.queue.state()).collect()

@@ -17,7 +17,7 @@ impl MutEventSubscriber for Net {
         };
         add(Events::new(&self.queue_evts[0], EventSet::IN));
         add(Events::new(&self.queue_evts[1], EventSet::IN));
-        add(Events::new(&self.activate_evt, EventSet::IN));
+        add(Events::new(&self.base.activate_evt, EventSet::IN));
         add(Events::new(
             &self.tap,
             EventSet::IN | EventSet::EDGE_TRIGGERED,
@@ -34,8 +34,8 @@ impl MutEventSubscriber for Net {
             self.process_rx();
         } else if fd == self.tap.as_raw_fd() {
             self.process_rx();
-        } else if fd == self.activate_evt.as_raw_fd() {
-            let _ = self.activate_evt.read();
+        } else if fd == self.base.activate_evt.as_raw_fd() {
+            let _ = self.base.activate_evt.read();
             self.process_tx();
             self.process_rx();
         }

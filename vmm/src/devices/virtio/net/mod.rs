@@ -19,7 +19,7 @@ use vmm_sys_util::eventfd::EventFd;
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
 use super::{
-    read_config_bytes, ActivateError, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_NET,
+    ActivateError, DeviceBase, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_NET,
     VIRTIO_F_VERSION_1,
 };
 use crate::memory::GuestMemory;
@@ -74,11 +74,8 @@ pub struct Net {
     pub id: String,
     tap: Tap,
     mac: MacAddr,
-    config: Vec<u8>,
-    avail_features: u64,
-    acked_features: u64,
+    base: DeviceBase,
     queue_evts: [EventFd; 2],
-    activate_evt: EventFd,
     active: Option<Active>,
     /// One frame read from the TAP that has not found guest buffers yet.
     rx_frame: Vec<u8>,
@@ -113,14 +110,11 @@ impl Net {
             id,
             tap,
             mac,
-            config,
-            avail_features,
-            acked_features: 0,
+            base: DeviceBase::new(avail_features, config)?,
             queue_evts: [
                 EventFd::new(libc::EFD_NONBLOCK)?,
                 EventFd::new(libc::EFD_NONBLOCK)?,
             ],
-            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
             active: None,
             rx_frame: vec![0u8; MAX_FRAME],
             rx_len: None,
@@ -194,7 +188,7 @@ impl Net {
 
     fn deliver_rx(&mut self) -> RxOutcome {
         let len = self.rx_len.unwrap();
-        let mergeable = self.acked_features & VIRTIO_NET_F_MRG_RXBUF != 0;
+        let mergeable = self.base.acked(VIRTIO_NET_F_MRG_RXBUF);
         let active = self.active.as_mut().unwrap();
         let seen = match active.rx.avail_idx(&active.mem, Ordering::Acquire) {
             Ok(i) => i.0,
@@ -356,7 +350,7 @@ impl Net {
     }
 
     fn tap_offload_flags(&self) -> u32 {
-        let f = self.acked_features;
+        let f = self.base.acked_features;
         let mut flags = 0;
         if f & VIRTIO_NET_F_GUEST_CSUM != 0 {
             flags |= tap::TUN_F_CSUM;
@@ -386,14 +380,11 @@ impl VirtioDevice for Net {
     fn queue_max_sizes(&self) -> &[u16] {
         &[QUEUE_SIZE, QUEUE_SIZE]
     }
-    fn avail_features(&self) -> u64 {
-        self.avail_features
+    fn base(&self) -> &DeviceBase {
+        &self.base
     }
-    fn set_acked_features(&mut self, features: u64) {
-        self.acked_features = features;
-    }
-    fn read_config(&self, offset: u64, data: &mut [u8]) {
-        read_config_bytes(&self.config, offset, data);
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
     }
     fn queue_events(&self) -> &[EventFd] {
         &self.queue_evts
@@ -425,19 +416,16 @@ impl VirtioDevice for Net {
             tx,
             interrupt,
         });
-        let _ = self.activate_evt.write(1);
+        self.base.announce_activation();
         Ok(())
     }
     fn reset(&mut self) {
         self.active = None;
-        self.acked_features = 0;
+        self.base.acked_features = 0;
         self.rx_len = None;
     }
     fn is_activated(&self) -> bool {
         self.active.is_some()
-    }
-    fn acked_features(&self) -> u64 {
-        self.acked_features
     }
     fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
         self.active
