@@ -22,6 +22,13 @@ pub fn launcher_path() -> Result<PathBuf> {
     Ok(tests::repo_root().join("target/release/virt-launcher"))
 }
 
+/// The Firecracker anchor: $FIRECRACKER, or the one in `../shared/anchors/`.
+pub fn firecracker_path() -> PathBuf {
+    std::env::var_os("FIRECRACKER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tests::repo_root().join("../shared/anchors/firecracker"))
+}
+
 pub fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()

@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use bench::{env_or, launcher_path, median};
+use bench::{env_or, firecracker_path, launcher_path, median};
 
 const GUEST_MIB: u64 = 64;
 /// `probe.ticks` is enough that no VM ends during the measurement (100 ticks a second).
@@ -126,12 +126,6 @@ fn measure(vmm: &Vmm) -> Result<Figures> {
         pss_kib: median(mem.iter().map(|m| m.1 as f64).collect()),
         cpu_percent: median(cpu),
     })
-}
-
-fn firecracker_path() -> PathBuf {
-    std::env::var_os("FIRECRACKER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| tests::repo_root().join("../shared/anchors/firecracker"))
 }
 
 fn spawn_firecracker(fc: &Path, dir: &Path, probe: &Path, i: usize) -> Result<Child> {

@@ -268,9 +268,7 @@ fn main() -> Result<()> {
     let runs = env_or("BENCH_RUNS", 3).max(1) as usize;
     let settle = Duration::from_millis(env_or("BENCH_SETTLE_MS", 3000));
     let launcher = launcher_path()?;
-    let fc = std::env::var_os("FIRECRACKER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| tests::repo_root().join("../shared/anchors/firecracker"));
+    let fc = bench::firecracker_path();
     if !fc.exists() {
         bail!("no Firecracker at {} (set FIRECRACKER)", fc.display());
     }
