@@ -112,26 +112,61 @@ fn kill(child: &mut Child) {
     let _ = child.wait();
 }
 
-/// RSS in KiB of all mappings of `pid` except guest RAM (anonymous mappings at least as large
-/// as the guest's memory).
-fn rss_excluding_guest(pid: u32, guest_kib: u64) -> Result<u64> {
+/// RSS in KiB of all mappings of `pid` except guest RAM. Guest RAM is a run of adjacent
+/// mappings, anonymous or of `guest_files` (kernel and initrd), at least as large as the
+/// guest's memory: one anonymous mapping for a VMM that copies the kernel in, several for one
+/// that maps the kernel's pages into guest RAM instead (microvirt does; those pages are the
+/// guest's, not the VMM's).
+fn rss_excluding_guest(pid: u32, guest_kib: u64, guest_files: &[PathBuf]) -> Result<u64> {
+    struct Mapping {
+        start: u64,
+        end: u64,
+        guest_like: bool,
+        rss: u64,
+    }
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    let (mut total, mut skip) = (0u64, false);
+    let names: Vec<String> = guest_files
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    let mut maps: Vec<Mapping> = Vec::new();
     for line in smaps.lines() {
-        let mut it = line.split_whitespace();
-        match (it.next(), it.next()) {
-            (Some("Size:"), Some(v)) => {
-                skip = v.parse::<u64>()? >= guest_kib;
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if let Some((start, end)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+            // A mapping's header: "start-end perms offset dev inode [path]".
+            let path = line.split_whitespace().nth(5).unwrap_or("");
+            maps.push(Mapping {
+                start: u64::from_str_radix(start, 16)?,
+                end: u64::from_str_radix(end, 16)?,
+                guest_like: path.is_empty() || names.iter().any(|n| n == path),
+                rss: 0,
+            });
+        } else if first == "Rss:" {
+            if let Some(m) = maps.last_mut() {
+                m.rss = words.next().unwrap_or("0").parse()?;
             }
-            (Some("Rss:"), Some(v)) if !skip => total += v.parse::<u64>()?,
-            _ => {}
         }
+    }
+    let (mut total, mut i) = (0u64, 0);
+    while i < maps.len() {
+        let mut j = i + 1;
+        if maps[i].guest_like {
+            while j < maps.len() && maps[j].guest_like && maps[j].start == maps[j - 1].end {
+                j += 1;
+            }
+        }
+        let run_kib = (maps[j - 1].end - maps[i].start) / 1024;
+        if !(maps[i].guest_like && run_kib >= guest_kib) {
+            total += maps[i..j].iter().map(|m| m.rss).sum::<u64>();
+        }
+        i = j;
     }
     Ok(total)
 }
 
 /// Starts `cmd`, waits `settle`, samples its RSS excluding guest RAM.
-fn rss_after(cmd: &[String], settle: Duration) -> Result<u64> {
+fn rss_after(cmd: &[String], settle: Duration, guest_files: &[PathBuf]) -> Result<u64> {
     let mut child = Command::new(&cmd[0])
         .args(&cmd[1..])
         .stdin(Stdio::null())
@@ -140,7 +175,7 @@ fn rss_after(cmd: &[String], settle: Duration) -> Result<u64> {
         .process_group(0)
         .spawn()?;
     std::thread::sleep(settle);
-    let r = rss_excluding_guest(child.id(), GUEST_MIB * 1024);
+    let r = rss_excluding_guest(child.id(), GUEST_MIB * 1024, guest_files);
     kill(&mut child);
     r
 }
@@ -173,10 +208,11 @@ fn main() -> Result<()> {
         }
     }
     let settle = Duration::from_secs(3);
+    let guest_files = [guest.kernel.clone(), initrd.clone()];
     let mut rss = vec![Vec::new(); vmms.len()];
     for _ in 0..3 {
         for (samples, (_, cmd)) in rss.iter_mut().zip(&vmms) {
-            samples.push(rss_after(cmd, settle)? as f64 / 1024.0);
+            samples.push(rss_after(cmd, settle, &guest_files)? as f64 / 1024.0);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

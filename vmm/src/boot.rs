@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
+
 use std::path::Path;
 
 use linux_loader::configurator::linux::LinuxBootConfigurator;
@@ -16,6 +17,8 @@ use linux_loader::loader::elf::start_info::{
 use linux_loader::loader::elf::PvhBootCapability;
 use linux_loader::loader::{self, BzImage, Cmdline, Elf, KernelLoader};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryBackend};
+
+pub mod image;
 
 use crate::arch::regs::EntryMode;
 use crate::config::ConfigError;
@@ -211,20 +214,37 @@ pub struct BootEntry {
     pub boot_info: u64,
 }
 
-pub struct BootSpec<'a> {
+/// The files a fresh boot loads.
+pub struct Images<'a> {
     pub mem_size: u64,
-    pub vcpus: u8,
     pub kernel: &'a Path,
     pub initrd: Option<&'a Path>,
-    pub cmdline: &'a str,
+    /// Guest RAM is anonymous private memory, so file pages may be mapped into it rather than
+    /// copied (see `image`).
+    pub map_pages: bool,
 }
 
-/// Loads kernel and initrd, writes the command line, MP table, boot tables and boot parameters.
-pub fn load<M: GuestMemoryBackend>(mem: &M, spec: &BootSpec) -> Result<BootEntry, BootError> {
-    let kpath = spec.kernel.display().to_string();
-    let mut kfile = File::open(spec.kernel).map_err(|e| BootError::Io(kpath.clone(), e))?;
-    let extent = inspect_kernel(spec.kernel).map_err(|e| BootError::BootParams(e.to_string()))?;
-    let (result, entry, mode) = match extent.format {
+/// Kernel and initrd in guest memory: where the kernel starts, where the initrd went, and the
+/// runs of RAM now backed by the files' pages.
+pub struct LoadedImages {
+    kernel: loader::KernelLoaderResult,
+    entry: u64,
+    mode: EntryMode,
+    initrd: Option<(u64, u64)>,
+    pub mapped: Vec<image::MappedRun>,
+}
+
+/// Loads kernel and initrd. Needs nothing but RAM, so it may run while the RAM is being
+/// registered with KVM and before any device exists.
+pub fn load_images<M: GuestMemoryBackend>(
+    mem: &M,
+    images: &Images,
+) -> Result<LoadedImages, BootError> {
+    let kpath = images.kernel.display().to_string();
+    let kfile = File::open(images.kernel).map_err(|e| BootError::Io(kpath.clone(), e))?;
+    let extent = inspect_kernel(images.kernel).map_err(|e| BootError::BootParams(e.to_string()))?;
+    let mut kfile = image::ImageFile::new(kfile, images.map_pages);
+    let (kernel, entry, mode) = match extent.format {
         KernelFormat::Elf => {
             let r = Elf::load(mem, None, &mut kfile, Some(GuestAddress(HIMEM_START)))?;
             match r.pvh_boot_cap {
@@ -238,39 +258,65 @@ pub fn load<M: GuestMemoryBackend>(mem: &M, spec: &BootSpec) -> Result<BootEntry
             (r, r.kernel_load.raw_value() + 0x200, EntryMode::Linux64)
         }
     };
-
-    let mut cmdline =
-        Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
-    cmdline
-        .insert_str(spec.cmdline)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    loader::load_cmdline(mem, GuestAddress(CMDLINE_START), &cmdline)?;
-
-    let initrd = match spec.initrd {
-        Some(p) => Some(load_initrd(
-            mem,
-            spec.mem_size,
-            result.kernel_end,
-            result.setup_header.as_ref(),
-            p,
-        )?),
+    let mut mapped = kfile.into_mapped();
+    let initrd = match images.initrd {
+        Some(p) => {
+            let (at, runs) = load_initrd(
+                mem,
+                images.mem_size,
+                kernel.kernel_end,
+                kernel.setup_header.as_ref(),
+                p,
+                images.map_pages,
+            )?;
+            mapped.extend(runs);
+            Some(at)
+        }
         None => None,
     };
-    crate::arch::mptable::write(mem, spec.vcpus)?;
-    crate::arch::regs::write_boot_tables(mem, mode)
+    Ok(LoadedImages {
+        kernel,
+        entry,
+        mode,
+        initrd,
+        mapped,
+    })
+}
+
+/// Writes the command line, MP table, boot tables and boot parameters for loaded images.
+pub fn write_boot_info<M: GuestMemoryBackend>(
+    mem: &M,
+    loaded: &LoadedImages,
+    mem_size: u64,
+    vcpus: u8,
+    cmdline: &str,
+) -> Result<BootEntry, BootError> {
+    let mut line = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    line.insert_str(cmdline)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    loader::load_cmdline(mem, GuestAddress(CMDLINE_START), &line)?;
+    crate::arch::mptable::write(mem, vcpus)?;
+    crate::arch::regs::write_boot_tables(mem, loaded.mode)
         .map_err(|e| BootError::BootParams(format!("boot tables: {e}")))?;
 
-    let e820 = e820_map(spec.mem_size);
-    let boot_info = match mode {
+    let e820 = e820_map(mem_size);
+    let boot_info = match loaded.mode {
         EntryMode::Linux64 => {
-            write_zero_page(mem, result.setup_header, spec.cmdline.len(), initrd, &e820)?;
+            write_zero_page(
+                mem,
+                loaded.kernel.setup_header,
+                cmdline.len(),
+                loaded.initrd,
+                &e820,
+            )?;
             ZERO_PAGE_START
         }
         EntryMode::Pvh => {
-            write_pvh_start_info(mem, initrd, &e820)?;
+            write_pvh_start_info(mem, loaded.initrd, &e820)?;
             PVH_INFO_START
         }
     };
+    let (entry, mode) = (loaded.entry, loaded.mode);
     tracing::debug!(?mode, entry = format_args!("{entry:#x}"), "kernel loaded");
     Ok(BootEntry {
         entry,
@@ -279,15 +325,17 @@ pub fn load<M: GuestMemoryBackend>(mem: &M, spec: &BootSpec) -> Result<BootEntry
     })
 }
 
+/// Copies (or maps) the initrd to its place; returns where it went and the runs mapped.
 fn load_initrd<M: GuestMemoryBackend>(
     mem: &M,
     mem_size: u64,
     kernel_end: u64,
     hdr: Option<&setup_header>,
     path: &Path,
-) -> Result<(u64, u64), BootError> {
+    map_pages: bool,
+) -> Result<((u64, u64), Vec<image::MappedRun>), BootError> {
     let pstr = path.display().to_string();
-    let mut f = File::open(path).map_err(|e| BootError::Io(pstr.clone(), e))?;
+    let f = File::open(path).map_err(|e| BootError::Io(pstr.clone(), e))?;
     let size = f
         .metadata()
         .map_err(|e| BootError::Io(pstr.clone(), e))?
@@ -301,9 +349,10 @@ fn load_initrd<M: GuestMemoryBackend>(
             size,
             limit: low_ram_end(mem_size).min(addr_max),
         })?;
+    let mut f = image::ImageFile::new(f, map_pages);
     mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
         .map_err(|e| BootError::BootParams(format!("copying initrd: {e}")))?;
-    Ok((addr, size))
+    Ok(((addr, size), f.into_mapped()))
 }
 
 fn write_zero_page<M: GuestMemoryBackend>(

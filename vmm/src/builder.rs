@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvm_bindings::{kvm_pit_config, KVM_PIT_SPEAKER_DUMMY};
 use kvm_ioctls::VmFd;
 
-use crate::boot::{self, BootSpec};
+use crate::boot;
 use crate::config::{ConfigError, TapSource, VmConfig};
 use crate::devices::manager::{Backends, DeviceManager, EventLoop};
 use crate::devices::virtio::block::{Disk, DiskError};
@@ -94,9 +94,9 @@ fn create_vm(kvm: &KvmContext) -> Result<VmFd, VmError> {
     Ok(vm_fd)
 }
 
-/// Step 3: RAM registered as KVM slots (manual dirty-log protection first, when KVM has it).
-fn register_memory(vm_fd: &VmFd, ram: &mut GuestRam, boot_timer: bool) -> Result<(), VmError> {
-    ram.use_manual_protect(vm_fd);
+/// Step 3: RAM registered as KVM slots (manual dirty-log protection is chosen before, by
+/// `GuestRam::use_manual_protect`).
+fn register_memory(vm_fd: &VmFd, ram: &GuestRam, boot_timer: bool) -> Result<(), VmError> {
     let started = std::time::Instant::now();
     ram.register(vm_fd)?;
     if boot_timer {
@@ -108,6 +108,36 @@ fn register_memory(vm_fd: &VmFd, ram: &mut GuestRam, boot_timer: bool) -> Result
         );
     }
     Ok(())
+}
+
+/// Steps 3 and 4 of a fresh boot side by side: RAM registered with KVM while the kernel and
+/// initrd are loaded into it. Neither needs the other, and each can cost milliseconds (the
+/// host's per-page work for the slots on some KVMs; page faults and copies for the images).
+fn register_and_load(
+    vm_fd: &VmFd,
+    ram: &mut GuestRam,
+    config: &VmConfig,
+) -> Result<boot::LoadedImages, VmError> {
+    ram.use_manual_protect(vm_fd);
+    let images = boot::Images {
+        mem_size: config.memory_mib * MIB,
+        kernel: &config.kernel,
+        initrd: config.initrd.as_deref(),
+        map_pages: ram.is_anonymous(),
+    };
+    let loaded = {
+        let ram = &*ram;
+        std::thread::scope(|s| {
+            let registering = s.spawn(|| register_memory(vm_fd, ram, config.boot_timer));
+            let loaded = boot::load_images(ram.memory(), &images);
+            let registered = registering
+                .join()
+                .unwrap_or_else(|_| Err(VmError::KvmSetup("registering memory panicked".into())));
+            registered.and(loaded.map_err(VmError::from))
+        })?
+    };
+    ram.note_file_backed(&loaded.mapped);
+    Ok(loaded)
 }
 
 /// Step 5: one KVM vCPU per configured vCPU (configured later by boot or restore).
@@ -232,7 +262,7 @@ impl Vm {
         let backends = open_backends(config, true)?;
         let vm_fd = create_vm(&kvm)?;
         let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
-        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        let loaded = register_and_load(&vm_fd, &mut ram, config)?;
         let machine =
             Machine::wire(kvm, vm_fd, ram, config, backends, None).map_err(VmError::Device)?;
         let cmdline = format!("{}{}", config.cmdline, machine.devices.cmdline_entries);
@@ -243,15 +273,12 @@ impl Vm {
             }
             .into());
         }
-        let entry = boot::load(
+        let entry = boot::write_boot_info(
             machine.ram.memory(),
-            &BootSpec {
-                mem_size,
-                vcpus: config.vcpus,
-                kernel: &config.kernel,
-                initrd: config.initrd.as_deref(),
-                cmdline: &cmdline,
-            },
+            &loaded,
+            mem_size,
+            config.vcpus,
+            &cmdline,
         )?;
         let vcpus = create_vcpus(&machine.vm_fd, config.vcpus)?;
         for v in &vcpus {
@@ -377,7 +404,8 @@ impl RestoreShell {
         config.validate_devices(Some(kvm.max_vcpus))?;
         let backends = open_backends(config, lock_disks)?;
         let vm_fd = create_vm(&kvm)?;
-        register_memory(&vm_fd, &mut ram, config.boot_timer)?;
+        ram.use_manual_protect(&vm_fd);
+        register_memory(&vm_fd, &ram, config.boot_timer)?;
         Ok(RestoreShell {
             kvm,
             vm_fd,

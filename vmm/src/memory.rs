@@ -91,6 +91,10 @@ pub struct GuestRam {
     manual_protect: bool,
     /// Anonymous memory (not a memory file): a page the kernel never backed reads as zero.
     anonymous: bool,
+    /// Host ranges of anonymous RAM a boot mapped from kernel or initrd pages (see
+    /// `boot::image`): the page map may show them unbacked (the page cache may drop a clean
+    /// page), yet they hold the file's data.
+    file_backed: Vec<std::ops::Range<usize>>,
 }
 
 fn map_err(e: impl std::fmt::Display) -> MemoryError {
@@ -107,6 +111,7 @@ impl GuestRam {
             logging: AtomicBool::new(false),
             manual_protect: false,
             anonymous: true,
+            file_backed: Vec::new(),
         })
     }
 
@@ -170,6 +175,7 @@ impl GuestRam {
             logging: AtomicBool::new(false),
             manual_protect: false,
             anonymous: false,
+            file_backed: Vec::new(),
         })
     }
 
@@ -180,6 +186,45 @@ impl GuestRam {
     /// True for anonymous RAM, where `Unbacked` may skip pages the kernel never backed.
     pub fn is_anonymous(&self) -> bool {
         self.anonymous
+    }
+
+    /// Records runs a boot mapped from files into this (anonymous) RAM.
+    pub fn note_file_backed(&mut self, runs: &[crate::boot::image::MappedRun]) {
+        self.file_backed
+            .extend(runs.iter().map(|r| r.host..r.host + r.len));
+    }
+
+    /// True when the page at host address `host` holds a file's data (it may look unbacked).
+    pub fn is_file_backed(&self, host: usize) -> bool {
+        self.file_backed.iter().any(|r| r.contains(&host))
+    }
+
+    /// Every non-zero page of RAM (guest-physical addresses, ascending), found lazily so a
+    /// caller can act on pages while the scan goes on (a migration's link never falls silent
+    /// during a large guest's scan). Pages of anonymous RAM the kernel never backed are skipped
+    /// without being read, unless a boot mapped them from a file.
+    ///
+    /// The guest may write pages concurrently; a caller that needs them stable logs dirty pages
+    /// and looks again.
+    pub fn nonzero_pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.memory.iter().flat_map(move |region| {
+            let (host, len) = match region.get_host_address(MemoryRegionAddress(0)) {
+                Ok(h) => (h as *const u8, region.len()),
+                Err(_) => (std::ptr::null(), 0),
+            };
+            let start = region.start_addr().0;
+            let mut unbacked = self.anonymous.then(|| Unbacked::new(host)).flatten();
+            (0..len / PAGE_SIZE).filter_map(move |i| {
+                let at = host as usize + (i * PAGE_SIZE) as usize;
+                if !self.is_file_backed(at) && unbacked.as_mut().is_some_and(|u| u.is_unbacked(i)) {
+                    return None;
+                }
+                // SAFETY: the region maps `len` bytes at `host` for the lifetime of `self`.
+                let page =
+                    unsafe { std::slice::from_raw_parts(at as *const u8, PAGE_SIZE as usize) };
+                (!is_zero(page)).then_some(start + i * PAGE_SIZE)
+            })
+        })
     }
 
     pub fn layout(&self) -> &[RegionLayout] {
@@ -546,6 +591,37 @@ mod tests {
         assert!(ram.is_anonymous());
     }
     use vm_memory::Bytes;
+
+    /// Kernel pages a boot mapped from the file and the guest never touched are absent from
+    /// the page map; the scan a migration sends must still find them, or the target would
+    /// run a kernel with holes.
+    #[test]
+    fn pages_mapped_from_a_file_are_found_though_never_touched() {
+        use std::io::Write;
+        let path = std::env::temp_dir().join(format!("mv-ram-mapped-{}", std::process::id()));
+        let data: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8 + 1).collect();
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&data)
+            .unwrap();
+        let mut ram = GuestRam::anonymous(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut image =
+            crate::boot::image::ImageFile::new(std::fs::File::open(&path).unwrap(), true);
+        std::fs::remove_file(&path).unwrap();
+        ram.memory()
+            .read_exact_volatile_from(GuestAddress(0x40000), &mut image, data.len())
+            .unwrap();
+        let runs = image.into_mapped();
+        assert_eq!(runs.len(), 1);
+        let expected: Vec<u64> = (0..16).map(|p| 0x40000 + p * PAGE_SIZE).collect();
+        let seen_unnoted: Vec<u64> = ram.nonzero_pages().collect();
+        assert!(
+            seen_unnoted.is_empty(),
+            "untouched file pages look unbacked to the page map: {seen_unnoted:x?}"
+        );
+        ram.note_file_backed(&runs);
+        assert_eq!(ram.nonzero_pages().collect::<Vec<_>>(), expected);
+    }
 
     #[test]
     fn memory_file_is_sparse_and_maps_back_privately() {

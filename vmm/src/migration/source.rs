@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+use vm_memory::{GuestAddress, GuestMemoryBackend};
 
 use super::convergence::Convergence;
 use super::protocol::Conversation;
@@ -18,7 +18,7 @@ use super::{
     Side,
 };
 use crate::end::VmEnd;
-use crate::memory::{Unbacked, PAGE_SIZE};
+use crate::memory::PAGE_SIZE;
 use crate::persist::{self, FORMAT_VERSION, VMM_VERSION};
 use crate::vm::{Vm, VmError};
 
@@ -167,33 +167,9 @@ impl Vm {
         Ok(())
     }
 
-    /// Every non-zero page of RAM (the target's memory starts zeroed), found lazily so pages
-    /// go out while the scan goes on: a large guest's scan never leaves the link silent.
+    /// Every non-zero page of RAM (see `GuestRam::nonzero_pages`).
     fn nonzero_pages(&self) -> impl Iterator<Item = u64> + '_ {
-        let anonymous = self.ram.is_anonymous();
-        self.memory().iter().flat_map(move |region| {
-            let (host, len) = match region.get_host_address(MemoryRegionAddress(0)) {
-                Ok(h) => (h as *const u8, region.len()),
-                Err(_) => (std::ptr::null(), 0),
-            };
-            let start = region.start_addr().0;
-            let mut unbacked = anonymous.then(|| Unbacked::new(host)).flatten();
-            (0..len / PAGE_SIZE).filter_map(move |i| {
-                if unbacked.as_mut().is_some_and(|u| u.is_unbacked(i)) {
-                    return None;
-                }
-                // SAFETY: the region maps `len` bytes at `host` while the VM exists; the guest
-                // may write them concurrently, which is why dirty logging is on: a page
-                // changed after this look is sent again in a later pass.
-                let page = unsafe {
-                    std::slice::from_raw_parts(
-                        host.add((i * PAGE_SIZE) as usize),
-                        PAGE_SIZE as usize,
-                    )
-                };
-                (!crate::memory::is_zero(page)).then_some(start + i * PAGE_SIZE)
-            })
-        })
+        self.ram.nonzero_pages()
     }
 }
 
