@@ -97,8 +97,16 @@ fn create_vm(kvm: &KvmContext) -> Result<VmFd, VmError> {
 /// Step 3: RAM registered as KVM slots (manual dirty-log protection is chosen before, by
 /// `GuestRam::use_manual_protect`).
 fn register_memory(vm_fd: &VmFd, ram: &GuestRam, boot_timer: bool) -> Result<(), VmError> {
+    register_slots(vm_fd, &ram.registration()?, boot_timer)
+}
+
+fn register_slots(
+    vm_fd: &VmFd,
+    regions: &[kvm_bindings::kvm_userspace_memory_region],
+    boot_timer: bool,
+) -> Result<(), VmError> {
     let started = std::time::Instant::now();
-    ram.register(vm_fd)?;
+    crate::memory::set_slot_regions(vm_fd, regions)?;
     if boot_timer {
         // On some hosts (software-emulated KVM) registering memory costs milliseconds that
         // are the host's, not the VMM's; the benchmark reports them apart.
@@ -110,34 +118,42 @@ fn register_memory(vm_fd: &VmFd, ram: &GuestRam, boot_timer: bool) -> Result<(),
     Ok(())
 }
 
-/// Steps 3 and 4 of a fresh boot side by side: RAM registered with KVM while the kernel and
-/// initrd are loaded into it. Neither needs the other, and each can cost milliseconds (the
-/// host's per-page work for the slots on some KVMs; page faults and copies for the images).
-fn register_and_load(
-    vm_fd: &VmFd,
-    ram: &mut GuestRam,
-    config: &VmConfig,
-) -> Result<boot::LoadedImages, VmError> {
-    ram.use_manual_protect(vm_fd);
-    let images = boot::Images {
-        mem_size: config.memory_mib * MIB,
-        kernel: &config.kernel,
-        initrd: config.initrd.as_deref(),
-        map_pages: ram.is_anonymous(),
-    };
-    let loaded = {
-        let ram = &*ram;
-        std::thread::scope(|s| {
-            let registering = s.spawn(|| register_memory(vm_fd, ram, config.boot_timer));
-            let loaded = boot::load_images(ram.memory(), &images);
-            let registered = registering
+/// Step 3 of a fresh boot, on a thread of its own: RAM registered with KVM while the rest of
+/// the machine is built (backends opened, kernel and initrd loaded, devices wired, vCPUs
+/// configured), none of which needs the slots. On some hosts (software-emulated KVM)
+/// registering costs milliseconds of the host's per-page work; here it costs no waiting.
+/// Joined before any vCPU runs, and on drop, so no early return leaves it behind.
+struct Registration(Option<std::thread::JoinHandle<Result<(), VmError>>>);
+
+impl Registration {
+    fn start(vm_fd: &Arc<VmFd>, ram: &GuestRam, boot_timer: bool) -> Result<Registration, VmError> {
+        let regions = ram.registration()?;
+        let vm_fd = Arc::clone(vm_fd);
+        let thread = std::thread::Builder::new()
+            .name("vmm-memslots".into())
+            .spawn(move || register_slots(&vm_fd, &regions, boot_timer))
+            .map_err(|e| VmError::KvmSetup(format!("starting the memory registration: {e}")))?;
+        Ok(Registration(Some(thread)))
+    }
+
+    fn finish(mut self) -> Result<(), VmError> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), VmError> {
+        match self.0.take() {
+            Some(t) => t
                 .join()
-                .unwrap_or_else(|_| Err(VmError::KvmSetup("registering memory panicked".into())));
-            registered.and(loaded.map_err(VmError::from))
-        })?
-    };
-    ram.note_file_backed(&loaded.mapped);
-    Ok(loaded)
+                .unwrap_or_else(|_| Err(VmError::KvmSetup("registering memory panicked".into()))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
 }
 
 /// Step 5: one KVM vCPU per configured vCPU (configured later by boot or restore).
@@ -153,7 +169,7 @@ fn create_vcpus(vm_fd: &VmFd, count: u8) -> Result<Vec<Vcpu>, VmError> {
 /// vCPU exists.
 struct Machine {
     kvm: KvmContext,
-    vm_fd: VmFd,
+    vm_fd: Arc<VmFd>,
     ram: GuestRam,
     devices: DeviceManager,
     em: crate::devices::manager::Subscribers,
@@ -164,7 +180,7 @@ struct Machine {
 impl Machine {
     fn wire(
         kvm: KvmContext,
-        vm_fd: VmFd,
+        vm_fd: Arc<VmFd>,
         ram: GuestRam,
         config: &VmConfig,
         backends: Backends,
@@ -237,7 +253,7 @@ fn start(p: Machine, vcpus: Vec<Vcpu>, launch: Launch, paused: bool) -> Result<V
             memory_mib: launch.memory_mib,
             acceleration: p.kvm.acceleration,
         },
-        vm_fd: Arc::new(p.vm_fd),
+        vm_fd: p.vm_fd,
         ram: p.ram,
         blocks: p.devices.blocks(),
         nets: p.devices.nets(),
@@ -259,10 +275,21 @@ impl Vm {
         config.validate(Some(kvm.max_vcpus))?;
         boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
-        let backends = open_backends(config, true)?;
-        let vm_fd = create_vm(&kvm)?;
+        let vm_fd = Arc::new(create_vm(&kvm)?);
         let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
-        let loaded = register_and_load(&vm_fd, &mut ram, config)?;
+        ram.use_manual_protect(&vm_fd);
+        let registration = Registration::start(&vm_fd, &ram, config.boot_timer)?;
+        let backends = open_backends(config, true)?;
+        let loaded = boot::load_images(
+            ram.memory(),
+            &boot::Images {
+                mem_size,
+                kernel: &config.kernel,
+                initrd: config.initrd.as_deref(),
+                map_pages: ram.is_anonymous(),
+            },
+        )?;
+        ram.note_file_backed(&loaded.mapped);
         let machine =
             Machine::wire(kvm, vm_fd, ram, config, backends, None).map_err(VmError::Device)?;
         let cmdline = format!("{}{}", config.cmdline, machine.devices.cmdline_entries);
@@ -291,6 +318,7 @@ impl Vm {
             boot_timer: config.boot_timer,
             seccomp: config.seccomp,
         };
+        registration.finish()?;
         start(machine, vcpus, launch, false)
     }
 
@@ -351,8 +379,15 @@ impl Vm {
             ram,
             backends,
         } = shell;
-        let machine = Machine::wire(kvm, vm_fd, ram, config, backends, Some(&state.devices))
-            .map_err(VmError::Restore)?;
+        let machine = Machine::wire(
+            kvm,
+            Arc::new(vm_fd),
+            ram,
+            config,
+            backends,
+            Some(&state.devices),
+        )
+        .map_err(VmError::Restore)?;
         let vcpus = create_vcpus(&machine.vm_fd, state.vcpus)?;
         state.vm.restore(&machine.vm_fd).map_err(VmError::Restore)?;
         let launch = Launch {

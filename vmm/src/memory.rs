@@ -255,30 +255,42 @@ impl GuestRam {
     }
 
     /// Registers (or re-registers with new flags) every region as KVM slot = its index.
+    /// The KVM memory slots that describe this RAM (one per region), with or without dirty
+    /// logging.
+    fn slot_regions(
+        &self,
+        log_dirty: bool,
+    ) -> Result<Vec<kvm_userspace_memory_region>, MemoryError> {
+        self.memory
+            .iter()
+            .enumerate()
+            .map(|(slot, region)| {
+                let host = region
+                    .get_host_address(MemoryRegionAddress(0))
+                    .map_err(map_err)?;
+                Ok(kvm_userspace_memory_region {
+                    slot: slot as u32,
+                    flags: if log_dirty {
+                        KVM_MEM_LOG_DIRTY_PAGES
+                    } else {
+                        0
+                    },
+                    guest_phys_addr: region.start_addr().0,
+                    memory_size: region.len(),
+                    userspace_addr: host as u64,
+                })
+            })
+            .collect()
+    }
+
     fn set_slots(&self, vm_fd: &VmFd, log_dirty: bool) -> Result<(), MemoryError> {
-        for (slot, region) in self.memory.iter().enumerate() {
-            let host = region
-                .get_host_address(MemoryRegionAddress(0))
-                .map_err(map_err)?;
-            let r = kvm_userspace_memory_region {
-                slot: slot as u32,
-                flags: if log_dirty {
-                    KVM_MEM_LOG_DIRTY_PAGES
-                } else {
-                    0
-                },
-                guest_phys_addr: region.start_addr().0,
-                memory_size: region.len(),
-                userspace_addr: host as u64,
-            };
-            // SAFETY: the mapping lives in `memory`, which outlives the VM fd's use of it (the
-            // Vm owns both and joins the vCPU threads before dropping memory).
-            unsafe { vm_fd.set_user_memory_region(r) }.map_err(|source| MemoryError::Slot {
-                slot: slot as u32,
-                source,
-            })?;
-        }
-        Ok(())
+        set_slot_regions(vm_fd, &self.slot_regions(log_dirty)?)
+    }
+
+    /// What `register` would tell KVM, to be told from another thread (`set_slot_regions`)
+    /// while this RAM is filled.
+    pub fn registration(&self) -> Result<Vec<kvm_userspace_memory_region>, MemoryError> {
+        self.slot_regions(self.logging.load(Ordering::SeqCst))
     }
 
     pub fn register(&self, vm_fd: &VmFd) -> Result<(), MemoryError> {
@@ -555,6 +567,22 @@ impl DirtyLog {
             })
         })
     }
+}
+
+/// Registers memory slots with KVM. The mappings they name must outlive the VM's use of them:
+/// the `Vm` owns both its RAM and its VM fd and joins the vCPU threads before dropping RAM.
+pub fn set_slot_regions(
+    vm_fd: &VmFd,
+    regions: &[kvm_userspace_memory_region],
+) -> Result<(), MemoryError> {
+    for r in regions {
+        // SAFETY: see above; `r` names a mapping of this process's guest RAM.
+        unsafe { vm_fd.set_user_memory_region(*r) }.map_err(|source| MemoryError::Slot {
+            slot: r.slot,
+            source,
+        })?;
+    }
+    Ok(())
 }
 
 /// Where guest RAM ends in the memory file: the seal goes there.
