@@ -218,6 +218,8 @@ pub struct BootEntry {
 pub struct Images<'a> {
     pub mem_size: u64,
     pub kernel: &'a Path,
+    /// What `check_fits` found the kernel to be (read once, not again here).
+    pub extent: KernelExtent,
     pub initrd: Option<&'a Path>,
     /// Guest RAM is anonymous private memory, so file pages may be mapped into it rather than
     /// copied (see `image`).
@@ -242,9 +244,8 @@ pub fn load_images<M: GuestMemoryBackend>(
 ) -> Result<LoadedImages, BootError> {
     let kpath = images.kernel.display().to_string();
     let kfile = File::open(images.kernel).map_err(|e| BootError::Io(kpath.clone(), e))?;
-    let extent = inspect_kernel(images.kernel).map_err(|e| BootError::BootParams(e.to_string()))?;
     let mut kfile = image::ImageFile::new(kfile, images.map_pages);
-    let (kernel, entry, mode) = match extent.format {
+    let (kernel, entry, mode) = match images.extent.format {
         KernelFormat::Elf => {
             let r = Elf::load(mem, None, &mut kfile, Some(GuestAddress(HIMEM_START)))?;
             match r.pvh_boot_cap {

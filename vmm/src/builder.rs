@@ -273,7 +273,7 @@ impl Vm {
     pub fn build(config: &VmConfig) -> Result<Vm, VmError> {
         let kvm = KvmContext::open()?;
         config.validate(Some(kvm.max_vcpus))?;
-        boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
+        let extent = boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
         let vm_fd = Arc::new(create_vm(&kvm)?);
         let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
@@ -285,6 +285,7 @@ impl Vm {
             &boot::Images {
                 mem_size,
                 kernel: &config.kernel,
+                extent,
                 initrd: config.initrd.as_deref(),
                 map_pages: ram.is_anonymous(),
             },
