@@ -16,3 +16,4 @@ pub mod remote;
 pub mod standalone;
 pub mod translate;
 pub mod unix_socket;
+pub mod virtiofs;

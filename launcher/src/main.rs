@@ -283,6 +283,11 @@ struct RunArgs {
     /// descriptor). Repeatable; the guest sees them in order as eth0, eth1, ...
     #[arg(long = "net", value_name = "SPEC")]
     nets: Vec<String>,
+    /// A virtio-fs share the guest mounts with `mount -t virtiofs TAG /mnt`:
+    /// tag=TAG,socket=PATH (a running vhost-user-fs backend such as virtiofsd) or
+    /// tag=TAG,dir=DIR[,readonly] (the launcher runs virtiofsd for DIR). Repeatable.
+    #[arg(long = "fs", value_name = "SPEC")]
+    filesystems: Vec<String>,
     #[command(flatten)]
     host: HostLayout,
     /// With -f: `nat` wires a pod network as a TAP on a NAT'd bridge (guest 10.0.2.2/24 via
@@ -398,6 +403,7 @@ impl RunArgs {
             console_input: !self.no_console_input,
             disks: self.disks.clone(),
             nets: self.nets.clone(),
+            filesystems: self.filesystems.clone(),
             environment: self.host.environment(),
             instancetype_dir: self.host.instancetype_dir.clone(),
             seccomp: seccomp_setting(&self.host),

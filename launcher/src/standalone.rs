@@ -35,6 +35,8 @@ pub struct RunOptions {
     /// `--disk` and `--net` specs (see [`parse_disk`], [`parse_net`]).
     pub disks: Vec<String>,
     pub nets: Vec<String>,
+    /// `--fs` specs (see [`crate::virtiofs::parse_fs`]).
+    pub filesystems: Vec<String>,
     pub environment: crate::translate::Environment,
     pub instancetype_dir: Option<PathBuf>,
     pub seccomp: bool,
@@ -229,6 +231,10 @@ pub fn launch(opts: &RunOptions, start: Start) -> Result<u8, Failure> {
         }
     };
     let mut config = prepared.config.clone();
+    let fs_specs = parse_specs(&opts.filesystems, crate::virtiofs::parse_fs)?;
+    let run_dir = std::env::temp_dir().join(format!("microvirt-{}", std::process::id()));
+    let (shares, _virtiofsd) = crate::virtiofs::prepare(&fs_specs, &run_dir).map_err(bad_config)?;
+    config.filesystems.extend(shares);
     config.boot_timer = opts.boot_timer;
     config.seccomp = opts.seccomp;
     let console = crate::foreground::Console {
@@ -242,6 +248,8 @@ pub fn launch(opts: &RunOptions, start: Start) -> Result<u8, Failure> {
     for f in &prepared.ephemeral {
         let _ = std::fs::remove_file(f);
     }
+    drop(_virtiofsd);
+    let _ = std::fs::remove_dir(&run_dir);
     code
 }
 

@@ -71,7 +71,23 @@ fn open_backends(config: &VmConfig, lock_disks: bool) -> Result<Backends, VmErro
             tracing::info!("virtio-net: no /dev/vhost-net; using the in-process virtio-net device");
         }
     }
-    Ok(Backends { disks, taps })
+    let mut filesystems = Vec::with_capacity(config.filesystems.len());
+    for f in &config.filesystems {
+        let conn = crate::devices::virtio::vhost_user::Connection::open(
+            &f.socket,
+            crate::devices::virtio::vhost_user::fs::QUEUES,
+        )
+        .map_err(|e| ConfigError::Fs {
+            tag: f.tag.clone(),
+            reason: e.to_string(),
+        })?;
+        filesystems.push((conn, f.clone()));
+    }
+    Ok(Backends {
+        disks,
+        taps,
+        filesystems,
+    })
 }
 
 /// Step 2: the KVM VM with its in-kernel irqchip and PIT, TSS and identity map in the MMIO gap.
@@ -276,7 +292,12 @@ impl Vm {
         let extent = boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
         let vm_fd = Arc::new(create_vm(&kvm)?);
-        let mut ram = GuestRam::anonymous(&ram_regions(mem_size))?;
+        // vhost-user backends map guest RAM themselves: it must be shared memory.
+        let mut ram = if config.filesystems.is_empty() {
+            GuestRam::anonymous(&ram_regions(mem_size))?
+        } else {
+            GuestRam::shared(&ram_regions(mem_size))?
+        };
         ram.use_manual_protect(&vm_fd);
         let registration = Registration::start(&vm_fd, &ram, config.boot_timer)?;
         let backends = open_backends(config, true)?;

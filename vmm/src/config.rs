@@ -31,6 +31,9 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// virtio-net NICs, in guest order (eth0, eth1, ...).
     pub nets: Vec<NetConfig>,
+    /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. Any of
+    /// them makes guest RAM a shared memfd the backends map.
+    pub filesystems: Vec<FsConfig>,
     /// Each vCPU and the device thread install their seccomp filter (`seccomp`) before they
     /// run guest-driven code. On by default; off only for debugging.
     pub seccomp: bool,
@@ -109,6 +112,14 @@ pub struct NetConfig {
     pub mac: Option<MacAddr>,
 }
 
+/// A virtio-fs share: the tag the guest mounts (`mount -t virtiofs TAG /mnt`) and the
+/// vhost-user socket of the backend that serves it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FsConfig {
+    pub tag: String,
+    pub socket: PathBuf,
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CacheMode {
     /// O_DIRECT: no host page cache; data reaches the device on completion of FLUSH.
@@ -169,6 +180,7 @@ impl VmConfig {
             boot_timer: false,
             disks: Vec::new(),
             nets: Vec::new(),
+            filesystems: Vec::new(),
             seccomp: true,
         }
     }
@@ -237,6 +249,8 @@ pub enum ConfigError {
     Disk { path: String, reason: String },
     #[error("--net {tap}: {reason}")]
     Net { tap: String, reason: String },
+    #[error("--fs {tag}: {reason}")]
+    Fs { tag: String, reason: String },
     #[error("{given} virtio devices requested; at most {max} are supported")]
     TooManyDevices { given: usize, max: usize },
     #[error(
@@ -299,12 +313,31 @@ impl VmConfig {
                 "character {bad:?} is not accepted; only printable ASCII is"
             )));
         }
-        // Disks and NICs share the virtio window and its IRQs.
-        if self.disks.len() + self.nets.len() > MAX_VIRTIO_DEVICES {
+        // Disks, NICs and shares share the virtio window and its IRQs.
+        let devices = self.disks.len() + self.nets.len() + self.filesystems.len();
+        if devices > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices {
-                given: self.disks.len() + self.nets.len(),
+                given: devices,
                 max: MAX_VIRTIO_DEVICES,
             });
+        }
+        for (i, f) in self.filesystems.iter().enumerate() {
+            let fs_err = |reason: String| ConfigError::Fs {
+                tag: f.tag.clone(),
+                reason,
+            };
+            let max = crate::devices::virtio::vhost_user::fs::TAG_MAX;
+            if f.tag.is_empty() || f.tag.len() > max || !f.tag.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(fs_err(format!(
+                    "the tag must be 1 to {max} printable ASCII characters without spaces"
+                )));
+            }
+            if self.filesystems[..i].iter().any(|o| o.tag == f.tag) {
+                return Err(fs_err(
+                    "the tag is given twice; each share needs its own".into(),
+                ));
+            }
         }
         for (i, d) in self.disks.iter().enumerate() {
             let path = d.path.display().to_string();

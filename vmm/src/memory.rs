@@ -115,6 +115,58 @@ impl GuestRam {
         })
     }
 
+    /// RAM other processes can map: one sealed `memfd` (its size can neither grow nor shrink,
+    /// so a backend's mapping never loses its pages), each region mapped `MAP_SHARED` at its
+    /// file offset. vhost-user backends get the descriptor and the offsets
+    /// (`VHOST_USER_SET_MEM_TABLE`) and read and write the guest's buffers in place. Pages are
+    /// allocated on first touch, as for anonymous RAM.
+    pub fn shared(regions: &[(GuestAddress, usize)]) -> Result<GuestRam, MemoryError> {
+        let layout = file_layout(regions);
+        let file =
+            Arc::new(
+                sealed_memfd(file_end(&layout)).map_err(|source| MemoryError::File {
+                    path: "memfd guest-ram".into(),
+                    source,
+                })?,
+            );
+        let mut mapped = Vec::with_capacity(layout.len());
+        for r in &layout {
+            let size = r.size as usize;
+            let mapping = MmapRegionBuilder::new_with_bitmap(
+                size,
+                AtomicBitmap::new(
+                    size,
+                    std::num::NonZeroUsize::new(PAGE_SIZE as usize).unwrap(),
+                ),
+            )
+            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+            .build()
+            .map_err(map_err)?;
+            mapped.push(
+                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
+                    .ok_or_else(|| map_err("region wraps the address space"))?,
+            );
+        }
+        let memory = GuestMemory::from_regions(mapped).map_err(map_err)?;
+        Ok(GuestRam {
+            memory,
+            layout,
+            logging: AtomicBool::new(false),
+            manual_protect: false,
+            anonymous: false,
+            file_backed: Vec::new(),
+        })
+    }
+
+    /// True when another process can map this RAM (`shared`): every region has a file.
+    pub fn is_shared(&self) -> bool {
+        self.memory
+            .iter()
+            .all(|r| r.file_offset().is_some() && r.flags() & libc::MAP_SHARED != 0)
+    }
+
     /// RAM mapped `MAP_PRIVATE` from a memory file: pages are read from the file when the guest
     /// first touches them and copied on its first write, so this costs the same for any size and
     /// never writes to the file.
@@ -389,6 +441,29 @@ impl GuestRam {
             written_bytes: written,
         })
     }
+}
+
+/// A memfd of `len` bytes sealed against growing and shrinking (`F_SEAL_SEAL` last, so the
+/// seals themselves cannot change). Written by hand: vm-memory maps files but does not create
+/// them, and memfd_create is one system call.
+fn sealed_memfd(len: u64) -> std::io::Result<File> {
+    use std::os::fd::FromRawFd;
+    let name = c"microvirt-guest-ram";
+    // SAFETY: a valid NUL-terminated name; the result is checked.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len)?;
+    let seals = libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on a descriptor we own.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// The region's whole bitmap (vm-memory's `bitmap()` on a region gives a slice view).

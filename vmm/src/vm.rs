@@ -238,8 +238,22 @@ impl Vm {
         self.control.state()
     }
 
+    /// Refuses, naming them, devices whose state a snapshot or migration cannot carry.
+    pub fn check_persistable(&self) -> Result<(), String> {
+        let devices = self.devices.unpersistable();
+        if devices.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "{}: {}",
+            devices.join(", "),
+            crate::devices::manager::VHOST_USER_NOT_PERSISTED
+        ))
+    }
+
     /// The whole machine's state but guest memory. The VM must be paused.
     pub fn save_state(&self) -> Result<MachineState, VmError> {
+        self.check_persistable().map_err(VmError::Snapshot)?;
         if !self.is_paused() {
             return Err(VmError::Snapshot("the VM is not paused".into()));
         }
@@ -292,6 +306,7 @@ impl Vm {
         progress: &mut dyn FnMut(SnapshotProgress),
     ) -> Result<SnapshotStats, VmError> {
         let _g = self.lifecycle.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_persistable().map_err(VmError::Snapshot)?;
         let was_paused = self.is_paused();
         let started = Instant::now();
         self.pause_locked()?;

@@ -14,6 +14,7 @@ mod attack;
 mod blk;
 mod dhcp;
 mod dirty;
+mod fs;
 mod hw;
 mod net;
 mod smp;
@@ -268,6 +269,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
         "dhcp" => dhcp::run(boot.cmdline),
+        "virtiofs" => fs::run(boot),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }

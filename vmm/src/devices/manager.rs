@@ -12,7 +12,9 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::Bus;
-use crate::config::{DiskConfig, MacAddr, NetConfig, SerialConfig, SerialInput, TapSource};
+use crate::config::{
+    DiskConfig, FsConfig, MacAddr, NetConfig, SerialConfig, SerialInput, TapSource,
+};
 use crate::devices::i8042::persist::I8042Args;
 use crate::devices::i8042::I8042;
 use crate::devices::power::PowerPort;
@@ -24,6 +26,7 @@ use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::persist::NetArgs;
 use crate::devices::virtio::net::{Net, Tap};
 use crate::devices::virtio::persist::TransportArgs;
+use crate::devices::virtio::vhost_user::{fs, Connection, VhostUserDevice};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::devices::EventFdTrigger;
 use crate::end::{VmEnd, VmEndSignal};
@@ -266,6 +269,8 @@ pub enum VirtioKind {
         device: Arc<Mutex<Net>>,
         tap: Option<String>,
     },
+    /// A device a vhost-user backend serves (virtio-fs).
+    VhostUser { device: Arc<Mutex<VhostUserDevice>> },
 }
 
 /// The host side of the devices, opened before anything is created (a missing disk or busy
@@ -273,6 +278,8 @@ pub enum VirtioKind {
 pub struct Backends {
     pub disks: Vec<(Disk, DiskConfig)>,
     pub taps: Vec<(Tap, NetConfig)>,
+    /// virtio-fs shares, connected to their backends.
+    pub filesystems: Vec<(Connection, FsConfig)>,
 }
 
 pub struct DeviceManager {
@@ -457,6 +464,12 @@ impl DeviceManager {
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
             place.attach_nic(&mut dm, i, tap, ncfg, nets.get(i).copied())?;
         }
+        if state.is_some() && !backends.filesystems.is_empty() {
+            return Err(VHOST_USER_NOT_PERSISTED.into());
+        }
+        for (conn, fcfg) in backends.filesystems {
+            place.attach_fs(&mut dm, conn, fcfg)?;
+        }
         dm.pio = Arc::new(pio);
         dm.mmio = Arc::new(mmio);
         Ok((dm, em, legacy.wake))
@@ -482,7 +495,23 @@ impl DeviceManager {
             .collect()
     }
 
-    /// Every device's state. The caller has paused the vCPUs and the event loop.
+    /// The vhost-user sockets of devices whose state lives in their backends, which a snapshot
+    /// or migration cannot carry yet.
+    pub fn unpersistable(&self) -> Vec<String> {
+        self.virtio
+            .iter()
+            .filter_map(|v| match &v.kind {
+                VirtioKind::VhostUser { device } => {
+                    let d = device.lock().unwrap_or_else(|p| p.into_inner());
+                    Some(format!("{} ({})", v.id, d.socket().display()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every device's state. The caller has paused the vCPUs and the event loop, and checked
+    /// `unpersistable` is empty.
     pub fn save(&self) -> DevicesState {
         let lock =
             |m: &Arc<Mutex<MmioTransport>>| m.lock().unwrap_or_else(|p| p.into_inner()).save();
@@ -511,6 +540,9 @@ impl DeviceManager {
                                 mac: d.mac(),
                                 state: d.save(),
                             }
+                        }
+                        VirtioKind::VhostUser { .. } => {
+                            unreachable!("callers refuse vhost-user devices (unpersistable)")
                         }
                     },
                 })
@@ -636,6 +668,32 @@ impl VirtioPlacer<'_> {
         })
     }
 }
+
+impl VirtioPlacer<'_> {
+    /// A virtio-fs share over its backend's connection.
+    fn attach_fs(
+        &mut self,
+        dm: &mut DeviceManager,
+        conn: Connection,
+        fcfg: FsConfig,
+    ) -> Result<(), String> {
+        let id = format!("fs-{}", fcfg.tag);
+        let device = VhostUserDevice::new(
+            id.clone(),
+            fs::TYPE_FS,
+            vec![fs::QUEUE_SIZE; fs::QUEUES],
+            fs::config_space(&fcfg.tag),
+            conn,
+        )
+        .map_err(dev_err("virtio-fs"))?;
+        self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
+            device,
+        })
+    }
+}
+
+/// Why a snapshot, restore or migration refuses a VM with vhost-user devices.
+pub const VHOST_USER_NOT_PERSISTED: &str = "virtio-fs shares are served by a vhost-user backend whose state (open files, ring positions) this VMM cannot yet save, restore or migrate; stop the VM instead, or remove the share";
 
 /// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
 /// event manager; with `saved`, the transport (and the device's activation) is restored.

@@ -188,6 +188,9 @@ impl Vm {
         if let Some(end) = self.end.get() {
             return Err(at.fail(MigrationError::NotRunning(end.to_string())));
         }
+        if let Err(why) = self.check_persistable() {
+            return Err(at.fail(MigrationError::Vm(VmError::Snapshot(why))));
+        }
         let was_paused = self.is_paused();
         let vcpu_throttle = VcpuThrottle {
             percent: AtomicU8::new(0),

@@ -6,6 +6,7 @@ pub mod block;
 pub mod mmio;
 pub mod net;
 pub mod persist;
+pub mod vhost_user;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

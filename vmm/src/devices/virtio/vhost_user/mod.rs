@@ -1,0 +1,546 @@
+//! vhost-user devices: the device's data path runs in another process (virtiofsd,
+//! qemu-storage-daemon, a DPDK switch) that maps guest RAM itself. This VMM keeps the
+//! virtio-mmio transport and hands the backend, over the rust-vmm `vhost` crate's frontend,
+//! what the driver set up: the negotiated features, the memory table (guest RAM is a shared
+//! memfd, see `GuestRam::shared`), each ring's addresses and position, the ioeventfd KVM
+//! signals on a queue notification (so the guest's kicks reach the backend directly), and a
+//! call eventfd the event thread turns into the virtio-mmio interrupt (the driver must see
+//! the used-ring bit in InterruptStatus, so the backend cannot inject it alone).
+//!
+//! Every exchange with the backend happens on the event-manager thread, never on a vCPU: a
+//! driver's status write only queues the work (`Pending`). The socket has a timeout, so a
+//! backend that stops answering costs that thread seconds, not the VM; a backend that fails
+//! or disconnects makes the device ask for a reset (DEVICE_NEEDS_RESET), and the VM runs on.
+
+mod event_handler;
+pub mod fs;
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryBackend;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{ActivateError, DeviceBase, VirtioDevice, VirtioInterrupt};
+use crate::memory::GuestMemory;
+
+/// How long one request to the backend may take before the device gives up on it.
+pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The virtio feature bits a vhost-user device may offer the driver: the device type's own
+/// (0-23), indirect descriptors, event index and VERSION_1. Anything else the backend offers
+/// (packed rings, IOMMU platform access, its protocol-feature bit) is the transport's or
+/// the frontend's business, not the driver's.
+const DRIVER_VISIBLE_FEATURES: u64 = 0x00ff_ffff | 1 << 28 | 1 << 29 | super::VIRTIO_F_VERSION_1;
+
+/// The protocol features this frontend uses when the backend has them.
+fn wanted_protocol_features() -> VhostUserProtocolFeatures {
+    VhostUserProtocolFeatures::MQ
+        | VhostUserProtocolFeatures::REPLY_ACK
+        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VhostUserError {
+    #[error("vhost-user backend {socket}: cannot connect: {reason}")]
+    Connect { socket: String, reason: String },
+    #[error("vhost-user backend {socket}: {step}: {reason}")]
+    Protocol {
+        socket: String,
+        step: &'static str,
+        reason: String,
+    },
+    #[error("vhost-user backend {socket}: {reason}")]
+    Unsuitable { socket: String, reason: String },
+}
+
+/// Bounds every exchange with a backend. A socket timeout alone cannot: the vhost crate
+/// retries a read that timed out (EAGAIN) forever. When an armed deadline passes, this
+/// shuts the socket down, so the pending read sees end-of-file and the exchange fails.
+struct Watchdog {
+    shared: Arc<WatchShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct WatchShared {
+    state: std::sync::Mutex<WatchState>,
+    cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct WatchState {
+    deadline: Option<std::time::Instant>,
+    fired: bool,
+    stop: bool,
+}
+
+impl Watchdog {
+    fn start(fd: std::os::fd::RawFd) -> std::io::Result<Watchdog> {
+        let shared = Arc::new(WatchShared::default());
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("vhost-user-watch".into())
+            .spawn(move || {
+                let mut g = s.state.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if g.stop {
+                        return;
+                    }
+                    match g.deadline {
+                        None => g = s.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                        Some(d) => {
+                            let now = std::time::Instant::now();
+                            if now >= d {
+                                // SAFETY: the connection owning `fd` outlives this thread
+                                // (its Drop stops and joins it first).
+                                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+                                g.fired = true;
+                                g.deadline = None;
+                            } else {
+                                g =
+                                    s.cv.wait_timeout(g, d - now)
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .0;
+                            }
+                        }
+                    }
+                }
+            })?;
+        Ok(Watchdog {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn set(&self, deadline: Option<std::time::Instant>) {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .deadline = deadline;
+        self.shared.cv.notify_all();
+    }
+
+    /// Arms the deadline for one exchange; disarmed when the guard drops.
+    fn arm(&self) -> WatchGuard<'_> {
+        self.set(Some(std::time::Instant::now() + BACKEND_TIMEOUT));
+        WatchGuard(self)
+    }
+
+    fn fired(&self) -> bool {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .fired
+    }
+}
+
+struct WatchGuard<'a>(&'a Watchdog);
+
+impl Drop for WatchGuard<'_> {
+    fn drop(&mut self) {
+        self.0.set(None);
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .stop = true;
+        self.shared.cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An open, owned connection to a backend, with what it offered.
+pub struct Connection {
+    /// Declared before `frontend`: dropped (and joined) before the socket closes.
+    watchdog: Watchdog,
+    frontend: Frontend,
+    socket: PathBuf,
+    /// The backend's virtio features (VHOST_USER_GET_FEATURES).
+    features: u64,
+    /// Protocol features both sides use (empty when the backend lacks the protocol bit).
+    protocol: VhostUserProtocolFeatures,
+}
+
+impl Connection {
+    /// Connects, takes ownership and negotiates protocol features. Refuses, with the socket
+    /// path and the reason, a path that is not a listening socket, a peer that does not speak
+    /// vhost-user or stops answering, and a backend with fewer than `min_queues` queues.
+    pub fn open(socket: &Path, min_queues: usize) -> Result<Connection, VhostUserError> {
+        let name = socket.display().to_string();
+        let connect_err = |reason: String| VhostUserError::Connect {
+            socket: name.clone(),
+            reason,
+        };
+        let stream = UnixStream::connect(socket).map_err(|e| connect_err(e.to_string()))?;
+        let mut frontend = Frontend::from_stream(stream, min_queues as u64);
+        let watchdog = Watchdog::start(std::os::fd::AsRawFd::as_raw_fd(&frontend))
+            .map_err(|e| connect_err(e.to_string()))?;
+        let guard = watchdog.arm();
+        let step_err = |step: &'static str| {
+            let socket = name.clone();
+            let watchdog = &watchdog;
+            move |e: vhost::Error| VhostUserError::Protocol {
+                socket,
+                step,
+                reason: if watchdog.fired() {
+                    timed_out()
+                } else {
+                    reason(e)
+                },
+            }
+        };
+        frontend.set_owner().map_err(step_err("SET_OWNER"))?;
+        let features = frontend.get_features().map_err(step_err("GET_FEATURES"))?;
+        let mut protocol = VhostUserProtocolFeatures::empty();
+        if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
+            // The protocol-features bit must be acked before GET_PROTOCOL_FEATURES.
+            frontend
+                .set_features(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+                .map_err(step_err("SET_FEATURES"))?;
+            let offered = frontend
+                .get_protocol_features()
+                .map_err(step_err("GET_PROTOCOL_FEATURES"))?;
+            protocol = offered & wanted_protocol_features();
+            frontend
+                .set_protocol_features(protocol)
+                .map_err(step_err("SET_PROTOCOL_FEATURES"))?;
+        }
+        if protocol.contains(VhostUserProtocolFeatures::MQ) {
+            let n = frontend
+                .get_queue_num()
+                .map_err(step_err("GET_QUEUE_NUM"))?;
+            if (n as usize) < min_queues {
+                return Err(VhostUserError::Unsuitable {
+                    socket: name,
+                    reason: format!("offers {n} queue(s); the device needs {min_queues}"),
+                });
+            }
+        }
+        if features & super::VIRTIO_F_VERSION_1 == 0 {
+            return Err(VhostUserError::Unsuitable {
+                socket: name,
+                reason: "does not offer VIRTIO_F_VERSION_1 (a legacy-only backend)".into(),
+            });
+        }
+        drop(guard);
+        Ok(Connection {
+            watchdog,
+            frontend,
+            socket: socket.to_path_buf(),
+            features,
+            protocol,
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The features the driver may be offered.
+    pub fn driver_features(&self) -> u64 {
+        self.features & DRIVER_VISIBLE_FEATURES
+    }
+}
+
+fn timed_out() -> String {
+    format!(
+        "no answer within {} s (is it a vhost-user backend, and alive?)",
+        BACKEND_TIMEOUT.as_secs()
+    )
+}
+
+/// The backend's errors in words a user can act on.
+fn reason(e: vhost::Error) -> String {
+    match e {
+        vhost::Error::VhostUserProtocol(
+            vhost::vhost_user::Error::Disconnected | vhost::vhost_user::Error::PartialMessage,
+        ) => "the backend closed the connection".into(),
+        vhost::Error::VhostUserProtocol(vhost::vhost_user::Error::InvalidMessage) => {
+            "the backend sent a malformed reply".into()
+        }
+        other => other.to_string(),
+    }
+}
+
+/// Work a driver's status write asked for, done in order on the event thread.
+enum Pending {
+    Activate {
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    },
+    Reset,
+}
+
+/// Where the device stands with its backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendState {
+    /// Connected; the rings are not handed over.
+    Idle,
+    /// The backend runs the rings.
+    Running,
+    /// The backend failed or went away: the device needs a reset and does nothing more.
+    Failed,
+}
+
+/// A virtio device whose queues a vhost-user backend serves.
+pub struct VhostUserDevice {
+    id: String,
+    device_type: u32,
+    queue_sizes: Vec<u16>,
+    base: DeviceBase,
+    conn: Connection,
+    /// KVM's ioeventfds for the queue notifications; handed to the backend as kick fds.
+    queue_evts: Vec<EventFd>,
+    /// The backend signals these when it used buffers; one per queue.
+    call_evts: Vec<EventFd>,
+    pending: std::collections::VecDeque<Pending>,
+    /// The interrupt of the live activation.
+    interrupt: Option<Arc<VirtioInterrupt>>,
+    state: BackendState,
+    /// Requested activation seen by the transport (true from `activate` until `reset`).
+    activated: bool,
+}
+
+impl VhostUserDevice {
+    /// A device of `device_type` with `queue_sizes.len()` queues over `conn`; `config` is the
+    /// config space the driver reads (the frontend's, e.g. virtio-fs's tag).
+    pub fn new(
+        id: String,
+        device_type: u32,
+        queue_sizes: Vec<u16>,
+        config: Vec<u8>,
+        conn: Connection,
+    ) -> std::io::Result<VhostUserDevice> {
+        let n = queue_sizes.len();
+        let evts = || {
+            (0..n)
+                .map(|_| EventFd::new(libc::EFD_NONBLOCK))
+                .collect::<std::io::Result<Vec<_>>>()
+        };
+        Ok(VhostUserDevice {
+            id,
+            device_type,
+            base: DeviceBase::new(conn.driver_features(), config)?,
+            queue_sizes,
+            conn,
+            queue_evts: evts()?,
+            call_evts: evts()?,
+            pending: Default::default(),
+            interrupt: None,
+            state: BackendState::Idle,
+            activated: false,
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn socket(&self) -> &Path {
+        self.conn.socket()
+    }
+
+    pub fn backend_state(&self) -> BackendState {
+        self.state
+    }
+
+    /// Does the queued work (on the event thread).
+    fn run_pending(&mut self) {
+        while let Some(p) = self.pending.pop_front() {
+            let r = match p {
+                Pending::Activate {
+                    mem,
+                    queues,
+                    interrupt,
+                } => {
+                    self.interrupt = Some(interrupt);
+                    self.hand_over(&mem, &queues)
+                        .map(|()| self.state = BackendState::Running)
+                }
+                Pending::Reset => self.take_back(),
+            };
+            if let Err(e) = r {
+                self.fail(&e);
+            }
+        }
+    }
+
+    /// The backend is gone or broke the protocol: the driver is told the device needs a reset.
+    fn fail(&mut self, why: &str) {
+        if self.state == BackendState::Failed {
+            return;
+        }
+        tracing::error!(device = %self.id, socket = %self.conn.socket.display(), "vhost-user: {why}; the device needs a reset");
+        self.state = BackendState::Failed;
+        if let Some(i) = &self.interrupt {
+            i.device_needs_reset();
+        }
+    }
+
+    /// Hands the driver's rings to the backend (VHOST_USER_SET_MEM_TABLE, then per ready queue
+    /// NUM, ADDR, BASE, CALL, KICK and ENABLE).
+    fn hand_over(&mut self, mem: &GuestMemory, queues: &[Queue]) -> Result<(), String> {
+        if self.state == BackendState::Failed {
+            return Err("the backend failed before".into());
+        }
+        let _guard = self.conn.watchdog.arm();
+        let watchdog = &self.conn.watchdog;
+        let f = &mut self.conn.frontend;
+        let step = |s: &'static str| {
+            move |e: vhost::Error| {
+                let why = if watchdog.fired() {
+                    timed_out()
+                } else {
+                    reason(e)
+                };
+                format!("{s}: {why}")
+            }
+        };
+        let mut features = self.base.acked_features;
+        if self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
+            features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        }
+        f.set_features(features).map_err(step("SET_FEATURES"))?;
+        let regions = mem
+            .iter()
+            .map(VhostUserMemoryRegionInfo::from_guest_region)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("guest RAM is not shareable: {e}"))?;
+        f.set_mem_table(&regions).map_err(step("SET_MEM_TABLE"))?;
+        for (i, q) in queues.iter().enumerate() {
+            if !q.ready() {
+                continue;
+            }
+            f.set_vring_num(i, q.size())
+                .map_err(step("SET_VRING_NUM"))?;
+            let addr = |gpa: u64| -> Result<u64, String> {
+                mem.get_host_address(vm_memory::GuestAddress(gpa))
+                    .map(|h| h as u64)
+                    .map_err(|_| format!("queue {i}: ring at {gpa:#x} is outside guest RAM"))
+            };
+            let config = VringConfigData {
+                queue_max_size: self.queue_sizes[i],
+                queue_size: q.size(),
+                flags: 0,
+                desc_table_addr: addr(q.desc_table())?,
+                used_ring_addr: addr(q.used_ring())?,
+                avail_ring_addr: addr(q.avail_ring())?,
+                log_addr: None,
+            };
+            f.set_vring_addr(i, &config)
+                .map_err(step("SET_VRING_ADDR"))?;
+            f.set_vring_base(i, q.next_avail())
+                .map_err(step("SET_VRING_BASE"))?;
+            f.set_vring_call(i, &self.call_evts[i])
+                .map_err(step("SET_VRING_CALL"))?;
+            f.set_vring_kick(i, &self.queue_evts[i])
+                .map_err(step("SET_VRING_KICK"))?;
+            if !self.conn.protocol.is_empty()
+                || self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
+            {
+                f.set_vring_enable(i, true)
+                    .map_err(step("SET_VRING_ENABLE"))?;
+            }
+        }
+        tracing::info!(device = %self.id, socket = %self.conn.socket.display(), "vhost-user: rings handed to the backend");
+        Ok(())
+    }
+
+    /// Stops the backend's rings (VHOST_USER_GET_VRING_BASE stops a ring) after a driver reset.
+    fn take_back(&mut self) -> Result<(), String> {
+        if self.state != BackendState::Running {
+            return Ok(());
+        }
+        self.state = BackendState::Idle;
+        let _guard = self.conn.watchdog.arm();
+        for i in 0..self.queue_sizes.len() {
+            if let Err(e) = self.conn.frontend.get_vring_base(i) {
+                let why = if self.conn.watchdog.fired() {
+                    timed_out()
+                } else {
+                    reason(e)
+                };
+                return Err(format!("GET_VRING_BASE: {why}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The backend used buffers on queue `i`: tell the driver.
+    fn used(&self, i: usize) {
+        let _ = self.call_evts[i].read();
+        if let Some(irq) = &self.interrupt {
+            irq.signal(super::INT_USED_RING);
+        }
+    }
+}
+
+impl VirtioDevice for VhostUserDevice {
+    fn device_type(&self) -> u32 {
+        self.device_type
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+    fn base(&self) -> &DeviceBase {
+        &self.base
+    }
+    fn base_mut(&mut self) -> &mut DeviceBase {
+        &mut self.base
+    }
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+    fn activate(
+        &mut self,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), ActivateError> {
+        if self.state == BackendState::Failed {
+            return Err(ActivateError::Backend(format!(
+                "vhost-user backend {} failed",
+                self.conn.socket.display()
+            )));
+        }
+        self.activated = true;
+        self.pending.push_back(Pending::Activate {
+            mem,
+            queues,
+            interrupt,
+        });
+        self.base.announce_activation();
+        Ok(())
+    }
+    fn reset(&mut self) {
+        if self.activated {
+            self.activated = false;
+            self.pending.push_back(Pending::Reset);
+            self.base.announce_activation();
+        }
+    }
+    fn is_activated(&self) -> bool {
+        self.activated
+    }
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        // The backend, not this process, advances the rings; a snapshot refuses the device.
+        Vec::new()
+    }
+}
