@@ -305,3 +305,54 @@ spec:
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `--fs tag=T,dir=DIR` starts virtiofsd for DIR; the probe guest reads and writes it. Bad
+/// `--fs` specs and shares are one-line errors.
+#[test]
+fn fs_dir_shares_a_host_directory_through_virtiofsd() {
+    let probe = tests::probe_path();
+    let probe = probe.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("mv-cli-{}-fs", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("hello.txt"), "from the CLI\n").unwrap();
+    let share = format!("tag=docs,dir={}", dir.display());
+    let out = launcher(&[
+        "--kernel",
+        probe,
+        "--memory",
+        "64",
+        "--cmdline",
+        "console=ttyS0 probe.test=virtiofs probe.tag=docs",
+        "--fs",
+        &share,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("PROBE RESULT virtiofs OK") && stdout.contains("first-line=from the CLI"),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("written.txt")).unwrap(),
+        "probe wrote\n"
+    );
+    assert_rejected(
+        &["--kernel", probe, "--fs", "tag=docs"],
+        "--fs tag=docs: give exactly one of socket=PATH",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--fs", "tag=docs,dir=/nonexistent/dir"],
+        "--fs tag=docs: dir=/nonexistent/dir: No such file",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--fs", "tag=a b,socket=/tmp/x.sock"],
+        "--fs a b: the tag must be 1 to 36 printable ASCII characters",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -22,6 +22,7 @@ const RELEASE: u32 = 18;
 const INIT: u32 = 26;
 const CREATE: u32 = 35;
 const ROOT: u64 = 1;
+const DEVICE_NEEDS_RESET: u32 = 64;
 const IN_HEADER: usize = 40;
 const OUT_HEADER: usize = 16;
 const O_RDONLY: u32 = 0;
@@ -91,7 +92,18 @@ impl Session {
             (reply() as u64, (OUT_HEADER + out_len) as u32, DESC_F_WRITE),
         ]);
         self.dev.notify(&self.q);
-        if self.q.wait_used(SPINS).is_none() {
+        let mut answered = false;
+        for _ in 0..SPINS / 1024 {
+            if self.q.wait_used(1024).is_some() {
+                answered = true;
+                break;
+            }
+            // A backend that died makes the device ask for a reset: give up at once.
+            if self.dev.status() & DEVICE_NEEDS_RESET != 0 {
+                return Err(-5); // EIO
+            }
+        }
+        if !answered {
             return Err(-110); // ETIMEDOUT
         }
         let len = get_u32(0) as usize;
@@ -177,6 +189,10 @@ fn tag_of(dev: &Device, out: &mut [u8; TAG_MAX]) -> usize {
 
 pub fn run(boot: &crate::BootInfo) -> ! {
     let want = boot.param("probe.tag").unwrap_or("");
+    let reads: u32 = boot
+        .param("probe.reads")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
     let mut bases = [0u64; 8];
     let n = crate::virtio::devices(boot.cmdline, &mut bases);
     let mut seen = Line::new();
@@ -190,7 +206,7 @@ pub fn run(boot: &crate::BootInfo) -> ! {
         let tag = core::str::from_utf8(&t[..len]).unwrap_or("?");
         let _ = write!(seen, " {tag}");
         if tag == want {
-            match exercise(dev) {
+            match exercise(dev, reads) {
                 Ok(line) => result(true, format_args!("{}", line.as_str())),
                 Err((what, 0)) => result(false, format_args!("tag={tag}: {what}")),
                 Err((what, errno)) => result(
@@ -212,7 +228,9 @@ pub fn run(boot: &crate::BootInfo) -> ! {
 /// What failed, and the errno the server answered (0: not a server error).
 type Failure = (&'static str, i32);
 
-fn exercise(dev: Device) -> Result<Line, Failure> {
+/// With `reads` > 0, reads `hello.txt` that many more times (printing progress every 8), a
+/// workload that is mid-request when the host kills the backend.
+fn exercise(dev: Device, reads: u32) -> Result<Line, Failure> {
     let fail = |what: &'static str, e: i32| (what, -e);
     let msg = |what: &'static str| (what, 0);
     dev.init(0).map_err(msg)?;
@@ -252,6 +270,13 @@ fn exercise(dev: Device) -> Result<Line, Failure> {
         }
         first[i] = b;
         first_len = i + 1;
+    }
+    for k in 1..=reads {
+        s.read(node, fh, 2048)
+            .map_err(|e| fail("READ hello.txt again", e))?;
+        if k % 8 == 0 {
+            let _ = writeln!(crate::hw::Serial, "PROBE PROGRESS virtiofs reads={k}");
+        }
     }
     s.release(node, fh)
         .map_err(|e| fail("RELEASE hello.txt", e))?;
