@@ -22,6 +22,11 @@ pub const SOCKETS: &str = "/var/run/kubevirt/sockets";
 pub const SOCKETS_VOLUME: &str = "sockets";
 /// The launcher's control socket, in [`SOCKETS`].
 pub const CONTROL_SOCKET: &str = "launcher.sock";
+/// The vhost-user socket of the virtiofsd serving filesystem `tag`, in [`SOCKETS`]: the
+/// Pod's `virtiofs-<tag>` container listens there, the launcher connects.
+pub fn virtiofs_socket(tag: &str) -> String {
+    format!("virtiofs-{tag}.sock")
+}
 /// The socket a target launcher receives a migration on, in [`SOCKETS`].
 pub const MIGRATION_IN_SOCKET: &str = "migration-in.sock";
 /// The socket a source launcher offers its migration stream on, in [`SOCKETS`].

@@ -6,7 +6,8 @@
 //! migration stream), ephemeral disks (containerDisk, emptyDisk, cloud-init seeds: copied with
 //! the migration, as KubeVirt's block migration does), ReadWriteMany claims (the target opens
 //! the same volume). What cannot: a hostDisk (a file on one node), a claim only one node may
-//! mount, and a bridge-bound pod-network interface (its address belongs to the source Pod).
+//! mount, a bridge-bound pod-network interface (its address belongs to the source Pod), and a
+//! virtiofs filesystem (virtiofsd's state stays behind).
 
 use crate::types::VirtualMachineInstanceSpec;
 
@@ -14,6 +15,8 @@ use crate::types::VirtualMachineInstanceSpec;
 pub const REASON_DISKS: &str = "DisksNotLiveMigratable";
 /// KubeVirt's reason for a VMI whose interfaces keep it on its node.
 pub const REASON_INTERFACE: &str = "InterfaceNotLiveMigratable";
+/// KubeVirt's reason for a VMI that shares a filesystem with virtiofs.
+pub const REASON_VIRTIOFS: &str = "VirtIOFSNotLiveMigratable";
 /// KubeVirt's opt-in for migrating a VMI with a bridge-bound pod-network interface (the user
 /// accepts that the guest's address changes).
 pub const ALLOW_POD_BRIDGE_MIGRATION: &str = "kubevirt.io/allow-pod-bridge-network-live-migration";
@@ -140,6 +143,16 @@ pub fn live_migration_blocker(
     annotations: &std::collections::BTreeMap<String, String>,
     claim: impl Fn(&str) -> ClaimAccess,
 ) -> Option<NotMigratable> {
+    if let Some(fs) = spec.domain.devices.filesystems.first() {
+        return Some(NotMigratable {
+            reason: REASON_VIRTIOFS,
+            message: format!(
+                "filesystem {:?} is served by virtiofsd, whose open files and ring state this \
+                 VMM cannot carry to another node yet",
+                fs.name
+            ),
+        });
+    }
     for v in &spec.volumes {
         if let Some(h) = &v.host_disk {
             return Some(NotMigratable {

@@ -350,6 +350,10 @@ pub struct ResourceRequirements {
 pub struct Devices {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub disks: Vec<Disk>,
+    /// Volumes the guest mounts as a live filesystem (`mount -t virtiofs NAME /mnt`), served
+    /// by virtiofsd beside the VMM as KubeVirt serves them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filesystems: Vec<Filesystem>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub interfaces: Vec<Interface>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -364,6 +368,17 @@ pub struct Devices {
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,
+}
+
+/// `spec.domain.devices.filesystems[]`: a volume shared into the guest; its name is the tag.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Filesystem {
+    pub name: String,
+    /// `{}`: the only filesystem type (KubeVirt's too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "preserved_object")]
+    pub virtiofs: Option<Value>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

@@ -286,7 +286,6 @@ const DEVICE_FEATURES_UNSUPPORTED: &[&str] = &[
     "watchdog",
     "tpm",
     "sound",
-    "filesystems",
     "inputs",
     "clientPassthrough",
     "downwardMetrics",
@@ -454,14 +453,76 @@ fn validate_devices(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) 
         }
         validate_disk(disk, &dp, e);
     }
-    if dev.disks.len() + dev.interfaces.len() > MAX_DEVICES {
+    for (i, fs) in dev.filesystems.iter().enumerate() {
+        let fp = format!("{p}.domain.devices.filesystems[{i}]");
+        validate_filesystem(spec, fs, &fp, e);
+        if !seen.insert(fs.name.as_str()) {
+            e.add(
+                format!("{fp}.name"),
+                format!(
+                    "{:?} is already a disk or filesystem; a volume is one or the other",
+                    fs.name
+                ),
+            );
+        }
+    }
+    let devices = dev.disks.len() + dev.interfaces.len() + dev.filesystems.len();
+    if devices > MAX_DEVICES {
         e.add(
             format!("{p}.domain.devices"),
             format!(
-                "{} disks and interfaces; at most {MAX_DEVICES} in all are accepted",
-                dev.disks.len() + dev.interfaces.len()
+                "{devices} disks, interfaces and filesystems; at most {MAX_DEVICES} in all are accepted"
             ),
         );
+    }
+}
+
+/// The longest virtio-fs tag (`struct virtio_fs_config`'s tag field).
+pub const FS_TAG_MAX: usize = 36;
+
+/// A filesystem: virtiofs, a tag that fits, and a volume that is a directory to share
+/// (a claim, a DataVolume, a ConfigMap or a Secret).
+fn validate_filesystem(
+    spec: &VirtualMachineInstanceSpec,
+    fs: &crate::types::Filesystem,
+    fp: &str,
+    e: &mut Errors,
+) {
+    if fs.virtiofs.is_none() {
+        e.add(
+            format!("{fp}.virtiofs"),
+            "is required: `virtiofs: {}` is the only filesystem type",
+        );
+    }
+    if fs.name.len() > FS_TAG_MAX {
+        e.add(
+            format!("{fp}.name"),
+            format!(
+                "{} characters; the guest mounts the share by this name, which holds at most {FS_TAG_MAX}",
+                fs.name.len()
+            ),
+        );
+    }
+    match spec.volumes.iter().find(|v| v.name == fs.name) {
+        None => e.add(
+            format!("{fp}.name"),
+            format!(
+                "no volume named {:?}; every filesystem needs a volume of the same name",
+                fs.name
+            ),
+        ),
+        Some(v) => {
+            let shareable = v.persistent_volume_claim.is_some()
+                || v.data_volume.is_some()
+                || v.config_map.is_some()
+                || v.secret.is_some();
+            if !shareable {
+                e.add(
+                    format!("{fp}.name"),
+                    format!("volume {:?} is not a directory to share; accepted for filesystems: persistentVolumeClaim, dataVolume, configMap, secret", fs.name),
+                );
+            }
+        }
     }
 }
 
@@ -532,7 +593,13 @@ fn validate_volumes(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) 
                 format!("duplicate volume name {:?}", v.name),
             );
         }
-        volume_source(v, &vp, e);
+        let shared = spec
+            .domain
+            .devices
+            .filesystems
+            .iter()
+            .any(|f| f.name == v.name);
+        volume_source(v, &vp, shared, e);
     }
 }
 
@@ -560,7 +627,8 @@ fn volume_names(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
 }
 
 /// Exactly one supported source, and that source's fields.
-fn volume_source(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
+/// `shared`: the volume is a filesystem's, where a ConfigMap or Secret is a directory.
+fn volume_source(v: &crate::types::Volume, vp: &str, shared: bool, e: &mut Errors) {
     let sources = [
         v.container_disk.is_some(),
         v.persistent_volume_claim.is_some(),
@@ -584,12 +652,12 @@ fn volume_source(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
         e.unsupported(format!("{vp}.{k}"), &format!("volume source {k:?}"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
     }
     for (set, name) in [
-        (v.config_map.is_some(), "configMap"),
-        (v.secret.is_some(), "secret"),
+        (v.config_map.is_some() && !shared, "configMap"),
+        (v.secret.is_some() && !shared, "secret"),
         (v.ephemeral.is_some(), "ephemeral"),
     ] {
         if set {
-            e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive");
+            e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume as a disk"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive; a configMap or secret is shared with a filesystem (domain.devices.filesystems, virtiofs)");
         }
     }
     if let Some(ed) = &v.empty_disk {
@@ -892,15 +960,10 @@ pub fn default_vmi_spec_with(spec: &mut VirtualMachineInstanceSpec, network: &Ne
     // filesystem refers to gets a disk of its own, so it is never silently left out.
     let filesystems: Vec<String> = d
         .devices
-        .extra
-        .get("filesystems")
-        .and_then(|f| f.as_array())
-        .map(|fs| {
-            fs.iter()
-                .filter_map(|f| f.get("name")?.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
+        .filesystems
+        .iter()
+        .map(|f| f.name.clone())
+        .collect();
     for v in &spec.volumes {
         if !d.devices.disks.iter().any(|k| k.name == v.name) && !filesystems.contains(&v.name) {
             d.devices.disks.push(Disk {

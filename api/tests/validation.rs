@@ -48,7 +48,7 @@ spec:
         "spec.domain.devices.disks[2].name: no volume named \"orphan\"; every disk needs a volume of the same name",
         "spec.domain.devices.disks[3].lun: a LUN (SCSI passthrough) is not supported",
         "spec.volumes[1]: exactly one volume source is required, found 2",
-        "spec.volumes[2].configMap: a configMap volume is not supported",
+        "spec.volumes[2].configMap: a configMap volume as a disk is not supported",
         "spec.domain.devices.interfaces[0].sriov: SR-IOV is not supported by microvirt; accepted bindings: masquerade, bridge",
     ];
     for e in expect {
@@ -289,4 +289,63 @@ spec:
             .starts_with("VirtualMachineInstance team-a/h is invalid:"),
         "{err}"
     );
+}
+
+#[test]
+fn filesystems_share_claims_config_maps_and_secrets_by_their_name() {
+    let good = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: fs, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      filesystems:
+        - {name: data, virtiofs: {}}
+        - {name: cfg, virtiofs: {}}
+        - {name: creds, virtiofs: {}}
+  volumes:
+    - {name: data, persistentVolumeClaim: {claimName: data-pvc}}
+    - {name: cfg, configMap: {name: app-config}}
+    - {name: creds, secret: {secretName: app-secret}}
+"#);
+    validate_vmi(&good).unwrap();
+    // A shared volume gets no disk of its own.
+    let mut defaulted = good.clone();
+    default_vmi_spec(&mut defaulted.spec);
+    assert!(defaulted.spec.domain.devices.disks.is_empty());
+
+    let bad = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: fs, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      disks: [{name: root}]
+      filesystems:
+        - {name: nofs}
+        - {name: root, virtiofs: {}}
+        - {name: scratch, virtiofs: {}}
+        - {name: ghost, virtiofs: {}}
+        - {name: a-name-far-too-long-for-a-virtiofs-tag-x, virtiofs: {}}
+  volumes:
+    - {name: root, containerDisk: {image: x}}
+    - {name: nofs, persistentVolumeClaim: {claimName: c}}
+    - {name: scratch, emptyDisk: {capacity: 1Gi}}
+    - {name: a-name-far-too-long-for-a-virtiofs-tag-x, persistentVolumeClaim: {claimName: d}}
+"#);
+    let text = validate_vmi(&bad).unwrap_err().to_string();
+    for e in [
+        "spec.domain.devices.filesystems[0].virtiofs: is required",
+        "spec.domain.devices.filesystems[1].name: \"root\" is already a disk or filesystem",
+        "spec.domain.devices.filesystems[1].name: volume \"root\" is not a directory to share",
+        "spec.domain.devices.filesystems[2].name: volume \"scratch\" is not a directory to share",
+        "spec.domain.devices.filesystems[3].name: no volume named \"ghost\"",
+        "spec.domain.devices.filesystems[4].name: 40 characters; the guest mounts the share by this name, which holds at most 36",
+    ] {
+        assert!(text.contains(e), "missing {e:?} in:\n{text}");
+    }
 }

@@ -16,9 +16,9 @@ use api::quantity::parse_bytes;
 use api::validation::{guest_memory, vcpus};
 use api::{VirtualMachineInstance, VirtualMachineInstanceSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, HostPathVolumeSource,
+    Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, HostPathVolumeSource,
     PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecurityContext, Volume, VolumeMount,
+    SeccompProfile, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -102,6 +102,61 @@ fn mount(name: &str, path: &str) -> VolumeMount {
     }
 }
 
+fn mount_ro(name: &str, path: &str) -> VolumeMount {
+    VolumeMount {
+        read_only: Some(true),
+        ..mount(name, path)
+    }
+}
+
+/// One virtiofsd per filesystem, unprivileged beside the launcher as KubeVirt runs it (the
+/// container is its sandbox): it serves the volume's directory (as the launcher mounts it)
+/// on a socket in the shared sockets directory; ConfigMaps and Secrets read-only.
+fn virtiofs_containers(
+    cfg: &PodConfig,
+    spec: &VirtualMachineInstanceSpec,
+    mounts: &[VolumeMount],
+) -> Vec<Container> {
+    spec.domain
+        .devices
+        .filesystems
+        .iter()
+        .filter_map(|fs| {
+            let vname = format!("volume-{}", fs.name);
+            let m = mounts.iter().find(|m| m.name == vname)?.clone();
+            let read_only = m.read_only == Some(true);
+            let mut command = vec![
+                "virtiofsd".to_string(),
+                format!(
+                    "--socket-path={SOCKETS}/{}",
+                    api::launcher_pod::virtiofs_socket(&fs.name)
+                ),
+                format!("--shared-dir={}", m.mount_path),
+                "--sandbox=none".into(),
+                "--cache=auto".into(),
+            ];
+            if read_only {
+                command.push("--readonly".into());
+            }
+            Some(Container {
+                name: format!("virtiofs-{}", fs.name),
+                image: Some(cfg.launcher_image.clone()),
+                command: Some(command),
+                volume_mounts: Some(vec![mount(SOCKETS_VOLUME, SOCKETS), m]),
+                resources: Some(ResourceRequirements {
+                    requests: Some(BTreeMap::from([
+                        ("cpu".to_string(), Quantity("10m".into())),
+                        ("memory".to_string(), Quantity("40Mi".into())),
+                    ])),
+                    ..Default::default()
+                }),
+                security_context: Some(container_security()),
+                ..Default::default()
+            })
+        })
+        .collect()
+}
+
 fn err(path: &str, reason: String) -> RenderError {
     RenderError {
         path: path.into(),
@@ -140,7 +195,9 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
         metadata: metadata(vmi, name, uid),
         spec: Some(PodSpec {
             init_containers: (!init_containers.is_empty()).then_some(init_containers),
-            containers: vec![compute_container(cfg, resources, mounts)],
+            containers: std::iter::once(compute_container(cfg, resources, mounts.clone()))
+                .chain(virtiofs_containers(cfg, spec, &mounts))
+                .collect(),
             security_context: Some(pod_security()),
             volumes: Some(volumes),
             node_selector: spec.node_selector.clone(),
@@ -348,6 +405,34 @@ impl Storage {
                 .push(mount(&vname, &format!("{VOLUMES}/{claim}")));
         } else if let Some(h) = &v.host_disk {
             self.add_host_disk(vmi, cfg, i, &vname, h)?;
+        } else if let Some(c) = &v.config_map {
+            // Shared with virtio-fs (validation allows nothing else): where the launcher's
+            // translation looks for it.
+            self.volumes.push(Volume {
+                name: vname.clone(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: c.name.clone(),
+                    optional: c.optional,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            self.mounts
+                .push(mount_ro(&vname, &format!("{VOLUMES}/configmap/{}", c.name)));
+        } else if let Some(sec) = &v.secret {
+            self.volumes.push(Volume {
+                name: vname.clone(),
+                secret: Some(SecretVolumeSource {
+                    secret_name: Some(sec.secret_name.clone()),
+                    optional: sec.optional,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            self.mounts.push(mount_ro(
+                &vname,
+                &format!("{VOLUMES}/secret/{}", sec.secret_name),
+            ));
         } else if v.empty_disk.is_none()
             && v.cloud_init_no_cloud.is_none()
             && v.cloud_init_config_drive.is_none()
@@ -441,6 +526,53 @@ fn kernel_boot_container(spec: &VirtualMachineInstanceSpec) -> Option<Container>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_filesystem_gets_an_unprivileged_virtiofsd_on_the_shared_sockets_directory() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "web", "namespace": "default", "uid": "u-1"},
+            "spec": {"domain": {"memory": {"guest": "64Mi"},
+                                "devices": {"filesystems": [{"name": "data", "virtiofs": {}},
+                                                            {"name": "cfg", "virtiofs": {}}]}},
+                     "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "pvc-1"}},
+                                 {"name": "cfg", "configMap": {"name": "app"}}]},
+        }))
+        .unwrap();
+        let pod = render(
+            &vmi,
+            &PodConfig {
+                launcher_image: "launcher".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let spec = pod.spec.unwrap();
+        let names: Vec<&str> = spec.containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["compute", "virtiofs-data", "virtiofs-cfg"]);
+        let data = &spec.containers[1];
+        let cmd = data.command.clone().unwrap();
+        assert!(cmd.contains(&format!("--socket-path={SOCKETS}/virtiofs-data.sock")));
+        assert!(cmd.contains(&format!("--shared-dir={VOLUMES}/pvc-1")));
+        assert!(!cmd.contains(&"--readonly".to_string()));
+        let cfg = spec.containers[2].command.clone().unwrap();
+        assert!(cfg.contains(&format!("--shared-dir={VOLUMES}/configmap/app")));
+        assert!(cfg.contains(&"--readonly".to_string()), "{cfg:?}");
+        let compute_mounts = spec.containers[0].volume_mounts.clone().unwrap();
+        let cm = compute_mounts
+            .iter()
+            .find(|m| m.name == "volume-cfg")
+            .unwrap();
+        assert_eq!(cm.read_only, Some(true));
+        let volumes = spec.volumes.unwrap();
+        let v = volumes.iter().find(|v| v.name == "volume-cfg").unwrap();
+        assert_eq!(v.config_map.as_ref().unwrap().name, "app");
+        for c in &spec.containers {
+            let sc = c.security_context.clone().unwrap();
+            assert_eq!(sc.run_as_non_root, Some(true), "{}", c.name);
+            assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+        }
+    }
 
     #[test]
     fn every_container_runs_unprivileged() {

@@ -76,6 +76,8 @@ struct Prepared {
     name: String,
     _network: Option<crate::network::PodNetwork>,
     ephemeral: Vec<PathBuf>,
+    /// The manifest's filesystems, served by virtiofsd for their directories.
+    filesystems: Vec<crate::virtiofs::FsSpec>,
 }
 
 /// `-f`: manifest → defaults and validation → translation → files. On a restore the disk
@@ -125,11 +127,23 @@ fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Pr
     } else {
         plan.prepare().map_err(bad_config)?
     };
+    let filesystems = plan
+        .filesystems
+        .iter()
+        .map(|f| crate::virtiofs::FsSpec {
+            tag: f.tag.clone(),
+            source: crate::virtiofs::FsSource::Dir {
+                dir: f.dir.clone(),
+                read_only: f.read_only,
+            },
+        })
+        .collect();
     Ok(Prepared {
         config: plan.config,
         name,
         _network: network,
         ephemeral,
+        filesystems,
     })
 }
 
@@ -228,10 +242,12 @@ pub fn launch(opts: &RunOptions, start: Start) -> Result<u8, Failure> {
             name: "vm".into(),
             _network: None,
             ephemeral: Vec::new(),
+            filesystems: Vec::new(),
         }
     };
     let mut config = prepared.config.clone();
-    let fs_specs = parse_specs(&opts.filesystems, crate::virtiofs::parse_fs)?;
+    let mut fs_specs = prepared.filesystems.clone();
+    fs_specs.extend(parse_specs(&opts.filesystems, crate::virtiofs::parse_fs)?);
     let run_dir = std::env::temp_dir().join(format!("microvirt-{}", std::process::id()));
     let (shares, _virtiofsd) = crate::virtiofs::prepare(&fs_specs, &run_dir).map_err(bad_config)?;
     config.filesystems.extend(shares);

@@ -14,6 +14,9 @@
 //! - hostDisk: the path itself; DiskOrCreate creates a sparse file of `capacity`.
 //! - cloudInitNoCloud / cloudInitConfigDrive: a FAT seed labelled `cidata` / `config-2` in
 //!   `<state_dir>`, attached read-only (see `crate::cloudinit`).
+//! - filesystems (virtiofs): the directory itself — a claim's `<volume_dir>/<claim>`, a
+//!   ConfigMap's `<volume_dir>/configmap/<name>`, a Secret's `<volume_dir>/secret/<name>`
+//!   (both read-only, as KubeVirt shares them); virtiofsd serves it under the filesystem's name.
 //! - kernel: firmware.kernelBoot.container, else the launcher's default guest kernel
 //!   (`--default-kernel`, `$MICROVIRT_KERNEL`, or `/usr/share/microvirt/vmlinux` in the image).
 
@@ -104,6 +107,14 @@ pub struct NicPlan {
     pub multus: Option<String>,
 }
 
+/// A directory the guest mounts with virtio-fs, by `tag`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FsPlan {
+    pub tag: String,
+    pub dir: PathBuf,
+    pub read_only: bool,
+}
+
 #[derive(Debug)]
 pub struct Plan {
     pub name: String,
@@ -111,6 +122,8 @@ pub struct Plan {
     pub config: VmConfig,
     pub disks: Vec<DiskPlan>,
     pub nics: Vec<NicPlan>,
+    /// virtio-fs shares; whoever runs the VM starts (or finds) their virtiofsd.
+    pub filesystems: Vec<FsPlan>,
 }
 
 fn image_path(env: &Environment, image: &str) -> PathBuf {
@@ -433,6 +446,7 @@ pub fn translate(
     }
     let disks = disk_plans(name, spec, env)?;
     let nics = nic_plans(name, spec)?;
+    let filesystems = fs_plans(spec, env)?;
     config.cmdline = command_line(spec, &config, &disks, env);
     config.disks = disks.iter().map(|d| d.config.clone()).collect();
     Ok(Plan {
@@ -440,7 +454,60 @@ pub fn translate(
         config,
         disks,
         nics,
+        filesystems,
     })
+}
+
+/// The directory each filesystem shares: what its volume is on this host.
+fn fs_plans(
+    spec: &VirtualMachineInstanceSpec,
+    env: &Environment,
+) -> Result<Vec<FsPlan>, TranslateError> {
+    let mut out = Vec::new();
+    for (i, fs) in spec.domain.devices.filesystems.iter().enumerate() {
+        let fp = format!("spec.domain.devices.filesystems[{i}].name");
+        let vol = spec
+            .volumes
+            .iter()
+            .find(|v| v.name == fs.name)
+            .ok_or_else(|| err(&fp, "has no volume"))?;
+        let (dir, read_only, what) = if let Some(c) = &vol.config_map {
+            (
+                env.volume_dir.join("configmap").join(&c.name),
+                true,
+                "ConfigMap",
+            )
+        } else if let Some(s) = &vol.secret {
+            (
+                env.volume_dir.join("secret").join(&s.secret_name),
+                true,
+                "Secret",
+            )
+        } else if let Some(claim) = api::migratability::claim_of(vol) {
+            let ro = vol
+                .persistent_volume_claim
+                .as_ref()
+                .and_then(|p| p.read_only)
+                == Some(true);
+            (env.volume_dir.join(claim), ro, "claim")
+        } else {
+            return Err(err(&fp, "its volume is not a directory to share"));
+        };
+        if !dir.is_dir() {
+            return Err(err(
+                &fp,
+                format!("the {what}'s directory {} does not exist", dir.display()),
+            ));
+        }
+        let dir = crate::beneath::resolve(&env.volume_dir, &dir, "volume directory")
+            .map_err(|r| err(&fp, r))?;
+        out.push(FsPlan {
+            tag: fs.name.clone(),
+            dir,
+            read_only,
+        });
+    }
+    Ok(out)
 }
 
 /// kernelBoot from a container image: its kernel and initrd, resolved inside the image.
@@ -716,6 +783,9 @@ impl Plan {
                 n.mac.map_or("-".into(), |m| m.to_string()),
                 n.multus.as_deref().unwrap_or("pod")
             );
+        }
+        for f in &self.filesystems {
+            s += &format!("fs {} dir={} ro={}\n", f.tag, f.dir.display(), f.read_only);
         }
         s
     }

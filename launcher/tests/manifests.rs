@@ -395,3 +395,75 @@ fn links_out_of_images_and_volumes_are_refused() {
         "a link inside the image is followed"
     );
 }
+
+/// KubeVirt's `filesystems` with `virtiofs: {}`: a claim shared read-write and a ConfigMap
+/// shared read-only, each served by a virtiofsd the launcher starts; the probe mounts by tag.
+#[test]
+fn virtiofs_filesystems_share_a_claim_and_a_read_only_config_map() {
+    tests::require_kvm();
+    let f = Fixture::new("virtiofs");
+    let volumes = f.root.join("volumes");
+    std::fs::create_dir_all(volumes.join("shared-pvc")).unwrap();
+    std::fs::write(volumes.join("shared-pvc/hello.txt"), "from the claim\n").unwrap();
+    std::fs::create_dir_all(volumes.join("configmap/app-config")).unwrap();
+    std::fs::write(
+        volumes.join("configmap/app-config/hello.txt"),
+        "from the config map\n",
+    )
+    .unwrap();
+    let manifest = |tag: &str| {
+        format!(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: probe-virtiofs}}
+spec:
+  terminationGracePeriodSeconds: 0
+  domain:
+    memory: {{guest: 64Mi}}
+    devices:
+      autoattachPodInterface: false
+      filesystems:
+        - {{name: data, virtiofs: {{}}}}
+        - {{name: cfg, virtiofs: {{}}}}
+    firmware:
+      kernelBoot:
+        container: {{image: registry.example.com/kernels/linux:6.1, kernelPath: /boot/vmlinux}}
+        kernelArgs: "console=ttyS0 probe.test=virtiofs probe.tag={tag}"
+  volumes:
+    - {{name: data, persistentVolumeClaim: {{claimName: shared-pvc}}}}
+    - {{name: cfg, configMap: {{name: app-config}}}}
+"#
+        )
+    };
+    let run = |tag: &str| {
+        let path = f.root.join(format!("fs-{tag}.yaml"));
+        std::fs::write(&path, manifest(tag)).unwrap();
+        let out = launcher_run(&[
+            "-f",
+            path.to_str().unwrap(),
+            "--image-dir",
+            f.root.join("images").to_str().unwrap(),
+            "--volume-dir",
+            volumes.to_str().unwrap(),
+            "--state-dir",
+            f.root.join("state").to_str().unwrap(),
+        ]);
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let data = run("data");
+    assert!(
+        data.contains("PROBE RESULT virtiofs OK") && data.contains("first-line=from the claim"),
+        "{data}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(volumes.join("shared-pvc/written.txt")).unwrap(),
+        "probe wrote\n"
+    );
+    let cfg = run("cfg");
+    assert!(
+        cfg.contains("PROBE RESULT virtiofs FAIL tag=cfg: CREATE written.txt failed: errno 30"),
+        "{cfg}"
+    );
+    assert!(!volumes.join("configmap/app-config/written.txt").exists());
+}

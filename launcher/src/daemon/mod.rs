@@ -447,6 +447,7 @@ impl Daemon {
         let ephemeral = plan.prepare().map_err(|e| e.to_string())?;
         self.inner.lock().unwrap().nic_info = nic_info;
         let mut config = plan.config;
+        config.filesystems = self.virtiofs_sockets(&plan.filesystems)?;
         config.serial.output = SerialOutput::Writer(self.console.clone());
         let mut fds = [0i32; 2];
         // SAFETY: pipe2 fills two descriptors we then own.
@@ -469,6 +470,40 @@ impl Daemon {
                 vmi: Some(source),
             },
         })
+    }
+
+    /// The sockets of the Pod's virtiofsd containers (one per filesystem, beside the control
+    /// socket), once each listens: they start with the launcher, so allow them a moment.
+    fn virtiofs_sockets(
+        &self,
+        shares: &[crate::translate::FsPlan],
+    ) -> Result<Vec<vmm::config::FsConfig>, String> {
+        let mut out = Vec::new();
+        for f in shares {
+            let dir = self.socket_dir.get().ok_or_else(|| {
+                format!(
+                    "filesystem {}: this launcher has no sockets directory for its virtiofsd",
+                    f.tag
+                )
+            })?;
+            let socket = dir.join(api::launcher_pod::virtiofs_socket(&f.tag));
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !socket.exists() {
+                if std::time::Instant::now() > deadline {
+                    return Err(format!(
+                        "filesystem {}: virtiofsd did not create {} within 60 s",
+                        f.tag,
+                        socket.display()
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            out.push(vmm::config::FsConfig {
+                tag: f.tag.clone(),
+                socket,
+            });
+        }
+        Ok(out)
     }
 
     /// The plan's NICs on the TAPs virt-handler handed over, with their DHCP servers started.

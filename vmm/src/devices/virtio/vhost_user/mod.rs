@@ -187,7 +187,18 @@ impl Connection {
             socket: name.clone(),
             reason,
         };
-        let stream = UnixStream::connect(socket).map_err(|e| connect_err(e.to_string()))?;
+        // A backend that just bound its socket may not listen yet: a few retries, as the vhost
+        // crate's own `connect` does.
+        let mut tries = 5;
+        let stream = loop {
+            match UnixStream::connect(socket) {
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused && tries > 0 => {
+                    tries -= 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                r => break r.map_err(|e| connect_err(e.to_string()))?,
+            }
+        };
         let mut frontend = Frontend::from_stream(stream, min_queues as u64);
         let watchdog = Watchdog::start(std::os::fd::AsRawFd::as_raw_fd(&frontend))
             .map_err(|e| connect_err(e.to_string()))?;
