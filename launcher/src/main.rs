@@ -275,8 +275,9 @@ struct RunArgs {
     /// Do not feed stdin to the guest's console.
     #[arg(long)]
     no_console_input: bool,
-    /// A virtio-blk disk: PATH[,readonly][,serial=S][,cache=none|writeback]. Repeatable; the
-    /// guest sees them in order as vda, vdb, ...
+    /// A virtio-blk disk: PATH[,readonly][,serial=S][,cache=none|writeback], or
+    /// vhost-user=SOCKET for a vhost-user-blk backend (e.g. qemu-storage-daemon). Repeatable;
+    /// the guest sees image disks in order as vda, vdb, ..., then the vhost-user ones.
     #[arg(long = "disk", value_name = "SPEC")]
     disks: Vec<String>,
     /// A virtio-net NIC on an existing TAP: tap=NAME[,mac=MAC] (or fd=N for an open TAP file

@@ -150,7 +150,13 @@ fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Pr
 /// `--kernel ...`: the VM from flags.
 fn flags_config(kernel: PathBuf, opts: &RunOptions) -> Result<VmConfig, Failure> {
     let mut config = VmConfig::new(kernel);
-    config.disks = parse_specs(&opts.disks, parse_disk)?;
+    let (vhost_user, files): (Vec<String>, Vec<String>) = opts
+        .disks
+        .iter()
+        .cloned()
+        .partition(|d| d.starts_with("vhost-user="));
+    config.disks = parse_specs(&files, parse_disk)?;
+    config.vhost_user_disks = parse_specs(&vhost_user, parse_vhost_user_disk)?;
     config.nets = parse_specs(&opts.nets, parse_net)?;
     config.initrd = opts.initrd.clone();
     config.cmdline = opts.cmdline.clone();
@@ -294,6 +300,21 @@ pub fn parse_disk(spec: &str) -> Result<DiskConfig, String> {
         }
     }
     Ok(d)
+}
+
+/// Parses `vhost-user=SOCKET`: a disk a vhost-user-blk backend serves (its size, whether it
+/// is read-only and its cache are the backend's, so no other option applies).
+pub fn parse_vhost_user_disk(spec: &str) -> Result<vmm::config::VhostUserDiskConfig, String> {
+    match spec.strip_prefix("vhost-user=") {
+        Some(socket) if !socket.is_empty() && !socket.contains(',') => {
+            Ok(vmm::config::VhostUserDiskConfig {
+                socket: PathBuf::from(socket),
+            })
+        }
+        _ => Err(format!(
+            "--disk {spec}: vhost-user=SOCKET takes no other option (the backend decides size, read-only and caching)"
+        )),
+    }
 }
 
 /// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]`.

@@ -351,6 +351,19 @@ fn fs_dir_shares_a_host_directory_through_virtiofsd() {
         "--fs tag=docs: dir=/nonexistent/dir: No such file",
     );
     assert_rejected(
+        &[
+            "--kernel",
+            probe,
+            "--disk",
+            "vhost-user=/tmp/x.sock,readonly",
+        ],
+        "--disk vhost-user=/tmp/x.sock,readonly: vhost-user=SOCKET takes no other option",
+    );
+    assert_rejected(
+        &["--kernel", probe, "--disk", "vhost-user=/nonexistent/blk.sock"],
+        "--disk vhost-user=/nonexistent/blk.sock: vhost-user backend /nonexistent/blk.sock: cannot connect",
+    );
+    assert_rejected(
         &["--kernel", probe, "--fs", "tag=a b,socket=/tmp/x.sock"],
         "--fs a b: the tag must be 1 to 36 printable ASCII characters",
     );

@@ -83,9 +83,24 @@ fn open_backends(config: &VmConfig, lock_disks: bool) -> Result<Backends, VmErro
         })?;
         filesystems.push((conn, f.clone()));
     }
+    let mut vhost_user_disks = Vec::with_capacity(config.vhost_user_disks.len());
+    for d in &config.vhost_user_disks {
+        use crate::devices::virtio::vhost_user::{blk, Connection};
+        let disk_err = |reason: String| ConfigError::Disk {
+            path: format!("vhost-user={}", d.socket.display()),
+            reason,
+        };
+        let mut conn =
+            Connection::open(&d.socket, blk::QUEUES).map_err(|e| disk_err(e.to_string()))?;
+        let cfg = conn
+            .config(blk::CONFIG_LEN)
+            .map_err(|e| disk_err(e.to_string()))?;
+        vhost_user_disks.push((conn, cfg));
+    }
     Ok(Backends {
         disks,
         taps,
+        vhost_user_disks,
         filesystems,
     })
 }
@@ -293,7 +308,7 @@ impl Vm {
         let mem_size = config.memory_mib * MIB;
         let vm_fd = Arc::new(create_vm(&kvm)?);
         // vhost-user backends map guest RAM themselves: it must be shared memory.
-        let mut ram = if config.filesystems.is_empty() {
+        let mut ram = if !config.has_vhost_user_devices() {
             GuestRam::anonymous(&ram_regions(mem_size))?
         } else {
             GuestRam::shared(&ram_regions(mem_size))?

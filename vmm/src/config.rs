@@ -31,8 +31,11 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// virtio-net NICs, in guest order (eth0, eth1, ...).
     pub nets: Vec<NetConfig>,
-    /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. Any of
-    /// them makes guest RAM a shared memfd the backends map.
+    /// virtio-blk disks a vhost-user-blk backend serves (qemu-storage-daemon, SPDK), attached
+    /// after `disks` (the guest sees them next, in order).
+    pub vhost_user_disks: Vec<VhostUserDiskConfig>,
+    /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. These
+    /// and `vhost_user_disks` make guest RAM a shared memfd the backends map.
     pub filesystems: Vec<FsConfig>,
     /// Each vCPU and the device thread install their seccomp filter (`seccomp`) before they
     /// run guest-driven code. On by default; off only for debugging.
@@ -112,6 +115,13 @@ pub struct NetConfig {
     pub mac: Option<MacAddr>,
 }
 
+/// A disk whose backend listens on a vhost-user socket; whether it is read-only, its size and
+/// its limits are the backend's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VhostUserDiskConfig {
+    pub socket: PathBuf,
+}
+
 /// A virtio-fs share: the tag the guest mounts (`mount -t virtiofs TAG /mnt`) and the
 /// vhost-user socket of the backend that serves it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -180,6 +190,7 @@ impl VmConfig {
             boot_timer: false,
             disks: Vec::new(),
             nets: Vec::new(),
+            vhost_user_disks: Vec::new(),
             filesystems: Vec::new(),
             seccomp: true,
         }
@@ -264,6 +275,11 @@ pub enum ConfigError {
 }
 
 impl VmConfig {
+    /// True when a vhost-user backend maps guest RAM (it must then be shared memory).
+    pub fn has_vhost_user_devices(&self) -> bool {
+        !self.filesystems.is_empty() || !self.vhost_user_disks.is_empty()
+    }
+
     /// Checks everything that can be checked without KVM. `max_vcpus` is KVM's limit when known.
     pub fn validate(&self, kvm_max_vcpus: Option<usize>) -> Result<(), ConfigError> {
         self.validate_devices(kvm_max_vcpus)?;
@@ -314,7 +330,10 @@ impl VmConfig {
             )));
         }
         // Disks, NICs and shares share the virtio window and its IRQs.
-        let devices = self.disks.len() + self.nets.len() + self.filesystems.len();
+        let devices = self.disks.len()
+            + self.vhost_user_disks.len()
+            + self.nets.len()
+            + self.filesystems.len();
         if devices > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices {
                 given: devices,

@@ -26,7 +26,7 @@ use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::persist::NetArgs;
 use crate::devices::virtio::net::{Net, Tap};
 use crate::devices::virtio::persist::TransportArgs;
-use crate::devices::virtio::vhost_user::{fs, Connection, VhostUserDevice};
+use crate::devices::virtio::vhost_user::{blk, fs, Connection, VhostUserDevice};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::devices::EventFdTrigger;
 use crate::end::{VmEnd, VmEndSignal};
@@ -278,6 +278,8 @@ pub enum VirtioKind {
 pub struct Backends {
     pub disks: Vec<(Disk, DiskConfig)>,
     pub taps: Vec<(Tap, NetConfig)>,
+    /// vhost-user-blk disks, connected, with the config space their backend announced.
+    pub vhost_user_disks: Vec<(Connection, Vec<u8>)>,
     /// virtio-fs shares, connected to their backends.
     pub filesystems: Vec<(Connection, FsConfig)>,
 }
@@ -458,14 +460,20 @@ impl DeviceManager {
             mmio: &mut mmio,
             em: &mut em,
         };
+        let file_disks = backends.disks.len();
         for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
             place.attach_disk(&mut dm, i, disk, dcfg, blocks.get(i).copied())?;
         }
+        if state.is_some()
+            && !(backends.filesystems.is_empty() && backends.vhost_user_disks.is_empty())
+        {
+            return Err(VHOST_USER_NOT_PERSISTED.into());
+        }
+        for (i, (conn, config)) in backends.vhost_user_disks.into_iter().enumerate() {
+            place.attach_vhost_user_disk(&mut dm, file_disks + i, conn, config)?;
+        }
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
             place.attach_nic(&mut dm, i, tap, ncfg, nets.get(i).copied())?;
-        }
-        if state.is_some() && !backends.filesystems.is_empty() {
-            return Err(VHOST_USER_NOT_PERSISTED.into());
         }
         for (conn, fcfg) in backends.filesystems {
             place.attach_fs(&mut dm, conn, fcfg)?;
@@ -670,6 +678,29 @@ impl VirtioPlacer<'_> {
 }
 
 impl VirtioPlacer<'_> {
+    /// The `i`th disk (vda, vdb, ... after the file-backed ones), served by a vhost-user-blk
+    /// backend whose config space is `config`.
+    fn attach_vhost_user_disk(
+        &mut self,
+        dm: &mut DeviceManager,
+        i: usize,
+        conn: Connection,
+        config: Vec<u8>,
+    ) -> Result<(), String> {
+        let id = crate::config::disk_name(i);
+        let device = VhostUserDevice::new(
+            id.clone(),
+            crate::devices::virtio::TYPE_BLOCK,
+            vec![blk::QUEUE_SIZE; blk::QUEUES],
+            config,
+            conn,
+        )
+        .map_err(dev_err("vhost-user-blk"))?;
+        self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
+            device,
+        })
+    }
+
     /// A virtio-fs share over its backend's connection.
     fn attach_fs(
         &mut self,
@@ -693,7 +724,7 @@ impl VirtioPlacer<'_> {
 }
 
 /// Why a snapshot, restore or migration refuses a VM with vhost-user devices.
-pub const VHOST_USER_NOT_PERSISTED: &str = "virtio-fs shares are served by a vhost-user backend whose state (open files, ring positions) this VMM cannot yet save, restore or migrate; stop the VM instead, or remove the share";
+pub const VHOST_USER_NOT_PERSISTED: &str = "vhost-user devices (virtio-fs shares, vhost-user disks) are served by a backend whose state (open files, ring positions, in-flight requests) this VMM cannot yet save, restore or migrate; stop the VM instead, or remove the device";
 
 /// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
 /// event manager; with `saved`, the transport (and the device's activation) is restored.

@@ -12,6 +12,7 @@
 //! backend that stops answering costs that thread seconds, not the VM; a backend that fails
 //! or disconnects makes the device ask for a reset (DEVICE_NEEDS_RESET), and the VM runs on.
 
+pub mod blk;
 mod event_handler;
 pub mod fs;
 
@@ -44,6 +45,7 @@ fn wanted_protocol_features() -> VhostUserProtocolFeatures {
     VhostUserProtocolFeatures::MQ
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+        | VhostUserProtocolFeatures::CONFIG
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -220,9 +222,14 @@ impl Connection {
         let features = frontend.get_features().map_err(step_err("GET_FEATURES"))?;
         let mut protocol = VhostUserProtocolFeatures::empty();
         if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
-            // The protocol-features bit must be acked before GET_PROTOCOL_FEATURES.
+            // The vhost crate wants the protocol-features bit acked before
+            // GET_PROTOCOL_FEATURES, and libvhost-user refuses a feature set without
+            // VERSION_1: ack what the device may use; activation acks the driver's choice.
             frontend
-                .set_features(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+                .set_features(
+                    features & DRIVER_VISIBLE_FEATURES
+                        | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
+                )
                 .map_err(step_err("SET_FEATURES"))?;
             let offered = frontend
                 .get_protocol_features()
@@ -261,6 +268,38 @@ impl Connection {
 
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// The backend's config space, `len` bytes (VHOST_USER_GET_CONFIG): a device whose config
+    /// only the backend knows (a disk's capacity) needs the CONFIG protocol feature.
+    pub fn config(&mut self, len: usize) -> Result<Vec<u8>, VhostUserError> {
+        let socket = self.socket.display().to_string();
+        if !self.protocol.contains(VhostUserProtocolFeatures::CONFIG) {
+            return Err(VhostUserError::Unsuitable {
+                socket,
+                reason: "does not offer its config space (protocol feature CONFIG)".into(),
+            });
+        }
+        let _guard = self.watchdog.arm();
+        let zeros = vec![0u8; len];
+        let got = self.frontend.get_config(
+            0,
+            len as u32,
+            vhost::vhost_user::message::VhostUserConfigFlags::empty(),
+            &zeros,
+        );
+        match got {
+            Ok((_, bytes)) => Ok(bytes),
+            Err(e) => Err(VhostUserError::Protocol {
+                socket,
+                step: "GET_CONFIG",
+                reason: if self.watchdog.fired() {
+                    timed_out()
+                } else {
+                    reason(e)
+                },
+            }),
+        }
     }
 
     /// The features the driver may be offered.
