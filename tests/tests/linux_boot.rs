@@ -396,3 +396,80 @@ fn linux_snapshotted_then_migrated_mid_boot_reaches_init() {
     }
     panic!("{}", reports.join("\n----- next attempt -----\n"));
 }
+
+/// Real-driver acceptance for virtio-fs: Linux's virtio-fs driver (interrupt-driven, unlike
+/// the probe's polling one) mounts its root filesystem from a directory virtiofsd serves
+/// (`root=TAG rootfstype=virtiofs`, no initramfs) and runs init from it.
+#[test]
+fn linux_mounts_its_root_from_virtio_fs_and_runs_init_from_it() {
+    require_kvm();
+    let (profile, extra) = linux_profile();
+    let images = build_guest_image(&["linux", profile]);
+    let vmlinux = images[0].clone();
+    let dir = std::env::temp_dir().join(format!("mv-linux-virtiofs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let root = dir.join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    // The initramfs's files, unpacked, are the shared root.
+    let status = std::process::Command::new("sh")
+        .arg("-ec")
+        .arg(format!(
+            "gzip -dc {} | (cd {} && cpio -idm --quiet)",
+            images[1].display(),
+            root.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(status.success(), "unpacking the initramfs: {status}");
+    let socket = dir.join("fs.sock");
+    let _one = ONE_LINUX_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let daemons = std::sync::Mutex::new(Vec::new());
+    let make = |console: &Console| {
+        let _ = std::fs::remove_file(&socket);
+        let child = std::process::Command::new("virtiofsd")
+            .arg("--shared-dir")
+            .arg(&root)
+            .arg("--socket-path")
+            .arg(&socket)
+            .args(["--sandbox", "none", "--cache", "auto"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("virtiofsd");
+        daemons.lock().unwrap().push(child);
+        wait_for_path(&socket, Duration::from_secs(10));
+        let mut cfg = VmConfig::new(&vmlinux);
+        cfg.memory_mib = 256;
+        cfg.vcpus = 1;
+        cfg.cmdline = format!(
+            "console=ttyS0 reboot=k panic=-1 root=rootfs rootfstype=virtiofs rw init=/init {extra}"
+        );
+        cfg.filesystems = vec![vmm::config::FsConfig {
+            tag: "rootfs".into(),
+            socket: socket.clone(),
+        }];
+        cfg.serial.output = console.output();
+        cfg
+    };
+    let (reached, log, lost) = boot_to(&make, "Run /init as init process");
+    for mut d in daemons.into_inner().unwrap() {
+        let _ = d.kill();
+        let _ = d.wait();
+    }
+    let log_path = std::env::temp_dir().join("microvirt-linux-virtiofs.log");
+    std::fs::write(&log_path, &log).unwrap();
+    assert!(
+        reached,
+        "no `Run /init` in {} attempts; console in {}:\n{}",
+        lost.len(),
+        log_path.display(),
+        lost.join("\n----- next attempt -----\n")
+    );
+    assert!(
+        log.contains("VFS: Mounted root (virtiofs filesystem)"),
+        "root not mounted from virtio-fs:\n{log}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
