@@ -318,12 +318,46 @@ fn validate_memory(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) {
         ),
         _ => {}
     }
-    if d.memory.as_ref().is_some_and(|m| m.hugepages.is_some()) {
-        e.unsupported(
-            format!("{p}.domain.memory.hugepages"),
-            "hugepages",
-            "remove it",
-        );
+    if let Some(h) = d.memory.as_ref().and_then(|m| m.hugepages.as_ref()) {
+        let hp = format!("{p}.domain.memory.hugepages.pageSize");
+        match hugepage_bytes(h) {
+            Err(why) => e.add(hp, why),
+            Ok(page) => {
+                if let Some(Ok(b)) = guest_memory(spec) {
+                    if b % page != 0 {
+                        e.add(
+                            format!("{p}.domain.memory.guest"),
+                            format!(
+                                "{b} bytes is not a whole number of {} huge pages",
+                                page_label(page)
+                            ),
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `memory.hugepages` as a page size in bytes: KubeVirt's `pageSize`, 2Mi or 1Gi (what x86
+/// hugetlb pools hold).
+pub fn hugepage_bytes(h: &serde_json::Value) -> Result<u64, String> {
+    match h.get("pageSize").and_then(|p| p.as_str()) {
+        None => Err("is required; accepted: 2Mi, 1Gi".into()),
+        Some(s) => match parse_bytes(s) {
+            Ok(b) if b == 2 << 20 || b == 1 << 30 => Ok(b),
+            _ => Err(format!(
+                "{s:?} is not a huge page size of this host kind; accepted: 2Mi, 1Gi"
+            )),
+        },
+    }
+}
+
+fn page_label(bytes: u64) -> &'static str {
+    if bytes == 2 << 20 {
+        "2Mi"
+    } else {
+        "1Gi"
     }
 }
 

@@ -349,3 +349,34 @@ spec:
         assert!(text.contains(e), "missing {e:?} in:\n{text}");
     }
 }
+
+#[test]
+fn hugepages_take_kubevirt_page_sizes_and_whole_pages_of_guest_memory() {
+    let with = |page: &str, guest: &str| {
+        vmi(&format!(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: hp, namespace: ns}}
+spec:
+  domain:
+    memory: {{guest: {guest}, hugepages: {{pageSize: {page}}}}}
+    devices: {{}}
+"#
+        ))
+    };
+    validate_vmi(&with("2Mi", "1Gi")).unwrap();
+    validate_vmi(&with("1Gi", "2Gi")).unwrap();
+    let text = validate_vmi(&with("4Ki", "64Mi")).unwrap_err().to_string();
+    assert!(
+        text.contains("spec.domain.memory.hugepages.pageSize: \"4Ki\" is not a huge page size"),
+        "{text}"
+    );
+    let text = validate_vmi(&with("2Mi", "65Mi")).unwrap_err().to_string();
+    assert!(
+        text.contains(
+            "spec.domain.memory.guest: 68157440 bytes is not a whole number of 2Mi huge pages"
+        ),
+        "{text}"
+    );
+}

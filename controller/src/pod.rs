@@ -280,9 +280,24 @@ fn resources(spec: &VirtualMachineInstanceSpec) -> Result<ResourceRequirements, 
         .map_err(|r| err("spec.domain.memory.guest", r))?;
     let n = vcpus(spec);
     let mut requests = BTreeMap::new();
+    // Huge-page guest RAM comes from the node's hugetlb pool, a resource of its own (requests
+    // equal to limits, as Kubernetes requires); the memory request is then only the overhead.
+    let hugepages = match spec
+        .domain
+        .memory
+        .as_ref()
+        .and_then(|m| m.hugepages.as_ref())
+    {
+        Some(h) => Some(
+            api::validation::hugepage_bytes(h)
+                .map_err(|r| err("spec.domain.memory.hugepages.pageSize", r))?,
+        ),
+        None => None,
+    };
+    let guest_in_memory = if hugepages.is_some() { 0 } else { guest };
     requests.insert(
         "memory".to_string(),
-        mib_quantity(guest + memory_overhead(guest, n)),
+        mib_quantity(guest_in_memory + memory_overhead(guest, n)),
     );
     let cpu = spec
         .domain
@@ -294,6 +309,15 @@ fn resources(spec: &VirtualMachineInstanceSpec) -> Result<ResourceRequirements, 
     requests.insert("cpu".to_string(), cpu);
     let mut limits = BTreeMap::new();
     limits.insert(RESOURCE_KVM.to_string(), Quantity("1".into()));
+    if let Some(page) = hugepages {
+        let name = if page == 2 << 20 {
+            "hugepages-2Mi"
+        } else {
+            "hugepages-1Gi"
+        };
+        requests.insert(name.to_string(), mib_quantity(guest));
+        limits.insert(name.to_string(), mib_quantity(guest));
+    }
     if !spec.domain.devices.interfaces.is_empty() {
         limits.insert(RESOURCE_TUN.to_string(), Quantity("1".into()));
     }
@@ -310,9 +334,10 @@ fn resources(spec: &VirtualMachineInstanceSpec) -> Result<ResourceRequirements, 
         .and_then(|r| r.limits.get("memory"))
     {
         let bytes = parse_bytes(&l.0).map_err(|r| err("spec.domain.resources.limits.memory", r))?;
+        let in_memory = if hugepages.is_some() { 0 } else { bytes };
         limits.insert(
             "memory".into(),
-            mib_quantity(bytes + memory_overhead(guest, n)),
+            mib_quantity(in_memory + memory_overhead(guest, n)),
         );
     }
     Ok(ResourceRequirements {
@@ -572,6 +597,26 @@ mod tests {
             assert_eq!(sc.run_as_non_root, Some(true), "{}", c.name);
             assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
         }
+    }
+
+    #[test]
+    fn huge_page_guests_request_the_pool_and_only_the_overhead_as_memory() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "web", "namespace": "default", "uid": "u-1"},
+            "spec": {"domain": {"memory": {"guest": "1Gi", "hugepages": {"pageSize": "2Mi"}},
+                                "devices": {}}},
+        }))
+        .unwrap();
+        let r = resources(&vmi.spec).unwrap();
+        let (req, lim) = (r.requests.unwrap(), r.limits.unwrap());
+        assert_eq!(req["hugepages-2Mi"], Quantity("1024Mi".into()));
+        assert_eq!(lim["hugepages-2Mi"], Quantity("1024Mi".into()));
+        assert_eq!(
+            req["memory"],
+            mib_quantity(memory_overhead(1 << 30, 1)),
+            "guest RAM is not ordinary memory"
+        );
     }
 
     #[test]

@@ -289,6 +289,9 @@ struct RunArgs {
     /// tag=TAG,dir=DIR[,readonly] (the launcher runs virtiofsd for DIR). Repeatable.
     #[arg(long = "fs", value_name = "SPEC")]
     filesystems: Vec<String>,
+    /// Back guest RAM with huge pages of this size (2Mi or 1Gi) from the host's hugetlb pool.
+    #[arg(long, value_name = "SIZE")]
+    hugepages: Option<String>,
     #[command(flatten)]
     host: HostLayout,
     /// With -f: `nat` wires a pod network as a TAP on a NAT'd bridge (guest 10.0.2.2/24 via
@@ -405,6 +408,7 @@ impl RunArgs {
             disks: self.disks.clone(),
             nets: self.nets.clone(),
             filesystems: self.filesystems.clone(),
+            hugepages: self.hugepages.clone(),
             environment: self.host.environment(),
             instancetype_dir: self.host.instancetype_dir.clone(),
             seccomp: seccomp_setting(&self.host),

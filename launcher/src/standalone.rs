@@ -37,6 +37,8 @@ pub struct RunOptions {
     pub nets: Vec<String>,
     /// `--fs` specs (see [`crate::virtiofs::parse_fs`]).
     pub filesystems: Vec<String>,
+    /// `--hugepages SIZE`.
+    pub hugepages: Option<String>,
     pub environment: crate::translate::Environment,
     pub instancetype_dir: Option<PathBuf>,
     pub seccomp: bool,
@@ -257,6 +259,12 @@ pub fn launch(opts: &RunOptions, start: Start) -> Result<u8, Failure> {
     let run_dir = std::env::temp_dir().join(format!("microvirt-{}", std::process::id()));
     let (shares, _virtiofsd) = crate::virtiofs::prepare(&fs_specs, &run_dir).map_err(bad_config)?;
     config.filesystems.extend(shares);
+    if let Some(h) = &opts.hugepages {
+        config.hugepages = Some(
+            h.parse()
+                .map_err(|e| bad_config(format!("--hugepages {h}: {e}")))?,
+        );
+    }
     config.boot_timer = opts.boot_timer;
     config.seccomp = opts.seccomp;
     let console = crate::foreground::Console {

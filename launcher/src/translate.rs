@@ -434,6 +434,20 @@ pub fn translate(
     // Not a whole MiB (a decimal `1024M`): rounded up, never down (README, "Memory sizes").
     config.memory_mib = api::quantity::guest_mib(memory);
     config.vcpus = vcpus(spec).min(254) as u8;
+    if let Some(h) = spec
+        .domain
+        .memory
+        .as_ref()
+        .and_then(|m| m.hugepages.as_ref())
+    {
+        let page = api::validation::hugepage_bytes(h)
+            .map_err(|r| err("spec.domain.memory.hugepages.pageSize", r))?;
+        config.hugepages = Some(if page == 2 << 20 {
+            vmm::config::HugePageSize::Size2M
+        } else {
+            vmm::config::HugePageSize::Size1G
+        });
+    }
     config.seccomp = env.seccomp;
     config.initrd = env.default_initrd.clone();
     let kernel_boot = spec
@@ -731,10 +745,12 @@ impl Plan {
     pub fn describe(&self) -> String {
         let c = &self.config;
         let mut s = format!(
-            "vm {}\nvcpus {}\nmemory_mib {}\nkernel {}\ninitrd {}\ncmdline {}\n",
+            "vm {}\nvcpus {}\nmemory_mib {}{}\nkernel {}\ninitrd {}\ncmdline {}\n",
             self.name,
             c.vcpus,
             c.memory_mib,
+            c.hugepages
+                .map_or(String::new(), |h| format!(" hugepages={}", h.label())),
             c.kernel.display(),
             c.initrd
                 .as_ref()

@@ -187,6 +187,19 @@ impl Drop for Registration {
     }
 }
 
+/// Guest RAM as `config` needs it: a memfd when vhost-user backends map it or huge pages back
+/// it, anonymous memory otherwise.
+pub(crate) fn guest_ram(config: &VmConfig) -> Result<GuestRam, VmError> {
+    let regions = ram_regions(config.memory_mib * MIB);
+    Ok(
+        if config.has_vhost_user_devices() || config.hugepages.is_some() {
+            GuestRam::shared(&regions, config.hugepages)?
+        } else {
+            GuestRam::anonymous(&regions)?
+        },
+    )
+}
+
 /// Step 5: one KVM vCPU per configured vCPU (configured later by boot or restore).
 fn create_vcpus(vm_fd: &VmFd, count: u8) -> Result<Vec<Vcpu>, VmError> {
     (0..count)
@@ -307,12 +320,7 @@ impl Vm {
         let extent = boot::check_fits(config.memory_mib, &config.kernel, config.initrd.as_deref())?;
         let mem_size = config.memory_mib * MIB;
         let vm_fd = Arc::new(create_vm(&kvm)?);
-        // vhost-user backends map guest RAM themselves: it must be shared memory.
-        let mut ram = if !config.has_vhost_user_devices() {
-            GuestRam::anonymous(&ram_regions(mem_size))?
-        } else {
-            GuestRam::shared(&ram_regions(mem_size))?
-        };
+        let mut ram = guest_ram(config)?;
         ram.use_manual_protect(&vm_fd);
         let registration = Registration::start(&vm_fd, &ram, config.boot_timer)?;
         let backends = open_backends(config, true)?;

@@ -37,6 +37,10 @@ pub struct VmConfig {
     /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. These
     /// and `vhost_user_disks` make guest RAM a shared memfd the backends map.
     pub filesystems: Vec<FsConfig>,
+    /// Back guest RAM with huge pages of this size (KubeVirt's `memory.hugepages.pageSize`):
+    /// a hugetlb memfd, reserved when the VM is built, so a host short of pages refuses the VM
+    /// instead of failing the guest later.
+    pub hugepages: Option<HugePageSize>,
     /// Each vCPU and the device thread install their seccomp filter (`seccomp`) before they
     /// run guest-driven code. On by default; off only for debugging.
     pub seccomp: bool,
@@ -113,6 +117,43 @@ pub struct NetConfig {
     pub tap: TapSource,
     /// None: a locally administered address is generated.
     pub mac: Option<MacAddr>,
+}
+
+/// A huge page size the host's hugetlb pool provides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HugePageSize {
+    Size2M,
+    Size1G,
+}
+
+impl HugePageSize {
+    pub fn bytes(self) -> u64 {
+        match self {
+            HugePageSize::Size2M => 2 << 20,
+            HugePageSize::Size1G => 1 << 30,
+        }
+    }
+
+    /// As Kubernetes writes it (`hugepages-2Mi`).
+    pub fn label(self) -> &'static str {
+        match self {
+            HugePageSize::Size2M => "2Mi",
+            HugePageSize::Size1G => "1Gi",
+        }
+    }
+}
+
+impl std::str::FromStr for HugePageSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "2Mi" | "2M" => Ok(HugePageSize::Size2M),
+            "1Gi" | "1G" => Ok(HugePageSize::Size1G),
+            other => Err(format!(
+                "{other:?} is not a huge page size; accepted: 2Mi, 1Gi"
+            )),
+        }
+    }
 }
 
 /// A disk whose backend listens on a vhost-user socket; whether it is read-only, its size and
@@ -192,6 +233,7 @@ impl VmConfig {
             nets: Vec::new(),
             vhost_user_disks: Vec::new(),
             filesystems: Vec::new(),
+            hugepages: None,
             seccomp: true,
         }
     }
@@ -260,6 +302,8 @@ pub enum ConfigError {
     Disk { path: String, reason: String },
     #[error("--net {tap}: {reason}")]
     Net { tap: String, reason: String },
+    #[error("--hugepages {size}: {reason}")]
+    Hugepages { size: String, reason: String },
     #[error("--fs {tag}: {reason}")]
     Fs { tag: String, reason: String },
     #[error("{given} virtio devices requested; at most {max} are supported")]
@@ -312,6 +356,18 @@ impl VmConfig {
                 min: MIN_MEMORY_MIB,
                 max: MAX_MEMORY_MIB,
             });
+        }
+        if let Some(h) = self.hugepages {
+            if !(self.memory_mib << 20).is_multiple_of(h.bytes()) {
+                return Err(ConfigError::Hugepages {
+                    size: h.label().into(),
+                    reason: format!(
+                        "--memory {} MiB is not a whole number of {} pages",
+                        self.memory_mib,
+                        h.label()
+                    ),
+                });
+            }
         }
         // The NUL terminator also needs room.
         if self.cmdline.len() >= CMDLINE_MAX_SIZE {

@@ -120,15 +120,24 @@ impl GuestRam {
     /// file offset. vhost-user backends get the descriptor and the offsets
     /// (`VHOST_USER_SET_MEM_TABLE`) and read and write the guest's buffers in place. Pages are
     /// allocated on first touch, as for anonymous RAM.
-    pub fn shared(regions: &[(GuestAddress, usize)]) -> Result<GuestRam, MemoryError> {
+    ///
+    /// With `huge`, the memfd is hugetlb and the mapping reserves its pages up front (no
+    /// `MAP_NORESERVE`): a host without enough free huge pages fails here, with the count,
+    /// rather than the guest dying of SIGBUS on a page the pool cannot give.
+    pub fn shared(
+        regions: &[(GuestAddress, usize)],
+        huge: Option<crate::config::HugePageSize>,
+    ) -> Result<GuestRam, MemoryError> {
         let layout = file_layout(regions);
-        let file =
-            Arc::new(
-                sealed_memfd(file_end(&layout)).map_err(|source| MemoryError::File {
-                    path: "memfd guest-ram".into(),
-                    source,
-                })?,
-            );
+        let file = sealed_memfd(file_end(&layout), huge).map_err(|source| MemoryError::File {
+            path: "memfd guest-ram".into(),
+            source,
+        })?;
+        let file = Arc::new(file);
+        let flags = match huge {
+            None => libc::MAP_SHARED | libc::MAP_NORESERVE,
+            Some(_) => libc::MAP_SHARED,
+        };
         let mut mapped = Vec::with_capacity(layout.len());
         for r in &layout {
             let size = r.size as usize;
@@ -141,9 +150,17 @@ impl GuestRam {
             )
             .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+            .with_mmap_flags(flags)
             .build()
-            .map_err(map_err)?;
+            .map_err(|e| match huge {
+                Some(h) => MemoryError::Map(format!(
+                    "{} bytes of guest RAM on {} huge pages: {e}; {}",
+                    r.size,
+                    h.label(),
+                    huge_pages_free(h)
+                )),
+                None => map_err(e),
+            })?;
             mapped.push(
                 GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
                     .ok_or_else(|| map_err("region wraps the address space"))?,
@@ -446,12 +463,17 @@ impl GuestRam {
 /// A memfd of `len` bytes sealed against growing and shrinking (`F_SEAL_SEAL` last, so the
 /// seals themselves cannot change). Written by hand: vm-memory maps files but does not create
 /// them, and memfd_create is one system call.
-fn sealed_memfd(len: u64) -> std::io::Result<File> {
+fn sealed_memfd(len: u64, huge: Option<crate::config::HugePageSize>) -> std::io::Result<File> {
     use std::os::fd::FromRawFd;
     let name = c"microvirt-guest-ram";
+    let mut flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    flags |= match huge {
+        None => 0,
+        Some(crate::config::HugePageSize::Size2M) => libc::MFD_HUGETLB | libc::MFD_HUGE_2MB,
+        Some(crate::config::HugePageSize::Size1G) => libc::MFD_HUGETLB | libc::MFD_HUGE_1GB,
+    };
     // SAFETY: a valid NUL-terminated name; the result is checked.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -464,6 +486,24 @@ fn sealed_memfd(len: u64) -> std::io::Result<File> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(file)
+}
+
+/// What the host's pool of `size` pages has free, for an error message.
+fn huge_pages_free(size: crate::config::HugePageSize) -> String {
+    let kb = size.bytes() >> 10;
+    let dir = format!("/sys/kernel/mm/hugepages/hugepages-{kb}kB");
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("{dir}/{f}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    match (read("free_hugepages"), read("resv_hugepages")) {
+        (Some(free), Some(resv)) => format!(
+            "the host has {} of them free (reserve more in {dir}/nr_hugepages)",
+            free.saturating_sub(resv)
+        ),
+        _ => format!("the host has no {} huge page pool ({dir})", size.label()),
+    }
 }
 
 /// The region's whole bitmap (vm-memory's `bitmap()` on a region gives a slice view).

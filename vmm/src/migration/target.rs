@@ -14,9 +14,9 @@ use super::{MigrationError, MigrationFailure, Phase, Side};
 use crate::builder::RestoreShell;
 use crate::config::VmConfig;
 use crate::layout::{ram_regions, MIB};
-use crate::memory::{file_layout, GuestRam, RegionLayout, PAGE_SIZE};
+use crate::memory::{file_layout, RegionLayout, PAGE_SIZE};
 use crate::persist::{self, FORMAT_VERSION};
-use crate::vm::{Vm, VmError};
+use crate::vm::Vm;
 
 impl Vm {
     /// Receives a VM from the source at the other end of `stream` and runs it with `config`'s
@@ -110,7 +110,7 @@ fn prepare<S: Read + Write>(
     if hello.memory != layout {
         return Ok(Err("the memory layouts differ".into()));
     }
-    let ram = GuestRam::anonymous(&ram_regions(config.memory_mib * MIB)).map_err(VmError::from)?;
+    let ram = crate::builder::guest_ram(config)?;
     // A host resource missing here refuses the migration.
     Ok(RestoreShell::prepare(config, ram, false)
         .map_err(|e| format!("cannot prepare the machine: {e}")))
