@@ -62,7 +62,9 @@ fn guest_ram_on_2mi_huge_pages_is_reserved_at_build_and_a_short_pool_is_refused(
     // 256 MiB needs 128 pages; the pool has 48 more than before.
     let mut big = probe_config("boot", 1, 256, &console);
     big.hugepages = Some(HugePageSize::Size2M);
-    let e = Vm::build(&big).err().expect("a VM larger than the pool");
+    let Err(e) = Vm::build(&big) else {
+        panic!("a VM larger than the pool was built")
+    };
     let text = e.to_string();
     assert!(
         text.contains("2Mi huge pages") && text.contains("of them free"),
@@ -72,7 +74,9 @@ fn guest_ram_on_2mi_huge_pages_is_reserved_at_build_and_a_short_pool_is_refused(
     // Memory that is not a whole number of pages.
     let mut odd = probe_config("boot", 1, 65, &console);
     odd.hugepages = Some(HugePageSize::Size2M);
-    let e = Vm::build(&odd).err().expect("65 MiB on 2 MiB pages");
+    let Err(e) = Vm::build(&odd) else {
+        panic!("65 MiB on 2 MiB pages was built")
+    };
     assert!(e.is_config_error(), "{e}");
     assert!(
         e.to_string()
