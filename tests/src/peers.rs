@@ -217,3 +217,65 @@ print(k["AccessKeyId"], k["SecretAccessKey"])
     let (id, secret) = keys.split_once(' ').expect("an access key");
     (server, id.to_string(), secret.to_string())
 }
+
+/// A backend process on a unix socket (virtiofsd, qemu-storage-daemon), killed on drop.
+pub struct SocketDaemon(pub Child);
+
+impl SocketDaemon {
+    /// `command`, started, once `socket` exists.
+    pub fn start(mut command: Command, socket: &Path) -> SocketDaemon {
+        let _ = std::fs::remove_file(socket);
+        let child = command
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("{command:?}: {e} (scripts/install-prerequisites installs it)")
+            });
+        crate::wait_for_path(socket, Duration::from_secs(10));
+        SocketDaemon(child)
+    }
+
+    /// Kills it now (a backend dying under a running VM).
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for SocketDaemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// virtiofsd serving `dir` on `socket` (no sandbox: the tests run it as root beside them).
+pub fn virtiofsd(dir: &Path, socket: &Path, read_only: bool) -> SocketDaemon {
+    let mut cmd = Command::new("virtiofsd");
+    cmd.arg("--shared-dir")
+        .arg(dir)
+        .arg("--socket-path")
+        .arg(socket)
+        .args(["--sandbox", "none", "--cache", "never"]);
+    if read_only {
+        cmd.arg("--readonly");
+    }
+    SocketDaemon::start(cmd, socket)
+}
+
+/// qemu-storage-daemon exporting the raw `image` as vhost-user-blk on `socket`.
+pub fn storage_daemon(image: &Path, socket: &Path, writable: bool) -> SocketDaemon {
+    let mut cmd = Command::new("qemu-storage-daemon");
+    cmd.arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=file,filename={}",
+            image.display()
+        ))
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=export,addr.type=unix,addr.path={},node-name=file,writable={}",
+            socket.display(),
+            if writable { "on" } else { "off" }
+        ));
+    SocketDaemon::start(cmd, socket)
+}

@@ -427,19 +427,10 @@ fn linux_mounts_its_root_from_virtio_fs_and_runs_init_from_it() {
         .unwrap_or_else(|p| p.into_inner());
     let daemons = std::sync::Mutex::new(Vec::new());
     let make = |console: &Console| {
-        let _ = std::fs::remove_file(&socket);
-        let child = std::process::Command::new("virtiofsd")
-            .arg("--shared-dir")
-            .arg(&root)
-            .arg("--socket-path")
-            .arg(&socket)
-            .args(["--sandbox", "none", "--cache", "auto"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("virtiofsd");
-        daemons.lock().unwrap().push(child);
-        wait_for_path(&socket, Duration::from_secs(10));
+        daemons
+            .lock()
+            .unwrap()
+            .push(tests::peers::virtiofsd(&root, &socket, false));
         let mut cfg = VmConfig::new(&vmlinux);
         cfg.memory_mib = 256;
         cfg.vcpus = 1;
@@ -454,10 +445,7 @@ fn linux_mounts_its_root_from_virtio_fs_and_runs_init_from_it() {
         cfg
     };
     let (reached, log, lost) = boot_to(&make, "Run /init as init process");
-    for mut d in daemons.into_inner().unwrap() {
-        let _ = d.kill();
-        let _ = d.wait();
-    }
+    drop(daemons);
     let log_path = std::env::temp_dir().join("microvirt-linux-virtiofs.log");
     std::fs::write(&log_path, &log).unwrap();
     assert!(

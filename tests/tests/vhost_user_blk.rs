@@ -4,9 +4,9 @@
 //! the VMM lives on.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use tests::peers::storage_daemon;
 use tests::*;
 use vmm::config::VhostUserDiskConfig;
 use vmm::{Vm, VmEnd};
@@ -18,39 +18,6 @@ fn workdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// qemu-storage-daemon exporting `image` (raw) as vhost-user-blk on `socket`; killed on drop.
-struct StorageDaemon(Child);
-
-impl StorageDaemon {
-    fn start(image: &Path, socket: &Path, writable: bool) -> StorageDaemon {
-        let child = Command::new("qemu-storage-daemon")
-            .arg("--blockdev")
-            .arg(format!(
-                "driver=file,node-name=file,filename={}",
-                image.display()
-            ))
-            .arg("--export")
-            .arg(format!(
-                "type=vhost-user-blk,id=export,addr.type=unix,addr.path={},node-name=file,writable={}",
-                socket.display(),
-                if writable { "on" } else { "off" }
-            ))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("qemu-storage-daemon (Debian qemu-system-common)");
-        wait_for_path(socket, Duration::from_secs(10));
-        StorageDaemon(child)
-    }
-}
-
-impl Drop for StorageDaemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn config(test: &str, extra: &str, socket: &Path, console: &Console) -> vmm::VmConfig {
@@ -72,7 +39,7 @@ fn the_probe_writes_flushes_and_reads_back_through_qemu_storage_daemon() {
         .set_len(4 << 20)
         .unwrap();
     let socket = dir.join("blk.sock");
-    let daemon = StorageDaemon::start(&image, &socket, true);
+    let daemon = storage_daemon(&image, &socket, true);
     let console = Console::default();
     let vm = Vm::build(&config("blk", "", &socket, &console)).expect("building the VM");
     let run = run_to_end(vm, &console, T);
@@ -113,7 +80,7 @@ fn a_read_only_export_refuses_the_guests_writes_and_the_image_is_unchanged() {
     let content: Vec<u8> = (0..1 << 20).map(|i| (i % 253) as u8).collect();
     std::fs::write(&image, &content).unwrap();
     let socket = dir.join("blk.sock");
-    let _daemon = StorageDaemon::start(&image, &socket, false);
+    let _daemon = storage_daemon(&image, &socket, false);
     let console = Console::default();
     let vm = Vm::build(&config("blk", "", &socket, &console)).expect("building the VM");
     let run = run_to_end(vm, &console, T);
@@ -134,7 +101,7 @@ fn a_backend_killed_mid_io_fails_the_guests_requests_and_the_vm_lives_on() {
         .set_len(64 << 20)
         .unwrap();
     let socket = dir.join("blk.sock");
-    let mut daemon = StorageDaemon::start(&image, &socket, true);
+    let mut daemon = storage_daemon(&image, &socket, true);
     let console = Console::default();
     let vm = Vm::build(&config(
         "blkstream",
@@ -144,14 +111,14 @@ fn a_backend_killed_mid_io_fails_the_guests_requests_and_the_vm_lives_on() {
     ))
     .expect("building the VM");
     wait_progress(&console, "blkstream", "writes=32", T);
-    let _ = daemon.0.kill();
-    let _ = daemon.0.wait();
+    daemon.kill();
     let run = run_to_end(vm, &console, T);
     let r = run
         .result
         .clone()
         .unwrap_or_else(|| panic!("no result:\n{}", run.console));
     assert!(!r.ok, "{}", run.console);
+    assert!(r.details.contains("device needs reset"), "{}", r.details);
     assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,9 +5,9 @@
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tests::peers::virtiofsd;
 use tests::*;
 use vmm::config::FsConfig;
 use vmm::{Vm, VmEnd};
@@ -19,37 +19,6 @@ fn workdir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(d.join("share")).unwrap();
     d
-}
-
-/// virtiofsd serving `dir` on `socket`, killed on drop.
-struct Virtiofsd(Child);
-
-impl Virtiofsd {
-    fn start(dir: &Path, socket: &Path, read_only: bool) -> Virtiofsd {
-        let mut cmd = Command::new("virtiofsd");
-        cmd.arg("--shared-dir")
-            .arg(dir)
-            .arg("--socket-path")
-            .arg(socket)
-            .args(["--sandbox", "none", "--cache", "never"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if read_only {
-            cmd.arg("--readonly");
-        }
-        let child = cmd
-            .spawn()
-            .expect("virtiofsd (scripts/install-prerequisites installs it)");
-        wait_for_path(socket, Duration::from_secs(10));
-        Virtiofsd(child)
-    }
-}
-
-impl Drop for Virtiofsd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn fs_config(test_args: &str, socket: &Path, console: &Console) -> vmm::VmConfig {
@@ -70,7 +39,7 @@ fn the_probe_reads_and_writes_a_shared_directory_through_virtiofsd() {
     let share = dir.join("share");
     std::fs::write(share.join("hello.txt"), "a line from the host\nmore\n").unwrap();
     let socket = dir.join("fs.sock");
-    let _daemon = Virtiofsd::start(&share, &socket, false);
+    let _daemon = virtiofsd(&share, &socket, false);
     let console = Console::default();
     let vm = Vm::build(&fs_config("", &socket, &console)).expect("building the VM");
     let run = run_to_end(vm, &console, T);
@@ -98,7 +67,7 @@ fn a_read_only_share_refuses_the_guests_write_and_the_directory_stays_as_it_was(
     let share = dir.join("share");
     std::fs::write(share.join("hello.txt"), "config map data\n").unwrap();
     let socket = dir.join("fs.sock");
-    let _daemon = Virtiofsd::start(&share, &socket, true);
+    let _daemon = virtiofsd(&share, &socket, true);
     let console = Console::default();
     let vm = Vm::build(&fs_config("", &socket, &console)).expect("building the VM");
     let run = run_to_end(vm, &console, T);
@@ -177,7 +146,7 @@ fn a_backend_killed_mid_io_is_a_device_error_in_the_guest_and_the_vm_lives_on() 
     let share = dir.join("share");
     std::fs::write(share.join("hello.txt"), "x\n").unwrap();
     let socket = dir.join("fs.sock");
-    let mut daemon = Virtiofsd::start(&share, &socket, false);
+    let mut daemon = virtiofsd(&share, &socket, false);
     let console = Console::default();
     let vm =
         Vm::build(&fs_config("probe.reads=100000", &socket, &console)).expect("building the VM");
@@ -190,8 +159,7 @@ fn a_backend_killed_mid_io_is_a_device_error_in_the_guest_and_the_vm_lives_on() 
         .expect_err("a snapshot of a VM with a virtio-fs share");
     assert!(e.to_string().contains("fs-share"), "{e}");
     assert!(!vm.is_paused());
-    let _ = daemon.0.kill();
-    let _ = daemon.0.wait();
+    daemon.kill();
     let run = run_to_end(vm, &console, T);
     let r = run
         .result

@@ -140,31 +140,15 @@ impl GuestRam {
         };
         let mut mapped = Vec::with_capacity(layout.len());
         for r in &layout {
-            let size = r.size as usize;
-            let mapping = MmapRegionBuilder::new_with_bitmap(
-                size,
-                AtomicBitmap::new(
-                    size,
-                    std::num::NonZeroUsize::new(PAGE_SIZE as usize).unwrap(),
-                ),
-            )
-            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(flags)
-            .build()
-            .map_err(|e| match huge {
+            mapped.push(file_region(&file, r, flags).map_err(|e| match huge {
                 Some(h) => MemoryError::Map(format!(
                     "{} bytes of guest RAM on {} huge pages: {e}; {}",
                     r.size,
                     h.label(),
                     huge_pages_free(h)
                 )),
-                None => map_err(e),
-            })?;
-            mapped.push(
-                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
-                    .ok_or_else(|| map_err("region wraps the address space"))?,
-            );
+                None => e,
+            })?);
         }
         let memory = GuestMemory::from_regions(mapped).map_err(map_err)?;
         Ok(GuestRam {
@@ -208,23 +192,11 @@ impl GuestRam {
                     r.guest_addr, r.size, r.file_offset
                 ))));
             }
-            let size = r.size as usize;
-            let mapping = MmapRegionBuilder::new_with_bitmap(
-                size,
-                AtomicBitmap::new(
-                    size,
-                    std::num::NonZeroUsize::new(PAGE_SIZE as usize).unwrap(),
-                ),
-            )
-            .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
-            .build()
-            .map_err(map_err)?;
-            regions.push(
-                GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
-                    .ok_or_else(|| map_err("region wraps the address space"))?,
-            );
+            regions.push(file_region(
+                &file,
+                r,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+            )?);
         }
         // After the length checks, so a short file is reported as short.
         if let Some(seal) = seal {
@@ -486,6 +458,25 @@ fn sealed_memfd(len: u64, huge: Option<crate::config::HugePageSize>) -> std::io:
         return Err(std::io::Error::last_os_error());
     }
     Ok(file)
+}
+
+/// Region `r` of guest RAM mapped from `file` at its file offset with mmap `flags`, with a
+/// bitmap of the VMM's own writes.
+fn file_region(
+    file: &Arc<File>,
+    r: &RegionLayout,
+    flags: i32,
+) -> Result<GuestRegionMmap<AtomicBitmap>, MemoryError> {
+    let size = r.size as usize;
+    let page = std::num::NonZeroUsize::new(PAGE_SIZE as usize).unwrap();
+    let mapping = MmapRegionBuilder::new_with_bitmap(size, AtomicBitmap::new(size, page))
+        .with_file_offset(FileOffset::from_arc(file.clone(), r.file_offset))
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(flags)
+        .build()
+        .map_err(map_err)?;
+    GuestRegionMmap::new(mapping, GuestAddress(r.guest_addr))
+        .ok_or_else(|| map_err("region wraps the address space"))
 }
 
 /// What the host's pool of `size` pages has free, for an error message.

@@ -78,7 +78,20 @@ impl Disk {
         chain[1 + data.len()] = (hdr as u64 + 64, 1, DESC_F_WRITE);
         self.q.push(&chain[..2 + data.len()]);
         self.dev.notify(&self.q);
-        self.q.wait_used(SPINS).ok_or("request timed out")?;
+        let mut answered = false;
+        for _ in 0..SPINS / 1024 {
+            if self.q.wait_used(1024).is_some() {
+                answered = true;
+                break;
+            }
+            // A device whose backend died asks for a reset: no answer will come.
+            if self.dev.status() & 64 != 0 {
+                return Err("device needs reset");
+            }
+        }
+        if !answered {
+            return Err("request timed out");
+        }
         Ok(unsafe { core::ptr::read_volatile(hdr.add(64)) })
     }
 }

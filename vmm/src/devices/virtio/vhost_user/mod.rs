@@ -143,6 +143,15 @@ impl Watchdog {
             .unwrap_or_else(|p| p.into_inner())
             .fired
     }
+
+    /// Why an exchange failed: the deadline, if this shut the socket, else the error.
+    fn explain(&self, e: vhost::Error) -> String {
+        if self.fired() {
+            timed_out()
+        } else {
+            reason(e)
+        }
+    }
 }
 
 struct WatchGuard<'a>(&'a Watchdog);
@@ -211,11 +220,7 @@ impl Connection {
             move |e: vhost::Error| VhostUserError::Protocol {
                 socket,
                 step,
-                reason: if watchdog.fired() {
-                    timed_out()
-                } else {
-                    reason(e)
-                },
+                reason: watchdog.explain(e),
             }
         };
         frontend.set_owner().map_err(step_err("SET_OWNER"))?;
@@ -293,11 +298,7 @@ impl Connection {
             Err(e) => Err(VhostUserError::Protocol {
                 socket,
                 step: "GET_CONFIG",
-                reason: if self.watchdog.fired() {
-                    timed_out()
-                } else {
-                    reason(e)
-                },
+                reason: self.watchdog.explain(e),
             }),
         }
     }
@@ -453,16 +454,7 @@ impl VhostUserDevice {
         let _guard = self.conn.watchdog.arm();
         let watchdog = &self.conn.watchdog;
         let f = &mut self.conn.frontend;
-        let step = |s: &'static str| {
-            move |e: vhost::Error| {
-                let why = if watchdog.fired() {
-                    timed_out()
-                } else {
-                    reason(e)
-                };
-                format!("{s}: {why}")
-            }
-        };
+        let step = |s: &'static str| move |e: vhost::Error| format!("{s}: {}", watchdog.explain(e));
         let mut features = self.base.acked_features;
         if self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
             features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
@@ -522,12 +514,7 @@ impl VhostUserDevice {
         let _guard = self.conn.watchdog.arm();
         for i in 0..self.queue_sizes.len() {
             if let Err(e) = self.conn.frontend.get_vring_base(i) {
-                let why = if self.conn.watchdog.fired() {
-                    timed_out()
-                } else {
-                    reason(e)
-                };
-                return Err(format!("GET_VRING_BASE: {why}"));
+                return Err(format!("GET_VRING_BASE: {}", self.conn.watchdog.explain(e)));
             }
         }
         Ok(())
