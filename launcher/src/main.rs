@@ -281,7 +281,8 @@ struct RunArgs {
     #[arg(long = "disk", value_name = "SPEC")]
     disks: Vec<String>,
     /// A virtio-net NIC on an existing TAP: tap=NAME[,mac=MAC] (or fd=N for an open TAP file
-    /// descriptor). Repeatable; the guest sees them in order as eth0, eth1, ...
+    /// descriptor), or vhost-user=SOCKET[,mac=MAC] for a vhost-user-net backend (DPDK).
+    /// Repeatable; the guest sees them in order as eth0, eth1, ..., the vhost-user ones last.
     #[arg(long = "net", value_name = "SPEC")]
     nets: Vec<String>,
     /// A virtio-fs share the guest mounts with `mount -t virtiofs TAG /mnt`:

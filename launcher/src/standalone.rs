@@ -159,7 +159,13 @@ fn flags_config(kernel: PathBuf, opts: &RunOptions) -> Result<VmConfig, Failure>
         .partition(|d| d.starts_with("vhost-user="));
     config.disks = parse_specs(&files, parse_disk)?;
     config.vhost_user_disks = parse_specs(&vhost_user, parse_vhost_user_disk)?;
-    config.nets = parse_specs(&opts.nets, parse_net)?;
+    let (vhost_user_nets, taps): (Vec<String>, Vec<String>) = opts
+        .nets
+        .iter()
+        .cloned()
+        .partition(|n| n.starts_with("vhost-user="));
+    config.nets = parse_specs(&taps, parse_net)?;
+    config.vhost_user_nets = parse_specs(&vhost_user_nets, parse_vhost_user_net)?;
     config.initrd = opts.initrd.clone();
     config.cmdline = opts.cmdline.clone();
     config.vcpus = vcpus_arg(opts.vcpus.unwrap_or(1))?;
@@ -323,6 +329,33 @@ pub fn parse_vhost_user_disk(spec: &str) -> Result<vmm::config::VhostUserDiskCon
             "--disk {spec}: vhost-user=SOCKET takes no other option (the backend decides size, read-only and caching)"
         )),
     }
+}
+
+/// Parses `vhost-user=SOCKET[,mac=MAC]`: a NIC a vhost-user-net backend serves.
+pub fn parse_vhost_user_net(spec: &str) -> Result<vmm::config::VhostUserNetConfig, String> {
+    let mut parts = spec.split(',');
+    let socket = parts
+        .next()
+        .and_then(|s| s.strip_prefix("vhost-user="))
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| format!("--net {spec}: vhost-user=SOCKET is missing its socket"))?;
+    let mut mac = None;
+    for opt in parts {
+        match opt.split_once('=') {
+            Some(("mac", m)) => {
+                mac = Some(m.parse::<MacAddr>().map_err(|e| format!("--net {spec}: {e}"))?)
+            }
+            _ => {
+                return Err(format!(
+                    "--net {spec}: unknown option {opt:?}; with vhost-user=SOCKET only mac=MAC is accepted"
+                ))
+            }
+        }
+    }
+    Ok(vmm::config::VhostUserNetConfig {
+        socket: PathBuf::from(socket),
+        mac,
+    })
 }
 
 /// Parses `tap=NAME[,mac=MAC]` or `fd=N[,mac=MAC]`.

@@ -279,3 +279,30 @@ pub fn storage_daemon(image: &Path, socket: &Path, writable: bool) -> SocketDaem
         ));
     SocketDaemon::start(cmd, socket)
 }
+
+/// DPDK's testpmd with a vhost-user-net port on `socket` (no huge pages, no NIC), forwarding
+/// every frame back out of that port in `mode` (`io`: as it came, `macswap`: addresses
+/// swapped). It polls a core flat out: run one at a time.
+pub fn testpmd(socket: &Path, mode: &str) -> SocketDaemon {
+    let prefix = format!(
+        "mv-{}-{}",
+        std::process::id(),
+        socket.file_name().unwrap().to_string_lossy()
+    );
+    let mut cmd = Command::new("dpdk-testpmd");
+    cmd.args(["--no-huge", "-m", "256", "--no-pci"])
+        .arg(format!("--file-prefix={prefix}"))
+        .arg(format!(
+            "--vdev=net_vhost0,iface={},queues=1",
+            socket.display()
+        ))
+        .arg("--")
+        .arg(format!("--forward-mode={mode}"))
+        .args([
+            "--auto-start",
+            "--stats-period",
+            "60",
+            "--total-num-mbufs=8192",
+        ]);
+    SocketDaemon::start(cmd, socket)
+}

@@ -97,10 +97,20 @@ fn open_backends(config: &VmConfig, lock_disks: bool) -> Result<Backends, VmErro
             .map_err(|e| disk_err(e.to_string()))?;
         vhost_user_disks.push((conn, cfg));
     }
+    let mut vhost_user_nets = Vec::with_capacity(config.vhost_user_nets.len());
+    for n in &config.vhost_user_nets {
+        use crate::devices::virtio::vhost_user::{net, Connection};
+        let conn = Connection::open(&n.socket, net::QUEUES).map_err(|e| ConfigError::Net {
+            tap: format!("vhost-user={}", n.socket.display()),
+            reason: e.to_string(),
+        })?;
+        vhost_user_nets.push((conn, n.clone()));
+    }
     Ok(Backends {
         disks,
         taps,
         vhost_user_disks,
+        vhost_user_nets,
         filesystems,
     })
 }

@@ -34,6 +34,8 @@ pub struct VmConfig {
     /// virtio-blk disks a vhost-user-blk backend serves (qemu-storage-daemon, SPDK), attached
     /// after `disks` (the guest sees them next, in order).
     pub vhost_user_disks: Vec<VhostUserDiskConfig>,
+    /// virtio-net NICs a vhost-user-net backend serves (DPDK, OVS-DPDK), attached after `nets`.
+    pub vhost_user_nets: Vec<VhostUserNetConfig>,
     /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. These
     /// and `vhost_user_disks` make guest RAM a shared memfd the backends map.
     pub filesystems: Vec<FsConfig>,
@@ -163,6 +165,13 @@ pub struct VhostUserDiskConfig {
     pub socket: PathBuf,
 }
 
+/// A NIC whose backend listens on a vhost-user socket. None: a MAC derived from the socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VhostUserNetConfig {
+    pub socket: PathBuf,
+    pub mac: Option<MacAddr>,
+}
+
 /// A virtio-fs share: the tag the guest mounts (`mount -t virtiofs TAG /mnt`) and the
 /// vhost-user socket of the backend that serves it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -232,6 +241,7 @@ impl VmConfig {
             disks: Vec::new(),
             nets: Vec::new(),
             vhost_user_disks: Vec::new(),
+            vhost_user_nets: Vec::new(),
             filesystems: Vec::new(),
             hugepages: None,
             seccomp: true,
@@ -321,7 +331,9 @@ pub enum ConfigError {
 impl VmConfig {
     /// True when a vhost-user backend maps guest RAM (it must then be shared memory).
     pub fn has_vhost_user_devices(&self) -> bool {
-        !self.filesystems.is_empty() || !self.vhost_user_disks.is_empty()
+        !self.filesystems.is_empty()
+            || !self.vhost_user_disks.is_empty()
+            || !self.vhost_user_nets.is_empty()
     }
 
     /// Checks everything that can be checked without KVM. `max_vcpus` is KVM's limit when known.
@@ -389,6 +401,7 @@ impl VmConfig {
         let devices = self.disks.len()
             + self.vhost_user_disks.len()
             + self.nets.len()
+            + self.vhost_user_nets.len()
             + self.filesystems.len();
         if devices > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices {

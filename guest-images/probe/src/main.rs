@@ -268,6 +268,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "attack" => attack::run(boot.cmdline),
         "blkstream" => blk::stream(boot),
         "net" => net::run(boot.cmdline),
+        "netloop" => net::loopback(boot.cmdline),
         "dhcp" => dhcp::run(boot.cmdline),
         "virtiofs" => fs::run(boot),
         other => result(false, format_args!("unknown test {other:?}")),

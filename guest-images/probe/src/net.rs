@@ -194,3 +194,50 @@ fn run_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
     );
     Ok(out)
 }
+
+/// `probe.test=netloop`: for a backend that sends every frame back (DPDK testpmd in `io` or
+/// `macswap` mode): sends frames of each size to a peer address and checks each comes back
+/// with its payload intact, reporting whether the addresses were swapped.
+pub fn loopback(cmdline: &str) -> ! {
+    match open(cmdline).and_then(|(nic, mac, link)| loop_on(nic, mac, link)) {
+        Ok(line) => result(true, format_args!("{}", line.as_str())),
+        Err(e) => result(false, format_args!("{e}")),
+    }
+}
+
+fn loop_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
+    const PEER: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+    let mut frame = [0u8; 1514];
+    let mut back = [0u8; 1514];
+    let mut swapped = 0;
+    for (i, &size) in SIZES.iter().enumerate() {
+        let mut tag = Line::new();
+        let _ = write!(tag, "MVPROBE loop {i} size {size}");
+        let len = build_frame(&mut frame, PEER, mac, tag.as_str().as_bytes(), size);
+        nic.send(&frame[..len])?;
+        let n = nic
+            .recv(&mut back, WAIT_SPINS)
+            .ok_or("the frame did not come back")?;
+        if n != len || back[12..len] != frame[12..len] {
+            return Err("the frame came back changed");
+        }
+        if back[0..6] == mac && back[6..12] == PEER {
+            swapped += 1;
+        } else if back[0..12] != frame[0..12] {
+            return Err("the frame came back with other addresses");
+        }
+    }
+    let mut out = Line::new();
+    let _ = write!(
+        out,
+        "mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x} link={link} looped={} swapped={swapped}",
+        mac[0],
+        mac[1],
+        mac[2],
+        mac[3],
+        mac[4],
+        mac[5],
+        SIZES.len()
+    );
+    Ok(out)
+}

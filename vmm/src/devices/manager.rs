@@ -14,6 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::bus::Bus;
 use crate::config::{
     DiskConfig, FsConfig, MacAddr, NetConfig, SerialConfig, SerialInput, TapSource,
+    VhostUserNetConfig,
 };
 use crate::devices::i8042::persist::I8042Args;
 use crate::devices::i8042::I8042;
@@ -26,7 +27,7 @@ use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::persist::NetArgs;
 use crate::devices::virtio::net::{Net, Tap};
 use crate::devices::virtio::persist::TransportArgs;
-use crate::devices::virtio::vhost_user::{blk, fs, Connection, VhostUserDevice};
+use crate::devices::virtio::vhost_user::{blk, fs, net, Connection, VhostUserDevice};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
 use crate::devices::EventFdTrigger;
 use crate::end::{VmEnd, VmEndSignal};
@@ -280,6 +281,8 @@ pub struct Backends {
     pub taps: Vec<(Tap, NetConfig)>,
     /// vhost-user-blk disks, connected, with the config space their backend announced.
     pub vhost_user_disks: Vec<(Connection, Vec<u8>)>,
+    /// vhost-user-net NICs, connected.
+    pub vhost_user_nets: Vec<(Connection, VhostUserNetConfig)>,
     /// virtio-fs shares, connected to their backends.
     pub filesystems: Vec<(Connection, FsConfig)>,
 }
@@ -464,16 +467,21 @@ impl DeviceManager {
         for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
             place.attach_disk(&mut dm, i, disk, dcfg, blocks.get(i).copied())?;
         }
-        if state.is_some()
-            && !(backends.filesystems.is_empty() && backends.vhost_user_disks.is_empty())
-        {
+        let vhost_user = backends.filesystems.len()
+            + backends.vhost_user_disks.len()
+            + backends.vhost_user_nets.len();
+        if state.is_some() && vhost_user > 0 {
             return Err(VHOST_USER_NOT_PERSISTED.into());
         }
         for (i, (conn, config)) in backends.vhost_user_disks.into_iter().enumerate() {
             place.attach_vhost_user_disk(&mut dm, file_disks + i, conn, config)?;
         }
+        let tap_nics = backends.taps.len();
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
             place.attach_nic(&mut dm, i, tap, ncfg, nets.get(i).copied())?;
+        }
+        for (i, (conn, ncfg)) in backends.vhost_user_nets.into_iter().enumerate() {
+            place.attach_vhost_user_nic(&mut dm, tap_nics + i, conn, ncfg)?;
         }
         for (conn, fcfg) in backends.filesystems {
             place.attach_fs(&mut dm, conn, fcfg)?;
@@ -688,14 +696,27 @@ impl VirtioPlacer<'_> {
         config: Vec<u8>,
     ) -> Result<(), String> {
         let id = crate::config::disk_name(i);
-        let device = VhostUserDevice::new(
-            id.clone(),
-            crate::devices::virtio::TYPE_BLOCK,
-            vec![blk::QUEUE_SIZE; blk::QUEUES],
-            config,
-            conn,
-        )
-        .map_err(dev_err("vhost-user-blk"))?;
+        let device = VhostUserDevice::new(id.clone(), blk::shape(config), conn)
+            .map_err(dev_err("vhost-user-blk"))?;
+        self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
+            device,
+        })
+    }
+
+    /// The `i`th NIC (eth0, eth1, ... after the TAP ones), served by a vhost-user-net backend.
+    fn attach_vhost_user_nic(
+        &mut self,
+        dm: &mut DeviceManager,
+        i: usize,
+        conn: Connection,
+        ncfg: VhostUserNetConfig,
+    ) -> Result<(), String> {
+        let id = format!("eth{i}");
+        let mac = ncfg
+            .mac
+            .unwrap_or_else(|| derived_mac(&format!("{}/{id}", ncfg.socket.display())));
+        let device = VhostUserDevice::new(id.clone(), net::shape(mac), conn)
+            .map_err(dev_err("vhost-user-net"))?;
         self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
             device,
         })
@@ -709,14 +730,8 @@ impl VirtioPlacer<'_> {
         fcfg: FsConfig,
     ) -> Result<(), String> {
         let id = format!("fs-{}", fcfg.tag);
-        let device = VhostUserDevice::new(
-            id.clone(),
-            fs::TYPE_FS,
-            vec![fs::QUEUE_SIZE; fs::QUEUES],
-            fs::config_space(&fcfg.tag),
-            conn,
-        )
-        .map_err(dev_err("virtio-fs"))?;
+        let device = VhostUserDevice::new(id.clone(), fs::shape(&fcfg.tag), conn)
+            .map_err(dev_err("virtio-fs"))?;
         self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
             device,
         })

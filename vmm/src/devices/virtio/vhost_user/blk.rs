@@ -12,3 +12,14 @@ pub const QUEUE_SIZE: u16 = 256;
 pub fn capacity(config: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(config.get(..8)?.try_into().ok()?))
 }
+
+/// A disk with the backend's `config` space.
+pub fn shape(config: Vec<u8>) -> super::DeviceShape {
+    super::DeviceShape {
+        device_type: crate::devices::virtio::TYPE_BLOCK,
+        queue_sizes: vec![QUEUE_SIZE; QUEUES],
+        config,
+        local_features: 0,
+        hidden_features: 0,
+    }
+}

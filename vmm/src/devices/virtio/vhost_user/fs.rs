@@ -20,6 +20,17 @@ pub fn config_space(tag: &str) -> Vec<u8> {
     c
 }
 
+/// A share mounted by `tag`.
+pub fn shape(tag: &str) -> super::DeviceShape {
+    super::DeviceShape {
+        device_type: TYPE_FS,
+        queue_sizes: vec![QUEUE_SIZE; QUEUES],
+        config: config_space(tag),
+        local_features: 0,
+        hidden_features: 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

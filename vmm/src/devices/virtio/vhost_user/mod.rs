@@ -15,6 +15,7 @@
 pub mod blk;
 mod event_handler;
 pub mod fs;
+pub mod net;
 
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -350,6 +351,21 @@ pub enum BackendState {
     Failed,
 }
 
+/// What a device type adds to the generic frontend.
+pub struct DeviceShape {
+    pub device_type: u32,
+    pub queue_sizes: Vec<u16>,
+    /// The config space the driver reads (the frontend's, e.g. virtio-fs's tag, or the
+    /// backend's, fetched with `Connection::config`).
+    pub config: Vec<u8>,
+    /// Features the frontend itself provides (config-space fields such as a NIC's MAC): offered
+    /// to the driver whether or not the backend has them, never passed on to it.
+    pub local_features: u64,
+    /// Backend features the driver must not see (they need queues or handling this frontend
+    /// does not have, such as a control queue).
+    pub hidden_features: u64,
+}
+
 /// A virtio device whose queues a vhost-user backend serves.
 pub struct VhostUserDevice {
     id: String,
@@ -370,25 +386,24 @@ pub struct VhostUserDevice {
 }
 
 impl VhostUserDevice {
-    /// A device of `device_type` with `queue_sizes.len()` queues over `conn`; `config` is the
-    /// config space the driver reads (the frontend's, e.g. virtio-fs's tag).
+    /// A device of `shape` over `conn`.
     pub fn new(
         id: String,
-        device_type: u32,
-        queue_sizes: Vec<u16>,
-        config: Vec<u8>,
+        shape: DeviceShape,
         conn: Connection,
     ) -> std::io::Result<VhostUserDevice> {
-        let n = queue_sizes.len();
+        let n = shape.queue_sizes.len();
         let evts = || {
             (0..n)
                 .map(|_| EventFd::new(libc::EFD_NONBLOCK))
                 .collect::<std::io::Result<Vec<_>>>()
         };
+        let offered = conn.driver_features() & !shape.hidden_features | shape.local_features;
+        let queue_sizes = shape.queue_sizes;
         Ok(VhostUserDevice {
             id,
-            device_type,
-            base: DeviceBase::new(conn.driver_features(), config)?,
+            device_type: shape.device_type,
+            base: DeviceBase::new(offered, shape.config)?,
             queue_sizes,
             conn,
             queue_evts: evts()?,
@@ -455,7 +470,8 @@ impl VhostUserDevice {
         let watchdog = &self.conn.watchdog;
         let f = &mut self.conn.frontend;
         let step = |s: &'static str| move |e: vhost::Error| format!("{s}: {}", watchdog.explain(e));
-        let mut features = self.base.acked_features;
+        // Only what the backend offered: the frontend's own features stay here.
+        let mut features = self.base.acked_features & self.conn.features;
         if self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
             features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         }
