@@ -8,6 +8,9 @@
 //! - virtio-net transmit of 64 KiB TSO frames (virtio-net header with GSO TCPv4) to a TAP in a
 //!   private network namespace, against write(2) of the same bytes to the same TAP.
 //!
+//! - the same 4 KiB random I/O on vhost-user-blk: qemu-storage-daemon exporting the same file,
+//!   through microvirt's vhost-user frontend, beside the in-process device.
+//!
 //! Environment: BENCH_SECONDS per measurement (default 2).
 
 use std::os::fd::AsRawFd;
@@ -148,27 +151,19 @@ enum Op {
     Write,
 }
 
-/// virtio-blk: (requests per second, bytes per second).
-fn blk_device(
-    path: &std::path::Path,
+/// Drives `depth` requests per kick on the queue at DESC/AVAIL/USED until the time is up;
+/// returns (requests per second, bytes per second).
+#[allow(clippy::too_many_arguments)]
+fn drive_blk(
+    mem: &GuestMemory,
+    kick: &EventFd,
+    sectors: u64,
     op: Op,
     size: u32,
     random: bool,
     depth: u16,
 ) -> Result<(f64, f64)> {
-    let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
-    let disk = Disk::open(path, false, CacheMode::Writeback)?;
-    let sectors = disk.sectors();
-    let block = Arc::new(Mutex::new(Block::new("vda".into(), disk, None)?));
-    let kick = block.lock().unwrap().queue_events()[0].try_clone()?;
     let mut drv = Driver::new(mem.clone());
-    let interrupt = VirtioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK)?);
-    block
-        .lock()
-        .unwrap()
-        .activate(mem.clone(), vec![drv.queue()], interrupt)
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (stop, h) = event_thread(block.clone());
     let per = size as u64 / 512;
     let mut rng = Lcg(7);
     let mut seq = 0u64;
@@ -189,6 +184,7 @@ fn blk_device(
             };
             mem.write_obj(kind, GuestAddress(hdr)).unwrap();
             mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
+            mem.write_obj(0xffu8, GuestAddress(hdr + 16)).unwrap();
             let data = DATA + i * size as u64;
             drv.add(&[
                 (hdr, 16, false),
@@ -199,14 +195,111 @@ fn blk_device(
         drv.publish();
         kick.write(1)?;
         drv.wait_used(depth);
+        for i in 0..depth as u64 {
+            let status: u8 = mem.read_obj(GuestAddress(HDRS + i * 32 + 16)).unwrap();
+            anyhow::ensure!(status == 0, "request failed with status {status}");
+        }
         done += depth as u64;
     }
     let secs = start.elapsed().as_secs_f64();
+    Ok((done as f64 / secs, done as f64 * size as f64 / secs))
+}
+
+/// The in-process virtio-blk device: (requests per second, bytes per second).
+fn blk_device(
+    path: &std::path::Path,
+    op: Op,
+    size: u32,
+    random: bool,
+    depth: u16,
+) -> Result<(f64, f64)> {
+    let mem = GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
+    let disk = Disk::open(path, false, CacheMode::Writeback)?;
+    let sectors = disk.sectors();
+    let block = Arc::new(Mutex::new(Block::new("vda".into(), disk, None)?));
+    let kick = block.lock().unwrap().queue_events()[0].try_clone()?;
+    let interrupt = VirtioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK)?);
+    block
+        .lock()
+        .unwrap()
+        .activate(
+            mem.clone(),
+            vec![Driver::new(mem.clone()).queue()],
+            interrupt,
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (stop, h) = event_thread(block.clone());
+    let r = drive_blk(&mem, &kick, sectors, op, size, random, depth);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     h.join().unwrap();
-    let errors = block.lock().unwrap().counters.errors;
-    anyhow::ensure!(errors == 0, "{errors} requests failed");
-    Ok((done as f64 / secs, done as f64 * size as f64 / secs))
+    r
+}
+
+/// The same disk exported by qemu-storage-daemon as vhost-user-blk, driven through microvirt's
+/// vhost-user frontend on shared guest memory (the backend does the I/O).
+fn blk_vhost_user(
+    path: &std::path::Path,
+    op: Op,
+    size: u32,
+    random: bool,
+    depth: u16,
+) -> Result<(f64, f64)> {
+    use vmm::devices::virtio::vhost_user::{blk, Connection, VhostUserDevice};
+    let socket = path.with_extension("sock");
+    let _ = std::fs::remove_file(&socket);
+    let mut qsd = std::process::Command::new("qemu-storage-daemon")
+        .arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=file,filename={},cache.direct=off",
+            path.display()
+        ))
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=e,addr.type=unix,addr.path={},node-name=file,writable=on",
+            socket.display()
+        ))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("qemu-storage-daemon")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !socket.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let run = || -> Result<(f64, f64)> {
+        let ram = vmm::memory::GuestRam::shared(&[(GuestAddress(0), MEM)], None)?;
+        let mem = ram.memory().clone();
+        let mut conn = Connection::open(&socket, blk::QUEUES)?;
+        let config = conn.config(blk::CONFIG_LEN)?;
+        let sectors = blk::capacity(&config).context("capacity")?;
+        let dev = VhostUserDevice::new("vda".into(), blk::shape(config), conn)?;
+        let kick = dev.queue_events()[0].try_clone()?;
+        let dev = Arc::new(Mutex::new(dev));
+        let interrupt = VirtioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK)?);
+        {
+            let mut d = dev.lock().unwrap();
+            let f = d.avail_features() & (vmm::devices::virtio::VIRTIO_F_VERSION_1 | 1 << 9);
+            d.set_acked_features(f);
+            d.activate(
+                mem.clone(),
+                vec![Driver::new(mem.clone()).queue()],
+                interrupt,
+            )
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let (stop, h) = event_thread(dev.clone());
+        // The rings are handed over on the event thread.
+        std::thread::sleep(Duration::from_millis(200));
+        let r = drive_blk(&mem, &kick, sectors, op, size, random, depth);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        h.join().unwrap();
+        drop(ram);
+        r
+    };
+    let r = run();
+    let _ = qsd.kill();
+    let _ = qsd.wait();
+    let _ = std::fs::remove_file(&socket);
+    r
 }
 
 /// The same I/O with pread/pwrite directly.
@@ -395,6 +488,8 @@ fn main() -> Result<()> {
         "| workload | virtio device | raw syscall | device / raw | per-request overhead | target |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | --- |");
+    // vhost-user-blk through qemu-storage-daemon, beside the in-process device and raw.
+    let mut vhost_rows = Vec::new();
     for (name, op, size, random, unit) in [
         ("blk 4 KiB random read", Op::Read, 4096u32, true, "IOPS"),
         ("blk 4 KiB random write", Op::Write, 4096, true, "IOPS"),
@@ -414,6 +509,12 @@ fn main() -> Result<()> {
         ),
     ] {
         let (dr, db) = blk_device(&img, op, size, random, 64)?;
+        if unit == "IOPS" {
+            match blk_vhost_user(&img, op, size, random, 64) {
+                Ok((vr, _)) => vhost_rows.push((name, vr, dr)),
+                Err(e) => eprintln!("vhost-user-blk ({name}): {e:#}"),
+            }
+        }
         let (rr, rb) = blk_raw(&img, op, size, random)?;
         let overhead_us = (1e6 / dr - 1e6 / rr).max(0.0);
         let (d, r) = if unit == "IOPS" {
@@ -429,6 +530,12 @@ fn main() -> Result<()> {
         println!(
             "| {name} | {d:.0} {unit} | {r:.0} {unit} | {:.2} | {overhead_us:.2} µs | {target} |",
             d / r
+        );
+    }
+    for (name, vr, dr) in vhost_rows {
+        println!(
+            "| {name}, vhost-user-blk (qemu-storage-daemon) | {vr:.0} IOPS | in-process device {dr:.0} IOPS | {:.2} of in-process | – | – |",
+            vr / dr
         );
     }
     let (dev, raw) = net_bench()?;
