@@ -220,6 +220,12 @@ fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmCo
                 }
                 None => {}
             },
+            vmm::persist::VirtioKindState::VhostUser { .. } => {
+                return Err(bad_config(format!(
+                    "restore: the snapshot's {} is served by a vhost-user backend; give its socket with --disk vhost-user=SOCKET or --net vhost-user=SOCKET",
+                    d.id
+                )))
+            }
         }
     }
     config.disks = if opts.disks.is_empty() {

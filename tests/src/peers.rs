@@ -280,6 +280,24 @@ pub fn storage_daemon(image: &Path, socket: &Path, writable: bool) -> SocketDaem
     SocketDaemon::start(cmd, socket)
 }
 
+/// `storage_daemon`, writable, without QEMU's image locks: the two ends of a migration each
+/// run one on the same image, as two hosts would on shared storage, and only one of them
+/// writes at a time (the VMM hands the disk over at switch-over).
+pub fn storage_daemon_unlocked(image: &Path, socket: &Path) -> SocketDaemon {
+    let mut cmd = Command::new("qemu-storage-daemon");
+    cmd.arg("--blockdev")
+        .arg(format!(
+            "driver=file,node-name=file,filename={},locking=off",
+            image.display()
+        ))
+        .arg("--export")
+        .arg(format!(
+            "type=vhost-user-blk,id=export,addr.type=unix,addr.path={},node-name=file,writable=on",
+            socket.display()
+        ));
+    SocketDaemon::start(cmd, socket)
+}
+
 /// DPDK's testpmd with a vhost-user-net port on `socket` (no huge pages, no NIC), forwarding
 /// every frame back out of that port in `mode` (`io`: as it came, `macswap`: addresses
 /// swapped). It polls a core flat out: run one at a time.

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tests::peers::storage_daemon;
+use tests::peers::{self, storage_daemon};
 use tests::*;
 use vmm::config::VhostUserDiskConfig;
 use vmm::{Vm, VmEnd};
@@ -120,5 +120,104 @@ fn a_backend_killed_mid_io_fails_the_guests_requests_and_the_vm_lives_on() {
     assert!(!r.ok, "{}", run.console);
     assert!(r.details.contains("device needs reset"), "{}", r.details);
     assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+type Received = std::thread::JoinHandle<Result<(Vm, Console), vmm::migration::MigrationFailure>>;
+
+/// A target on loopback receiving the VM with `config` (its console its own).
+fn migration_target(config: vmm::VmConfig) -> (std::net::SocketAddr, Received) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let console = Console::default();
+        let mut c = config;
+        c.serial.output = console.output();
+        Vm::migrate_in(&mut s, &c).map(|vm| (vm, console))
+    });
+    (addr, t)
+}
+
+fn migrate_to(vm: &Vm, addr: std::net::SocketAddr) -> Result<(), vmm::migration::MigrationFailure> {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    vm.migrate_out(&mut s, &Default::default(), &mut |_| {})
+        .map(|_| ())
+}
+
+/// The guest streams writes to a vhost-user-blk disk while it migrates: the source's backend
+/// logs the buffers and used-ring entries it writes (the shared dirty log), the rings are
+/// taken back with their positions at stop-and-copy and handed to the target's own backend
+/// there, and the guest finishes on the target with every sector of the image as written.
+#[test]
+fn a_vhost_user_disk_being_written_migrates_with_its_guest() {
+    require_kvm();
+    let dir = workdir("migrate");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let (s1, s2) = (dir.join("source.sock"), dir.join("target.sock"));
+    let source_daemon = peers::storage_daemon_unlocked(&image, &s1);
+    let target_daemon = peers::storage_daemon_unlocked(&image, &s2);
+    let console = Console::default();
+    let vm = Vm::build(&config("blkstream", " probe.writes=512", &s1, &console))
+        .expect("building the VM");
+    wait_progress(&console, "blkstream", "writes=64", T);
+    let (addr, receiver) =
+        migration_target(config("blkstream", " probe.writes=512", &s2, &console));
+    migrate_to(&vm, addr).expect("migration");
+    let (target_vm, target_console) = receiver.join().unwrap().expect("target");
+    assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
+    drop(vm);
+    drop(source_daemon);
+    let run = run_to_end(target_vm, &target_console, T);
+    assert_eq!(
+        expect_probe_ok(&run, "blkstream").field("written"),
+        Some("512"),
+        "{}",
+        run.console
+    );
+    drop(target_daemon);
+    assert_blkstream_image(&image, 512);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A target that cannot take the machine (it has no vhost-user disk) refuses it after the
+/// source stopped its backend's rings: the source hands them back where they stopped and the
+/// guest finishes there, nothing lost.
+#[test]
+fn a_failed_migration_gives_the_rings_back_to_the_source_backend() {
+    require_kvm();
+    let dir = workdir("rollback");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let socket = dir.join("blk.sock");
+    let _daemon = storage_daemon(&image, &socket, true);
+    let console = Console::default();
+    let vm = Vm::build(&config("blkstream", " probe.writes=512", &socket, &console))
+        .expect("building the VM");
+    wait_progress(&console, "blkstream", "writes=64", T);
+    let mut diskless = probe_config("blkstream", 1, 64, &console);
+    diskless.cmdline.push_str(" probe.writes=512");
+    let (addr, receiver) = migration_target(diskless);
+    let e = migrate_to(&vm, addr).expect_err("a target without the disk refuses the machine");
+    assert!(e.to_string().contains("vhost-user"), "{e}");
+    assert!(receiver.join().unwrap().is_err());
+    assert!(vm.end_signal().get().is_none() && !vm.is_paused());
+    let run = run_to_end(vm, &console, T);
+    assert_eq!(
+        expect_probe_ok(&run, "blkstream").field("written"),
+        Some("512"),
+        "{}",
+        run.console
+    );
+    assert_blkstream_image(&image, 512);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -35,6 +35,10 @@ fn run_loop(mode: &str) -> ProbeResult {
         mac: Some("52:54:00:aa:bb:01".parse::<MacAddr>().unwrap()),
     }];
     let vm = Vm::build(&cfg).expect("building the VM");
+    // DPDK's vhost library logs what it writes (VHOST_F_LOG_ALL, LOG_SHMFD): a migration
+    // could carry this NIC.
+    vm.check_migratable()
+        .expect("a NIC on testpmd is migratable");
     let run = run_to_end(vm, &console, T);
     let r = expect_probe_ok(&run, "netloop");
     let _ = std::fs::remove_dir_all(&dir);

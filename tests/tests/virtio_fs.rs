@@ -159,6 +159,15 @@ fn a_backend_killed_mid_io_is_a_device_error_in_the_guest_and_the_vm_lives_on() 
         .expect_err("a snapshot of a VM with a virtio-fs share");
     assert!(e.to_string().contains("fs-share"), "{e}");
     assert!(!vm.is_paused());
+    let mut link = std::io::Cursor::new(Vec::new());
+    let e = vm
+        .migrate_out(&mut link, &Default::default(), &mut |_| {})
+        .expect_err("a migration of a VM with a virtio-fs share");
+    assert!(
+        e.to_string().contains("fs-share") && e.to_string().contains("virtiofsd"),
+        "{e}"
+    );
+    assert!(!vm.is_paused());
     daemon.kill();
     let run = run_to_end(vm, &console, T);
     let r = run

@@ -319,6 +319,7 @@ fn start(p: Machine, vcpus: Vec<Vcpu>, launch: Launch, paused: bool) -> Result<V
         first_run,
         cmdline: launch.cmdline,
         lifecycle: Mutex::new(()),
+        backend_log: Mutex::new(None),
     })
 }
 
@@ -538,7 +539,12 @@ pub(crate) fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(
         .iter()
         .filter(|d| matches!(d.kind, VirtioKindState::Block { .. }))
         .count();
-    let nics = state.devices.virtio.len() - disks;
+    let nics = state
+        .devices
+        .virtio
+        .iter()
+        .filter(|d| matches!(d.kind, VirtioKindState::Net { .. }))
+        .count();
     if disks != config.disks.len() || nics != config.nets.len() {
         return mismatch(format!(
             "the snapshot has {disks} disk(s) and {nics} NIC(s), the configuration {} and {}",

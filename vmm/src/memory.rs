@@ -662,6 +662,21 @@ impl DirtyLog {
         })
     }
 
+    /// Marks the page holding `gpa` dirty (a write someone else logged); an address outside
+    /// every region is ignored.
+    pub fn mark(&mut self, gpa: u64) {
+        if let Some(r) = self
+            .regions
+            .iter_mut()
+            .find(|r| gpa >= r.guest_addr && gpa - r.guest_addr < r.size)
+        {
+            let page = ((gpa - r.guest_addr) / PAGE_SIZE) as usize;
+            if let Some(w) = r.bitmap.get_mut(page / 64) {
+                *w |= 1 << (page % 64);
+            }
+        }
+    }
+
     /// Guest-physical addresses of the dirty pages, in order.
     pub fn pages(&self) -> impl Iterator<Item = u64> + '_ {
         self.regions.iter().flat_map(|r| {

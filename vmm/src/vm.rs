@@ -13,6 +13,8 @@ use crate::devices::i8042::I8042;
 use crate::devices::manager::{DeviceManager, EventLoop};
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::net::Net;
+use crate::devices::virtio::vhost_user::log::SharedDirtyLog;
+use crate::devices::virtio::vhost_user::BackendState;
 use crate::kvm::{KvmAcceleration, KvmError};
 use crate::memory::{DirtyLog, GuestRam, MemoryError};
 use crate::persist::vm::KvmVmState;
@@ -116,6 +118,8 @@ pub struct Vm {
     pub(crate) cmdline: String,
     /// Serializes pause, resume and snapshot from different front-end threads.
     pub(crate) lifecycle: Mutex<()>,
+    /// The dirty log vhost-user backends write while a migration logs.
+    pub(crate) backend_log: Mutex<Option<Arc<SharedDirtyLog>>>,
 }
 
 impl std::fmt::Debug for Vm {
@@ -238,7 +242,40 @@ impl Vm {
         self.control.state()
     }
 
-    /// Refuses, naming them, devices whose state a snapshot or migration cannot carry.
+    /// Refuses, naming them with the reason, devices a migration cannot carry.
+    pub fn check_migratable(&self) -> Result<(), String> {
+        let blockers = self.devices.migration_blockers();
+        if blockers.is_empty() {
+            Ok(())
+        } else {
+            Err(blockers.join("; "))
+        }
+    }
+
+    /// Takes the rings back from every vhost-user backend, with their positions, once the
+    /// vCPUs are paused (see `VhostUserDevice::quiesce`): the machine state is then exact.
+    pub fn quiesce_backends(&self) -> Result<(), VmError> {
+        for d in self.devices.vhost_user() {
+            let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+            d.quiesce()
+                .map_err(|e| VmError::Device(format!("{}: {e}", d.id())))?;
+        }
+        Ok(())
+    }
+
+    /// Hands stopped rings back to their backends (a migration that failed after
+    /// `quiesce_backends`). A backend that cannot take them back fails its device (the driver
+    /// sees DEVICE_NEEDS_RESET); the guest runs on.
+    pub fn restart_backends(&self) {
+        for d in self.devices.vhost_user() {
+            let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = d.restart() {
+                tracing::error!(device = %d.id(), "vhost-user: restarting the rings: {e}");
+            }
+        }
+    }
+
+    /// Refuses, naming them, devices whose state a snapshot cannot carry.
     pub fn check_persistable(&self) -> Result<(), String> {
         let devices = self.devices.unpersistable();
         if devices.is_empty() {
@@ -253,7 +290,14 @@ impl Vm {
 
     /// The whole machine's state but guest memory. The VM must be paused.
     pub fn save_state(&self) -> Result<MachineState, VmError> {
-        self.check_persistable().map_err(VmError::Snapshot)?;
+        if let Some(d) = self.devices.vhost_user().iter().find(|d| {
+            d.lock().unwrap_or_else(|p| p.into_inner()).backend_state() == BackendState::Running
+        }) {
+            let id = d.lock().unwrap_or_else(|p| p.into_inner()).id().to_string();
+            return Err(VmError::Snapshot(format!(
+                "{id}: its backend still runs the rings (quiesce_backends first)"
+            )));
+        }
         if !self.is_paused() {
             return Err(VmError::Snapshot("the VM is not paused".into()));
         }
@@ -351,17 +395,58 @@ impl Vm {
         Ok((state_bytes, mem))
     }
 
-    /// Starts KVM's dirty log on every RAM slot (and clears the VMM's own bitmap).
+    /// Starts KVM's dirty log on every RAM slot (and clears the VMM's own bitmap); vhost-user
+    /// backends log what they write into a shared log from here on too.
     pub fn start_dirty_log(&self) -> Result<(), VmError> {
-        Ok(self.ram.start_dirty_log(&self.vm_fd)?)
+        self.ram.start_dirty_log(&self.vm_fd)?;
+        let devices = self.devices.vhost_user();
+        if devices.is_empty() {
+            return Ok(());
+        }
+        let end = self
+            .ram
+            .layout()
+            .iter()
+            .map(|r| r.guest_addr + r.size)
+            .max()
+            .unwrap_or(0);
+        let log = Arc::new(
+            SharedDirtyLog::new(end)
+                .map_err(|e| VmError::Device(format!("the backends' dirty log: {e}")))?,
+        );
+        *self.backend_log.lock().unwrap_or_else(|p| p.into_inner()) = Some(log.clone());
+        for d in devices {
+            let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+            d.start_logging(log.clone())
+                .map_err(|e| VmError::Device(format!("{}: {e}", d.id())))?;
+        }
+        Ok(())
     }
 
-    /// Pages written since logging started or since the last call (guest and VMM writes).
+    /// Pages written since logging started or since the last call (guest, VMM and backend
+    /// writes).
     pub fn dirty_log(&self) -> Result<DirtyLog, VmError> {
-        Ok(self.ram.dirty_log(&self.vm_fd)?)
+        let mut log = self.ram.dirty_log(&self.vm_fd)?;
+        if let Some(b) = &*self.backend_log.lock().unwrap_or_else(|p| p.into_inner()) {
+            b.take_into(&mut log);
+        }
+        Ok(log)
     }
 
     pub fn stop_dirty_log(&self) -> Result<(), VmError> {
+        let logged = self
+            .backend_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if logged.is_some() {
+            for d in self.devices.vhost_user() {
+                let mut d = d.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(e) = d.stop_logging() {
+                    tracing::error!(device = %d.id(), "vhost-user: stopping the dirty log: {e}");
+                }
+            }
+        }
         Ok(self.ram.stop_dirty_log(&self.vm_fd)?)
     }
 

@@ -28,7 +28,7 @@ use crate::devices::virtio::net::persist::NetArgs;
 use crate::devices::virtio::net::{Net, Tap};
 use crate::devices::virtio::persist::TransportArgs;
 use crate::devices::virtio::vhost_user::{blk, fs, net, Connection, VhostUserDevice};
-use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use crate::devices::virtio::{VirtioDevice, VirtioInterrupt, TYPE_BLOCK, TYPE_NET};
 use crate::devices::EventFdTrigger;
 use crate::end::{VmEnd, VmEndSignal};
 use crate::layout::*;
@@ -309,34 +309,63 @@ fn irqfd(vm_fd: &VmFd, gsi: u32, what: &str) -> Result<EventFd, String> {
     Ok(fd)
 }
 
-/// The recorded virtio devices of a snapshot, split by kind in bus order, checked against
-/// the configuration's disks and NICs.
-type Recorded<'a> = (Vec<&'a VirtioDeviceState>, Vec<&'a VirtioDeviceState>);
+/// The recorded virtio devices of a snapshot or migration, split by kind in bus order and
+/// checked against the configuration's devices.
+#[derive(Default)]
+struct Recorded<'a> {
+    blocks: Vec<&'a VirtioDeviceState>,
+    nets: Vec<&'a VirtioDeviceState>,
+    vhost_user_disks: Vec<&'a VirtioDeviceState>,
+    vhost_user_nets: Vec<&'a VirtioDeviceState>,
+}
 
 fn recorded_virtio<'a>(
     state: Option<&'a DevicesState>,
     backends: &Backends,
 ) -> Result<Recorded<'a>, String> {
-    let (mut blocks, mut nets) = (Vec::new(), Vec::new());
+    let mut r = Recorded::default();
     let Some(s) = state else {
-        return Ok((blocks, nets));
+        return Ok(r);
     };
     for d in &s.virtio {
         match &d.kind {
-            VirtioKindState::Block { .. } => blocks.push(d),
-            VirtioKindState::Net { .. } => nets.push(d),
+            VirtioKindState::Block { .. } => r.blocks.push(d),
+            VirtioKindState::Net { .. } => r.nets.push(d),
+            VirtioKindState::VhostUser { device_type, .. } => match *device_type {
+                TYPE_BLOCK => r.vhost_user_disks.push(d),
+                TYPE_NET => r.vhost_user_nets.push(d),
+                t => {
+                    return Err(format!(
+                        "{}: a vhost-user device of type {t} cannot be restored",
+                        d.id
+                    ))
+                }
+            },
         }
     }
-    if blocks.len() != backends.disks.len() || nets.len() != backends.taps.len() {
+    if r.blocks.len() != backends.disks.len() || r.nets.len() != backends.taps.len() {
         return Err(format!(
             "the snapshot has {} disk(s) and {} NIC(s), the configuration {} and {}",
-            blocks.len(),
-            nets.len(),
+            r.blocks.len(),
+            r.nets.len(),
             backends.disks.len(),
             backends.taps.len()
         ));
     }
-    Ok((blocks, nets))
+    if r.vhost_user_disks.len() != backends.vhost_user_disks.len()
+        || r.vhost_user_nets.len() != backends.vhost_user_nets.len()
+        || !backends.filesystems.is_empty()
+    {
+        return Err(format!(
+            "the state has {} vhost-user disk(s), {} vhost-user NIC(s) and no virtio-fs share; the configuration {}, {} and {}",
+            r.vhost_user_disks.len(),
+            r.vhost_user_nets.len(),
+            backends.vhost_user_disks.len(),
+            backends.vhost_user_nets.len(),
+            backends.filesystems.len()
+        ));
+    }
+    Ok(r)
 }
 
 /// Where the serial console's input comes from.
@@ -456,7 +485,7 @@ impl DeviceManager {
             virtio: Vec::new(),
             cmdline_entries: String::new(),
         };
-        let (blocks, nets) = recorded_virtio(state, &backends)?;
+        let recorded = recorded_virtio(state, &backends)?;
         let mut place = VirtioPlacer {
             vm_fd,
             memory,
@@ -465,23 +494,19 @@ impl DeviceManager {
         };
         let file_disks = backends.disks.len();
         for (i, (disk, dcfg)) in backends.disks.into_iter().enumerate() {
-            place.attach_disk(&mut dm, i, disk, dcfg, blocks.get(i).copied())?;
-        }
-        let vhost_user = backends.filesystems.len()
-            + backends.vhost_user_disks.len()
-            + backends.vhost_user_nets.len();
-        if state.is_some() && vhost_user > 0 {
-            return Err(VHOST_USER_NOT_PERSISTED.into());
+            place.attach_disk(&mut dm, i, disk, dcfg, recorded.blocks.get(i).copied())?;
         }
         for (i, (conn, config)) in backends.vhost_user_disks.into_iter().enumerate() {
-            place.attach_vhost_user_disk(&mut dm, file_disks + i, conn, config)?;
+            let saved = recorded.vhost_user_disks.get(i).copied();
+            place.attach_vhost_user_disk(&mut dm, file_disks + i, conn, config, saved)?;
         }
         let tap_nics = backends.taps.len();
         for (i, (tap, ncfg)) in backends.taps.into_iter().enumerate() {
-            place.attach_nic(&mut dm, i, tap, ncfg, nets.get(i).copied())?;
+            place.attach_nic(&mut dm, i, tap, ncfg, recorded.nets.get(i).copied())?;
         }
         for (i, (conn, ncfg)) in backends.vhost_user_nets.into_iter().enumerate() {
-            place.attach_vhost_user_nic(&mut dm, tap_nics + i, conn, ncfg)?;
+            let saved = recorded.vhost_user_nets.get(i).copied();
+            place.attach_vhost_user_nic(&mut dm, tap_nics + i, conn, ncfg, saved)?;
         }
         for (conn, fcfg) in backends.filesystems {
             place.attach_fs(&mut dm, conn, fcfg)?;
@@ -511,23 +536,42 @@ impl DeviceManager {
             .collect()
     }
 
-    /// The vhost-user sockets of devices whose state lives in their backends, which a snapshot
-    /// or migration cannot carry yet.
-    pub fn unpersistable(&self) -> Vec<String> {
+    /// The devices vhost-user backends serve.
+    pub fn vhost_user(&self) -> Vec<Arc<Mutex<VhostUserDevice>>> {
         self.virtio
             .iter()
             .filter_map(|v| match &v.kind {
-                VirtioKind::VhostUser { device } => {
-                    let d = device.lock().unwrap_or_else(|p| p.into_inner());
-                    Some(format!("{} ({})", v.id, d.socket().display()))
-                }
+                VirtioKind::VhostUser { device } => Some(device.clone()),
                 _ => None,
             })
             .collect()
     }
 
-    /// Every device's state. The caller has paused the vCPUs and the event loop, and checked
-    /// `unpersistable` is empty.
+    /// The vhost-user devices (with their sockets), which a snapshot cannot carry yet.
+    pub fn unpersistable(&self) -> Vec<String> {
+        self.vhost_user()
+            .iter()
+            .map(|d| {
+                let d = d.lock().unwrap_or_else(|p| p.into_inner());
+                format!("{} ({})", d.id(), d.socket().display())
+            })
+            .collect()
+    }
+
+    /// Why each device a migration cannot carry cannot.
+    pub fn migration_blockers(&self) -> Vec<String> {
+        self.vhost_user()
+            .iter()
+            .filter_map(|d| {
+                let d = d.lock().unwrap_or_else(|p| p.into_inner());
+                let why = d.migration_blocker()?;
+                Some(format!("{} ({}): {why}", d.id(), d.socket().display()))
+            })
+            .collect()
+    }
+
+    /// Every device's state. The caller has paused the vCPUs and the event loop, and taken
+    /// the rings back from vhost-user backends (`VhostUserDevice::quiesce`).
     pub fn save(&self) -> DevicesState {
         let lock =
             |m: &Arc<Mutex<MmioTransport>>| m.lock().unwrap_or_else(|p| p.into_inner()).save();
@@ -557,8 +601,12 @@ impl DeviceManager {
                                 state: d.save(),
                             }
                         }
-                        VirtioKind::VhostUser { .. } => {
-                            unreachable!("callers refuse vhost-user devices (unpersistable)")
+                        VirtioKind::VhostUser { device } => {
+                            let d = device.lock().unwrap_or_else(|p| p.into_inner());
+                            VirtioKindState::VhostUser {
+                                device_type: d.device_type(),
+                                mac: d.mac(),
+                            }
                         }
                     },
                 })
@@ -694,11 +742,12 @@ impl VirtioPlacer<'_> {
         i: usize,
         conn: Connection,
         config: Vec<u8>,
+        saved: Option<&VirtioDeviceState>,
     ) -> Result<(), String> {
         let id = crate::config::disk_name(i);
         let device = VhostUserDevice::new(id.clone(), blk::shape(config), conn)
             .map_err(dev_err("vhost-user-blk"))?;
-        self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
+        self.attach(dm, id, device, saved, |device| VirtioKind::VhostUser {
             device,
         })
     }
@@ -710,14 +759,19 @@ impl VirtioPlacer<'_> {
         i: usize,
         conn: Connection,
         ncfg: VhostUserNetConfig,
+        saved: Option<&VirtioDeviceState>,
     ) -> Result<(), String> {
         let id = format!("eth{i}");
-        let mac = ncfg
-            .mac
-            .unwrap_or_else(|| derived_mac(&format!("{}/{id}", ncfg.socket.display())));
+        // A migrated NIC keeps the MAC the guest knows, whatever the target's socket.
+        let mac = match saved.map(|d| &d.kind) {
+            Some(VirtioKindState::VhostUser { mac: Some(mac), .. }) => *mac,
+            _ => ncfg
+                .mac
+                .unwrap_or_else(|| derived_mac(&format!("{}/{id}", ncfg.socket.display()))),
+        };
         let device = VhostUserDevice::new(id.clone(), net::shape(mac), conn)
             .map_err(dev_err("vhost-user-net"))?;
-        self.attach(dm, id, device, None, |device| VirtioKind::VhostUser {
+        self.attach(dm, id, device, saved, |device| VirtioKind::VhostUser {
             device,
         })
     }
@@ -738,8 +792,8 @@ impl VirtioPlacer<'_> {
     }
 }
 
-/// Why a snapshot, restore or migration refuses a VM with vhost-user devices.
-pub const VHOST_USER_NOT_PERSISTED: &str = "vhost-user devices (virtio-fs shares, vhost-user disks) are served by a backend whose state (open files, ring positions, in-flight requests) this VMM cannot yet save, restore or migrate; stop the VM instead, or remove the device";
+/// Why a snapshot refuses a VM with vhost-user devices.
+pub const VHOST_USER_NOT_PERSISTED: &str = "vhost-user devices (virtio-fs shares, vhost-user disks and NICs) cannot be snapshotted yet: a restore maps guest memory privately from the memory file, and a backend can only serve memory it shares; live-migrate the VM instead (vhost-user disks and NICs migrate), or stop it";
 
 /// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
 /// event manager; with `saved`, the transport (and the device's activation) is restored.

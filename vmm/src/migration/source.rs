@@ -188,7 +188,7 @@ impl Vm {
         if let Some(end) = self.end.get() {
             return Err(at.fail(MigrationError::NotRunning(end.to_string())));
         }
-        if let Err(why) = self.check_persistable() {
+        if let Err(why) = self.check_migratable() {
             return Err(at.fail(MigrationError::Vm(VmError::Snapshot(why))));
         }
         let was_paused = self.is_paused();
@@ -235,6 +235,8 @@ impl Vm {
                     let _ = wire::write_frame(stream, Kind::Cancel, failure.to_string().as_bytes());
                     let _ = stream.flush();
                 }
+                // Rings taken back from vhost-user backends at stop-and-copy go back to them.
+                self.restart_backends();
                 if at.phase == Phase::Switchover {
                     // The disks were handed over; take them back before the guest runs.
                     if let Err(e) = self.lock_disks(Duration::from_secs(10)) {
@@ -389,6 +391,9 @@ impl<S: Read + Write> Sender<'_, '_, S> {
         self.at.phase = Phase::StopAndCopy;
         self.at.pass = None;
         self.vm.pause()?;
+        // vhost-user backends stop too (their in-flight requests complete, logged), so the
+        // last dirty log holds everything they wrote and the state their ring positions.
+        self.vm.quiesce_backends()?;
         let last_dirty = self.vm.dirty_log()?;
         let remaining = last_dirty.page_count() * PAGE_SIZE;
         let expected = Duration::from_secs_f64(remaining as f64 / bandwidth.max(1.0));

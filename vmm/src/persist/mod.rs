@@ -62,6 +62,14 @@ pub enum VirtioKindState {
         mac: MacAddr,
         state: NetState,
     },
+    /// A device a vhost-user backend serves: the transport holds its rings' positions (taken
+    /// back from the backend before the save); the backend itself is the configuration's
+    /// (a migration target's own socket).
+    VhostUser {
+        device_type: u32,
+        /// A NIC's MAC (the frontend's, so the guest keeps it on another backend).
+        mac: Option<MacAddr>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -15,20 +15,25 @@
 pub mod blk;
 mod event_handler;
 pub mod fs;
+pub mod log;
 pub mod net;
 
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostUserProtocolFeatures, VhostUserVirtioFeatures, VhostUserVringAddrFlags,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryBackend;
 use vmm_sys_util::eventfd::EventFd;
 
+use self::log::SharedDirtyLog;
 use super::{ActivateError, DeviceBase, VirtioDevice, VirtioInterrupt};
 use crate::memory::GuestMemory;
 
@@ -47,6 +52,7 @@ fn wanted_protocol_features() -> VhostUserProtocolFeatures {
         | VhostUserProtocolFeatures::REPLY_ACK
         | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
         | VhostUserProtocolFeatures::CONFIG
+        | VhostUserProtocolFeatures::LOG_SHMFD
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -308,6 +314,13 @@ impl Connection {
     pub fn driver_features(&self) -> u64 {
         self.features & DRIVER_VISIBLE_FEATURES
     }
+
+    /// Whether the backend logs the guest memory it writes into a shared log (VHOST_F_LOG_ALL
+    /// with the LOG_SHMFD protocol feature), which a live migration needs.
+    pub fn logs_dirty_pages(&self) -> bool {
+        self.features & VhostUserVirtioFeatures::LOG_ALL.bits() != 0
+            && self.protocol.contains(VhostUserProtocolFeatures::LOG_SHMFD)
+    }
 }
 
 fn timed_out() -> String {
@@ -315,6 +328,15 @@ fn timed_out() -> String {
         "no answer within {} s (is it a vhost-user backend, and alive?)",
         BACKEND_TIMEOUT.as_secs()
     )
+}
+
+/// A hand-written exchange's error, or the deadline if the watchdog cut it short.
+fn watchdog_or(watchdog: &Watchdog, e: String) -> String {
+    if watchdog.fired() {
+        format!("SET_LOG_BASE: {}", timed_out())
+    } else {
+        format!("SET_LOG_BASE: {e}")
+    }
 }
 
 /// The backend's errors in words a user can act on.
@@ -347,6 +369,9 @@ pub enum BackendState {
     Idle,
     /// The backend runs the rings.
     Running,
+    /// The rings were taken back with their positions while the vCPUs are paused (a
+    /// migration's stop-and-copy): what `queue_states` reports is exact until `restart`.
+    Stopped,
     /// The backend failed or went away: the device needs a reset and does nothing more.
     Failed,
 }
@@ -380,6 +405,12 @@ pub struct VhostUserDevice {
     pending: std::collections::VecDeque<Pending>,
     /// The interrupt of the live activation.
     interrupt: Option<Arc<VirtioInterrupt>>,
+    /// The live activation's guest memory and rings (their positions are exact only while
+    /// the backend does not run them: see `quiesce`).
+    mem: Option<GuestMemory>,
+    rings: Vec<Queue>,
+    /// The dirty log the backend writes to while a migration runs.
+    dirty_log: Option<Arc<SharedDirtyLog>>,
     state: BackendState,
     /// Requested activation seen by the transport (true from `activate` until `reset`).
     activated: bool,
@@ -410,6 +441,9 @@ impl VhostUserDevice {
             call_evts: evts()?,
             pending: Default::default(),
             interrupt: None,
+            mem: None,
+            rings: Vec::new(),
+            dirty_log: None,
             state: BackendState::Idle,
             activated: false,
         })
@@ -421,6 +455,15 @@ impl VhostUserDevice {
 
     pub fn socket(&self) -> &Path {
         self.conn.socket()
+    }
+
+    /// A NIC's MAC (the first six bytes of its config space, which this frontend provides).
+    pub fn mac(&self) -> Option<crate::config::MacAddr> {
+        if self.device_type != super::TYPE_NET {
+            return None;
+        }
+        let b: [u8; 6] = self.base.config.get(..6)?.try_into().ok()?;
+        Some(crate::config::MacAddr(b))
     }
 
     pub fn backend_state(&self) -> BackendState {
@@ -437,8 +480,9 @@ impl VhostUserDevice {
                     interrupt,
                 } => {
                     self.interrupt = Some(interrupt);
-                    self.hand_over(&mem, &queues)
-                        .map(|()| self.state = BackendState::Running)
+                    self.mem = Some(mem);
+                    self.rings = queues;
+                    self.hand_over()
                 }
                 Pending::Reset => self.take_back(),
             };
@@ -460,21 +504,67 @@ impl VhostUserDevice {
         }
     }
 
-    /// Hands the driver's rings to the backend (VHOST_USER_SET_MEM_TABLE, then per ready queue
-    /// NUM, ADDR, BASE, CALL, KICK and ENABLE).
-    fn hand_over(&mut self, mem: &GuestMemory, queues: &[Queue]) -> Result<(), String> {
-        if self.state == BackendState::Failed {
-            return Err("the backend failed before".into());
-        }
-        let _guard = self.conn.watchdog.arm();
-        let watchdog = &self.conn.watchdog;
-        let f = &mut self.conn.frontend;
-        let step = |s: &'static str| move |e: vhost::Error| format!("{s}: {}", watchdog.explain(e));
-        // Only what the backend offered: the frontend's own features stay here.
+    /// The features to set on the backend: the driver's, as far as the backend offered them
+    /// (the frontend's own stay here), with the protocol bit and, while a migration logs,
+    /// LOG_ALL.
+    fn backend_features(&self) -> u64 {
         let mut features = self.base.acked_features & self.conn.features;
         if self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0 {
             features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         }
+        if self.dirty_log.is_some() {
+            features |= VhostUserVirtioFeatures::LOG_ALL.bits();
+        }
+        features
+    }
+
+    /// Ring `i`'s addresses as the backend maps them; with a dirty log, its used-ring writes
+    /// are logged too (by guest-physical address).
+    fn ring_addresses(&self, i: usize) -> Result<VringConfigData, String> {
+        let q = &self.rings[i];
+        let mem = self.mem.as_ref().ok_or("no guest memory")?;
+        let addr = |gpa: u64| -> Result<u64, String> {
+            mem.get_host_address(vm_memory::GuestAddress(gpa))
+                .map(|h| h as u64)
+                .map_err(|_| format!("queue {i}: ring at {gpa:#x} is outside guest RAM"))
+        };
+        let logging = self.dirty_log.is_some();
+        Ok(VringConfigData {
+            queue_max_size: self.queue_sizes[i],
+            queue_size: q.size(),
+            flags: if logging {
+                VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits()
+            } else {
+                0
+            },
+            desc_table_addr: addr(q.desc_table())?,
+            used_ring_addr: addr(q.used_ring())?,
+            avail_ring_addr: addr(q.avail_ring())?,
+            log_addr: logging.then(|| q.used_ring()),
+        })
+    }
+
+    /// Hands the driver's rings to the backend (VHOST_USER_SET_MEM_TABLE, then per ready queue
+    /// NUM, BASE, ADDR, CALL, KICK and ENABLE, QEMU's order, which backends are tested
+    /// against), from the positions `rings` hold: zero on a fresh activation, where the guest
+    /// was on a restore or after `quiesce`. Then every ring is kicked and the driver
+    /// interrupted once: the guest's last notification may have gone to another backend (the
+    /// migration source's) or completions may have landed while no call eventfd was set, and
+    /// a spurious kick or interrupt costs a look at an index.
+    fn hand_over(&mut self) -> Result<(), String> {
+        if self.state == BackendState::Failed {
+            return Err("the backend failed before".into());
+        }
+        let features = self.backend_features();
+        let addresses = (0..self.rings.len())
+            .filter(|&i| self.rings[i].ready())
+            .map(|i| self.ring_addresses(i).map(|a| (i, a)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mem = self.mem.as_ref().ok_or("no guest memory")?;
+        let _guard = self.conn.watchdog.arm();
+        let watchdog = &self.conn.watchdog;
+        let f = &mut self.conn.frontend;
+        let step = |s: &'static str| move |e: vhost::Error| format!("{s}: {}", watchdog.explain(e));
         f.set_features(features).map_err(step("SET_FEATURES"))?;
         let regions = mem
             .iter()
@@ -482,40 +572,34 @@ impl VhostUserDevice {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| format!("guest RAM is not shareable: {e}"))?;
         f.set_mem_table(&regions).map_err(step("SET_MEM_TABLE"))?;
-        for (i, q) in queues.iter().enumerate() {
-            if !q.ready() {
-                continue;
-            }
+        if let Some(log) = &self.dirty_log {
+            log::set_log_base(f.as_raw_fd(), log).map_err(|e| watchdog_or(watchdog, e))?;
+        }
+        let enable = !self.conn.protocol.is_empty()
+            || self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0;
+        for (i, config) in &addresses {
+            let (i, q) = (*i, &self.rings[*i]);
             f.set_vring_num(i, q.size())
                 .map_err(step("SET_VRING_NUM"))?;
-            let addr = |gpa: u64| -> Result<u64, String> {
-                mem.get_host_address(vm_memory::GuestAddress(gpa))
-                    .map(|h| h as u64)
-                    .map_err(|_| format!("queue {i}: ring at {gpa:#x} is outside guest RAM"))
-            };
-            let config = VringConfigData {
-                queue_max_size: self.queue_sizes[i],
-                queue_size: q.size(),
-                flags: 0,
-                desc_table_addr: addr(q.desc_table())?,
-                used_ring_addr: addr(q.used_ring())?,
-                avail_ring_addr: addr(q.avail_ring())?,
-                log_addr: None,
-            };
-            f.set_vring_addr(i, &config)
-                .map_err(step("SET_VRING_ADDR"))?;
             f.set_vring_base(i, q.next_avail())
                 .map_err(step("SET_VRING_BASE"))?;
+            f.set_vring_addr(i, config)
+                .map_err(step("SET_VRING_ADDR"))?;
             f.set_vring_call(i, &self.call_evts[i])
                 .map_err(step("SET_VRING_CALL"))?;
             f.set_vring_kick(i, &self.queue_evts[i])
                 .map_err(step("SET_VRING_KICK"))?;
-            if !self.conn.protocol.is_empty()
-                || self.conn.features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0
-            {
+            if enable {
                 f.set_vring_enable(i, true)
                     .map_err(step("SET_VRING_ENABLE"))?;
             }
+        }
+        self.state = BackendState::Running;
+        for (i, _) in &addresses {
+            let _ = self.queue_evts[*i].write(1);
+        }
+        if let Some(irq) = &self.interrupt {
+            irq.signal(super::INT_USED_RING);
         }
         tracing::info!(device = %self.id, socket = %self.conn.socket.display(), "vhost-user: rings handed to the backend");
         Ok(())
@@ -523,10 +607,14 @@ impl VhostUserDevice {
 
     /// Stops the backend's rings (VHOST_USER_GET_VRING_BASE stops a ring) after a driver reset.
     fn take_back(&mut self) -> Result<(), String> {
-        if self.state != BackendState::Running {
+        if !matches!(self.state, BackendState::Running | BackendState::Stopped) {
             return Ok(());
         }
-        self.state = BackendState::Idle;
+        let was = std::mem::replace(&mut self.state, BackendState::Idle);
+        self.rings.clear();
+        if was == BackendState::Stopped {
+            return Ok(());
+        }
         let _guard = self.conn.watchdog.arm();
         for i in 0..self.queue_sizes.len() {
             if let Err(e) = self.conn.frontend.get_vring_base(i) {
@@ -534,6 +622,122 @@ impl VhostUserDevice {
             }
         }
         Ok(())
+    }
+
+    /// Why a migration cannot carry this device, if it cannot.
+    pub fn migration_blocker(&self) -> Option<String> {
+        if self.device_type == fs::TYPE_FS {
+            return Some(
+                "virtiofsd keeps the guest's open files and FUSE state, which this VMM does not transfer (VHOST_USER_SET_DEVICE_STATE_FD is not implemented)".into(),
+            );
+        }
+        if !self.conn.logs_dirty_pages() {
+            return Some(
+                "the backend cannot log the guest memory it writes (it lacks VHOST_F_LOG_ALL or the LOG_SHMFD protocol feature), so pages it fills during the copy would be lost".into(),
+            );
+        }
+        None
+    }
+
+    /// From now on the backend logs the guest memory it writes into `log` (a migration's
+    /// pre-copy); rings handed over later log too.
+    pub fn start_logging(&mut self, log: Arc<SharedDirtyLog>) -> Result<(), String> {
+        self.run_pending();
+        self.dirty_log = Some(log);
+        self.relog().inspect_err(|e| self.fail(e))
+    }
+
+    /// The backend stops logging.
+    pub fn stop_logging(&mut self) -> Result<(), String> {
+        if self.dirty_log.take().is_none() {
+            return Ok(());
+        }
+        self.relog().inspect_err(|e| self.fail(e))
+    }
+
+    /// Tells a running backend the log, the features and the ring flags that go with
+    /// `dirty_log`.
+    fn relog(&mut self) -> Result<(), String> {
+        if self.state != BackendState::Running {
+            return Ok(());
+        }
+        let features = self.backend_features();
+        let addresses = (0..self.rings.len())
+            .filter(|&i| self.rings[i].ready())
+            .map(|i| self.ring_addresses(i).map(|a| (i, a)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let _guard = self.conn.watchdog.arm();
+        let watchdog = &self.conn.watchdog;
+        let f = &mut self.conn.frontend;
+        let step = |s: &'static str| move |e: vhost::Error| format!("{s}: {}", watchdog.explain(e));
+        if let Some(log) = &self.dirty_log {
+            log::set_log_base(f.as_raw_fd(), log).map_err(|e| watchdog_or(watchdog, e))?;
+        }
+        f.set_features(features).map_err(step("SET_FEATURES"))?;
+        for (i, config) in &addresses {
+            f.set_vring_addr(*i, config)
+                .map_err(step("SET_VRING_ADDR"))?;
+        }
+        Ok(())
+    }
+
+    /// Takes the rings back from the backend with their positions, the vCPUs being paused:
+    /// GET_VRING_BASE stops a ring and says how far the backend took from it; then the
+    /// requests it took and has not completed yet (a disk write in flight) are waited for,
+    /// so no buffer is half-done and every completion is in guest memory (and, with a
+    /// migration's log on, in the log) before the machine state is saved.
+    pub fn quiesce(&mut self) -> Result<(), String> {
+        self.run_pending();
+        match self.state {
+            BackendState::Running => {}
+            BackendState::Failed => return Err("the backend failed".into()),
+            BackendState::Idle | BackendState::Stopped => return Ok(()),
+        }
+        let ready: Vec<usize> = (0..self.rings.len())
+            .filter(|&i| self.rings[i].ready())
+            .collect();
+        let bases = {
+            let _guard = self.conn.watchdog.arm();
+            ready
+                .iter()
+                .map(|&i| match self.conn.frontend.get_vring_base(i) {
+                    Ok(b) => Ok(b as u16),
+                    Err(e) => Err(format!("GET_VRING_BASE: {}", self.conn.watchdog.explain(e))),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let bases = bases.inspect_err(|why| self.fail(why))?;
+        self.state = BackendState::Stopped;
+        let mem = self.mem.clone().ok_or("no guest memory")?;
+        let deadline = std::time::Instant::now() + BACKEND_TIMEOUT;
+        for (&i, &base) in ready.iter().zip(&bases) {
+            let used_idx = vm_memory::GuestAddress(self.rings[i].used_ring() + 2);
+            let used = loop {
+                let used: u16 = vm_memory::Bytes::read_obj(&mem, used_idx)
+                    .map_err(|e| format!("queue {i}: reading the used index: {e}"))?;
+                if used == base {
+                    break used;
+                }
+                if std::time::Instant::now() >= deadline {
+                    return Err(format!(
+                        "queue {i}: the backend took requests up to {base} but completed only up to {used} within {} s",
+                        BACKEND_TIMEOUT.as_secs()
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            };
+            self.rings[i].set_next_avail(base);
+            self.rings[i].set_next_used(used);
+        }
+        Ok(())
+    }
+
+    /// Hands stopped rings back to the backend where they stopped (a migration that failed).
+    pub fn restart(&mut self) -> Result<(), String> {
+        if self.state != BackendState::Stopped {
+            return Ok(());
+        }
+        self.hand_over().inspect_err(|e| self.fail(e))
     }
 
     /// The backend used buffers on queue `i`: tell the driver.
@@ -593,7 +797,8 @@ impl VirtioDevice for VhostUserDevice {
         self.activated
     }
     fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
-        // The backend, not this process, advances the rings; a snapshot refuses the device.
-        Vec::new()
+        // The backend, not this process, advances the rings: their positions are known only
+        // once `quiesce` took them back (the machine state is saved after it).
+        self.rings.iter().map(|q| q.state()).collect()
     }
 }
