@@ -221,3 +221,56 @@ fn a_failed_migration_gives_the_rings_back_to_the_source_backend() {
     assert_blkstream_image(&image, 512);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Snapshots of a VM whose guest streams writes to a vhost-user disk: the rings are taken back
+/// from the backend for the save and handed back after it (the guest writes on), and the last
+/// snapshot, restored on another daemon serving the same image (the memory file copied into
+/// shared RAM the backend maps), finishes the stream with every sector as written.
+#[test]
+fn a_vhost_user_disk_being_written_survives_snapshots_and_a_restore() {
+    require_kvm();
+    let dir = workdir("snapshot");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let (s1, s2) = (dir.join("first.sock"), dir.join("second.sock"));
+    let first = peers::storage_daemon_unlocked(&image, &s1);
+    let console = Console::default();
+    let vm = Vm::build(&config("blkstream", " probe.writes=512", &s1, &console))
+        .expect("building the VM");
+    wait_progress(&console, "blkstream", "writes=64", T);
+    let snap = dir.join("snap");
+    std::fs::create_dir_all(&snap).unwrap();
+    let paths = vmm::SnapshotPaths::in_dir(&snap);
+    vm.snapshot(&paths, false).expect("a snapshot that resumes");
+    assert!(!vm.is_paused());
+    wait_progress(&console, "blkstream", "writes=128", T);
+    vm.snapshot(&paths, true)
+        .expect("a snapshot that stays paused");
+    vm.stop();
+    drop(vm);
+    drop(first);
+    let _second = peers::storage_daemon_unlocked(&image, &s2);
+    let restored_console = Console::default();
+    let restored = Vm::restore(
+        &config("blkstream", " probe.writes=512", &s2, &restored_console),
+        &paths,
+    )
+    .expect("restoring with a vhost-user disk");
+    let run = run_to_end(restored, &restored_console, T);
+    assert!(
+        !run.console.contains("PROBE PROGRESS blkstream writes=64\n"),
+        "the restored guest started over:\n{}",
+        run.console
+    );
+    assert_eq!(
+        expect_probe_ok(&run, "blkstream").field("written"),
+        Some("512"),
+        "{}",
+        run.console
+    );
+    assert_blkstream_image(&image, 512);
+    let _ = std::fs::remove_dir_all(&dir);
+}

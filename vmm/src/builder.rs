@@ -399,7 +399,16 @@ impl Vm {
                 paths.state.display()
             )));
         };
-        let ram = GuestRam::from_file(&paths.memory, &state.memory, Some(&seal))?;
+        let file = GuestRam::from_file(&paths.memory, &state.memory, Some(&seal))?;
+        // vhost-user backends can only serve memory they map too, never a private mapping of
+        // the memory file: such a guest's RAM is a shared memfd the file is copied into.
+        let ram = if config.has_vhost_user_devices() {
+            let ram = guest_ram(config)?;
+            ram.fill_from(&file)?;
+            ram
+        } else {
+            file
+        };
         let vm = Self::restore_paused(config, state, ram, true)?;
         vm.resume();
         Ok(vm)

@@ -224,6 +224,34 @@ impl GuestRam {
         &self.memory
     }
 
+    /// Copies `from`'s non-zero pages into this RAM of the same layout (a snapshot's privately
+    /// mapped memory file into RAM a vhost-user backend can share; zero pages are skipped, so
+    /// they stay unallocated here too).
+    pub fn fill_from(&self, from: &GuestRam) -> Result<(), MemoryError> {
+        if self.layout.len() != from.layout.len()
+            || self
+                .layout
+                .iter()
+                .zip(&from.layout)
+                .any(|(a, b)| a.guest_addr != b.guest_addr || a.size != b.size)
+        {
+            return Err(map_err("the memory layouts differ"));
+        }
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        for r in &self.layout {
+            for off in (0..r.size).step_by(PAGE_SIZE as usize) {
+                let at = GuestAddress(r.guest_addr + off);
+                vm_memory::Bytes::read_slice(&from.memory, &mut page, at)
+                    .map_err(|e| map_err(e.to_string()))?;
+                if page.iter().any(|&b| b != 0) {
+                    vm_memory::Bytes::write_slice(&self.memory, &page, at)
+                        .map_err(|e| map_err(e.to_string()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// True for anonymous RAM, where `Unbacked` may skip pages the kernel never backed.
     pub fn is_anonymous(&self) -> bool {
         self.anonymous

@@ -216,6 +216,9 @@ impl Vm {
         if self.control.state() == RunState::Stopping {
             return;
         }
+        // Rings taken back from vhost-user backends (a snapshot, a failed migration) go back
+        // to them before the guest runs.
+        self.restart_backends();
         self.events.resume();
         self.control.set(RunState::Running);
     }
@@ -244,7 +247,7 @@ impl Vm {
 
     /// Refuses, naming them with the reason, devices a migration cannot carry.
     pub fn check_migratable(&self) -> Result<(), String> {
-        let blockers = self.devices.migration_blockers();
+        let blockers = self.devices.persist_blockers(true);
         if blockers.is_empty() {
             Ok(())
         } else {
@@ -275,17 +278,14 @@ impl Vm {
         }
     }
 
-    /// Refuses, naming them, devices whose state a snapshot cannot carry.
+    /// Refuses, naming them with the reason, devices whose state a snapshot cannot carry.
     pub fn check_persistable(&self) -> Result<(), String> {
-        let devices = self.devices.unpersistable();
-        if devices.is_empty() {
-            return Ok(());
+        let blockers = self.devices.persist_blockers(false);
+        if blockers.is_empty() {
+            Ok(())
+        } else {
+            Err(blockers.join("; "))
         }
-        Err(format!(
-            "{}: {}",
-            devices.join(", "),
-            crate::devices::manager::VHOST_USER_NOT_PERSISTED
-        ))
     }
 
     /// The whole machine's state but guest memory. The VM must be paused.
@@ -355,7 +355,9 @@ impl Vm {
         let started = Instant::now();
         self.pause_locked()?;
         progress(SnapshotProgress::Paused);
-        let r = self.write_snapshot(paths, progress);
+        let r = self
+            .quiesce_backends()
+            .and_then(|()| self.write_snapshot(paths, progress));
         let paused_for = started.elapsed();
         if !was_paused && (!stay_paused || r.is_err()) {
             self.resume_locked();

@@ -547,24 +547,14 @@ impl DeviceManager {
             .collect()
     }
 
-    /// The vhost-user devices (with their sockets), which a snapshot cannot carry yet.
-    pub fn unpersistable(&self) -> Vec<String> {
-        self.vhost_user()
-            .iter()
-            .map(|d| {
-                let d = d.lock().unwrap_or_else(|p| p.into_inner());
-                format!("{} ({})", d.id(), d.socket().display())
-            })
-            .collect()
-    }
-
-    /// Why each device a migration cannot carry cannot.
-    pub fn migration_blockers(&self) -> Vec<String> {
+    /// Why each device a snapshot (or with `migration`, a live migration) cannot carry
+    /// cannot, naming it and its socket.
+    pub fn persist_blockers(&self, migration: bool) -> Vec<String> {
         self.vhost_user()
             .iter()
             .filter_map(|d| {
                 let d = d.lock().unwrap_or_else(|p| p.into_inner());
-                let why = d.migration_blocker()?;
+                let why = d.persist_blocker(migration)?;
                 Some(format!("{} ({}): {why}", d.id(), d.socket().display()))
             })
             .collect()
@@ -791,9 +781,6 @@ impl VirtioPlacer<'_> {
         })
     }
 }
-
-/// Why a snapshot refuses a VM with vhost-user devices.
-pub const VHOST_USER_NOT_PERSISTED: &str = "vhost-user devices (virtio-fs shares, vhost-user disks and NICs) cannot be snapshotted yet: a restore maps guest memory privately from the memory file, and a backend can only serve memory it shares; live-migrate the VM instead (vhost-user disks and NICs migrate), or stop it";
 
 /// Puts a virtio device on the MMIO bus with its irqfd and queue ioeventfds, and gives it to the
 /// event manager; with `saved`, the transport (and the device's activation) is restored.

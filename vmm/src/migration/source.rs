@@ -235,15 +235,14 @@ impl Vm {
                     let _ = wire::write_frame(stream, Kind::Cancel, failure.to_string().as_bytes());
                     let _ = stream.flush();
                 }
-                // Rings taken back from vhost-user backends at stop-and-copy go back to them.
-                self.restart_backends();
                 if at.phase == Phase::Switchover {
                     // The disks were handed over; take them back before the guest runs.
                     if let Err(e) = self.lock_disks(Duration::from_secs(10)) {
                         tracing::error!("after a failed migration: {e}");
                     }
                 }
-                // Resumes only what the migration paused; a VM paused before stays paused.
+                // Resumes only what the migration paused; a VM paused before stays paused
+                // (rings taken back from vhost-user backends go back to them on its resume).
                 if !was_paused {
                     self.resume();
                 }

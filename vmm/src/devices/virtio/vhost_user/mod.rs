@@ -624,14 +624,15 @@ impl VhostUserDevice {
         Ok(())
     }
 
-    /// Why a migration cannot carry this device, if it cannot.
-    pub fn migration_blocker(&self) -> Option<String> {
+    /// Why a snapshot (or with `migration`, a live migration) cannot carry this device, if
+    /// it cannot.
+    pub fn persist_blocker(&self, migration: bool) -> Option<String> {
         if self.device_type == fs::TYPE_FS {
             return Some(
                 "virtiofsd keeps the guest's open files and FUSE state, which this VMM does not transfer (VHOST_USER_SET_DEVICE_STATE_FD is not implemented)".into(),
             );
         }
-        if !self.conn.logs_dirty_pages() {
+        if migration && !self.conn.logs_dirty_pages() {
             return Some(
                 "the backend cannot log the guest memory it writes (it lacks VHOST_F_LOG_ALL or the LOG_SHMFD protocol feature), so pages it fills during the copy would be lost".into(),
             );
