@@ -152,20 +152,8 @@ fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Pr
 /// `--kernel ...`: the VM from flags.
 fn flags_config(kernel: PathBuf, opts: &RunOptions) -> Result<VmConfig, Failure> {
     let mut config = VmConfig::new(kernel);
-    let (vhost_user, files): (Vec<String>, Vec<String>) = opts
-        .disks
-        .iter()
-        .cloned()
-        .partition(|d| d.starts_with("vhost-user="));
-    config.disks = parse_specs(&files, parse_disk)?;
-    config.vhost_user_disks = parse_specs(&vhost_user, parse_vhost_user_disk)?;
-    let (vhost_user_nets, taps): (Vec<String>, Vec<String>) = opts
-        .nets
-        .iter()
-        .cloned()
-        .partition(|n| n.starts_with("vhost-user="));
-    config.nets = parse_specs(&taps, parse_net)?;
-    config.vhost_user_nets = parse_specs(&vhost_user_nets, parse_vhost_user_net)?;
+    disk_flags(opts, &mut config)?;
+    net_flags(opts, &mut config)?;
     config.initrd = opts.initrd.clone();
     config.cmdline = opts.cmdline.clone();
     config.vcpus = vcpus_arg(opts.vcpus.unwrap_or(1))?;
@@ -186,6 +174,30 @@ fn vcpus_arg(v: u64) -> Result<u8, Failure> {
     })
 }
 
+/// `--disk`: image disks and vhost-user ones.
+fn disk_flags(opts: &RunOptions, config: &mut VmConfig) -> Result<(), Failure> {
+    let (vhost_user, files): (Vec<String>, Vec<String>) = opts
+        .disks
+        .iter()
+        .cloned()
+        .partition(|d| d.starts_with("vhost-user="));
+    config.disks = parse_specs(&files, parse_disk)?;
+    config.vhost_user_disks = parse_specs(&vhost_user, parse_vhost_user_disk)?;
+    Ok(())
+}
+
+/// `--net`: TAPs and vhost-user NICs.
+fn net_flags(opts: &RunOptions, config: &mut VmConfig) -> Result<(), Failure> {
+    let (vhost_user, taps): (Vec<String>, Vec<String>) = opts
+        .nets
+        .iter()
+        .cloned()
+        .partition(|n| n.starts_with("vhost-user="));
+    config.nets = parse_specs(&taps, parse_net)?;
+    config.vhost_user_nets = parse_specs(&vhost_user, parse_vhost_user_net)?;
+    Ok(())
+}
+
 /// A restore without -f or --kernel: the machine the snapshot recorded, with the disks and
 /// TAPs it used (or those --disk / --net give), checked against --vcpus / --memory if given.
 fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmConfig, Failure> {
@@ -199,6 +211,7 @@ fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmCo
     config.cmdline = state.cmdline.clone();
     let mut disks = Vec::new();
     let mut nets = Vec::new();
+    let mut vhost_user = Vec::new();
     for d in &state.devices.virtio {
         match &d.kind {
             vmm::persist::VirtioKindState::Block { disk, .. } => disks.push(DiskConfig {
@@ -220,24 +233,29 @@ fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmCo
                 }
                 None => {}
             },
-            vmm::persist::VirtioKindState::VhostUser { .. } => {
-                return Err(bad_config(format!(
-                    "restore: the snapshot's {} is served by a vhost-user backend; give its socket with --disk vhost-user=SOCKET or --net vhost-user=SOCKET",
-                    d.id
-                )))
-            }
+            vmm::persist::VirtioKindState::VhostUser { .. } => vhost_user.push(d.id.clone()),
         }
     }
-    config.disks = if opts.disks.is_empty() {
-        disks
+    if opts.disks.is_empty() {
+        config.disks = disks;
     } else {
-        parse_specs(&opts.disks, parse_disk)?
-    };
-    config.nets = if opts.nets.is_empty() {
-        nets
+        disk_flags(opts, &mut config)?;
+    }
+    if opts.nets.is_empty() {
+        config.nets = nets;
     } else {
-        parse_specs(&opts.nets, parse_net)?
-    };
+        net_flags(opts, &mut config)?;
+    }
+    // A backend's socket is the host's, not the guest's: the snapshot does not name it.
+    if vhost_user.len() > config.vhost_user_disks.len() + config.vhost_user_nets.len() {
+        return Err(bad_config(format!(
+            "restore: the snapshot's {}; give each backend's socket with --disk vhost-user=SOCKET or --net vhost-user=SOCKET (with every other disk or NIC)",
+            match vhost_user.as_slice() {
+                [one] => format!("{one} is served by a vhost-user backend"),
+                many => format!("{} are served by vhost-user backends", many.join(", ")),
+            }
+        )));
+    }
     Ok(config)
 }
 

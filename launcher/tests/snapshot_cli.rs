@@ -180,3 +180,97 @@ fn snapshot_and_restore_refuse_bad_input_in_one_line() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A VM with a vhost-user disk being written: snapshot over the socket, kill, and restore from
+/// the command line, where the backend's socket (the host's, not in the snapshot) must be given;
+/// the guest finishes its stream on a second qemu-storage-daemon serving the same image.
+#[test]
+fn a_vhost_user_disk_is_snapshotted_and_restored_from_the_command_line() {
+    tests::require_kvm();
+    let dir = scratch("vublk");
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)
+        .unwrap()
+        .set_len(8 << 20)
+        .unwrap();
+    let (s1, s2) = (dir.join("first.sock"), dir.join("second.sock"));
+    let first = tests::peers::storage_daemon_unlocked(&image, &s1);
+    let socket = dir.join("launcher.sock");
+    let console = dir.join("console.log");
+    let mut child = bin()
+        .arg("run")
+        .arg("--kernel")
+        .arg(tests::probe_path())
+        .args([
+            "--cmdline",
+            "console=ttyS0 probe.test=blkstream probe.writes=512",
+        ])
+        .args(["--memory", "64", "--no-console-input"])
+        .arg("--disk")
+        .arg(format!("vhost-user={}", s1.display()))
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--console-log")
+        .arg(&console)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .current_dir(&dir)
+        .spawn()
+        .unwrap();
+    tests::wait_for_path(&socket, Duration::from_secs(10));
+    wait_for(
+        &console,
+        "PROBE PROGRESS blkstream writes=64\n",
+        Duration::from_secs(120),
+    );
+    let out = snapshot(&socket, &dir.join("snap"), &["--stop"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(first);
+
+    let restore = |extra: &[String], console: &Path| {
+        bin()
+            .arg("restore")
+            .arg("--from")
+            .arg(dir.join("snap"))
+            .args(extra)
+            .arg("--no-console-input")
+            .arg("--console-log")
+            .arg(console)
+            .output()
+            .unwrap()
+    };
+    let out = restore(&[], &dir.join("refused.log"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("vda is served by a vhost-user backend")
+            && stderr.contains("--disk vhost-user=SOCKET"),
+        "{stderr}"
+    );
+    let _second = tests::peers::storage_daemon_unlocked(&image, &s2);
+    let console2 = dir.join("console2.log");
+    let out = restore(
+        &["--disk".into(), format!("vhost-user={}", s2.display())],
+        &console2,
+    );
+    let text = std::fs::read_to_string(&console2).unwrap_or_default();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("PROBE RESULT blkstream OK")
+            && !text.contains("microvirt probe guest: hello"),
+        "{text}"
+    );
+    tests::assert_blkstream_image(&image, 512);
+    std::fs::remove_dir_all(dir).unwrap();
+}
