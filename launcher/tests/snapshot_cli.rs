@@ -188,11 +188,7 @@ fn snapshot_and_restore_refuse_bad_input_in_one_line() {
 fn a_vhost_user_disk_is_snapshotted_and_restored_from_the_command_line() {
     tests::require_kvm();
     let dir = scratch("vublk");
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
+    let image = tests::blkstream_image(&dir);
     let (s1, s2) = (dir.join("first.sock"), dir.join("second.sock"));
     let first = tests::peers::storage_daemon_unlocked(&image, &s1);
     let socket = dir.join("launcher.sock");

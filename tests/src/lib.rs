@@ -290,15 +290,21 @@ pub fn dirty_config(vcpus: u8, memory_mib: u64, passes: u32, console: &Console) 
 /// The probe's `blkstream` test writing `writes` 4 KiB requests to a fresh 8 MiB image in `dir`;
 /// returns the config and the image's path.
 pub fn blkstream_config(dir: &Path, writes: u64, console: &Console) -> (VmConfig, PathBuf) {
+    let image = blkstream_image(dir);
+    let mut config = probe_config("blkstream", 1, 64, console);
+    config.cmdline.push_str(&format!(" probe.writes={writes}"));
+    config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    (config, image)
+}
+
+/// `dir/disk.img`: an 8 MiB blank image, room for the 512 writes `blkstream` makes by default.
+pub fn blkstream_image(dir: &Path) -> PathBuf {
     let image = dir.join("disk.img");
     std::fs::File::create(&image)
         .unwrap()
         .set_len(8 << 20)
         .unwrap();
-    let mut config = probe_config("blkstream", 1, 64, console);
-    config.cmdline.push_str(&format!(" probe.writes={writes}"));
-    config.disks = vec![vmm::config::DiskConfig::new(&image)];
-    (config, image)
+    image
 }
 
 /// Whether sector `s` of `image` (the whole file's bytes) holds what `blkstream` writes there.

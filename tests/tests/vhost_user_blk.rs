@@ -123,6 +123,27 @@ fn a_backend_killed_mid_io_fails_the_guests_requests_and_the_vm_lives_on() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A VM whose guest streams 512 writes to the vhost-user disk at `socket`, past its 64th.
+fn streaming(socket: &Path, console: &Console) -> Vm {
+    let vm = Vm::build(&config("blkstream", " probe.writes=512", socket, console))
+        .expect("building the VM");
+    wait_progress(console, "blkstream", "writes=64", T);
+    vm
+}
+
+/// Runs `vm` to its end: the stream finished and `image` holds every write.
+fn finish_stream(vm: Vm, console: &Console, image: &Path) -> ProbeRun {
+    let run = run_to_end(vm, console, T);
+    assert_eq!(
+        expect_probe_ok(&run, "blkstream").field("written"),
+        Some("512"),
+        "{}",
+        run.console
+    );
+    assert_blkstream_image(image, 512);
+    run
+}
+
 type Received = std::thread::JoinHandle<Result<(Vm, Console), vmm::migration::MigrationFailure>>;
 
 /// A target on loopback receiving the VM with `config` (its console its own).
@@ -155,18 +176,12 @@ fn migrate_to(vm: &Vm, addr: std::net::SocketAddr) -> Result<(), vmm::migration:
 fn a_vhost_user_disk_being_written_migrates_with_its_guest() {
     require_kvm();
     let dir = workdir("migrate");
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
+    let image = blkstream_image(&dir);
     let (s1, s2) = (dir.join("source.sock"), dir.join("target.sock"));
     let source_daemon = peers::storage_daemon_unlocked(&image, &s1);
-    let target_daemon = peers::storage_daemon_unlocked(&image, &s2);
+    let _target_daemon = peers::storage_daemon_unlocked(&image, &s2);
     let console = Console::default();
-    let vm = Vm::build(&config("blkstream", " probe.writes=512", &s1, &console))
-        .expect("building the VM");
-    wait_progress(&console, "blkstream", "writes=64", T);
+    let vm = streaming(&s1, &console);
     let (addr, receiver) =
         migration_target(config("blkstream", " probe.writes=512", &s2, &console));
     migrate_to(&vm, addr).expect("migration");
@@ -174,15 +189,7 @@ fn a_vhost_user_disk_being_written_migrates_with_its_guest() {
     assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
     drop(vm);
     drop(source_daemon);
-    let run = run_to_end(target_vm, &target_console, T);
-    assert_eq!(
-        expect_probe_ok(&run, "blkstream").field("written"),
-        Some("512"),
-        "{}",
-        run.console
-    );
-    drop(target_daemon);
-    assert_blkstream_image(&image, 512);
+    finish_stream(target_vm, &target_console, &image);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -193,17 +200,11 @@ fn a_vhost_user_disk_being_written_migrates_with_its_guest() {
 fn a_failed_migration_gives_the_rings_back_to_the_source_backend() {
     require_kvm();
     let dir = workdir("rollback");
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
+    let image = blkstream_image(&dir);
     let socket = dir.join("blk.sock");
     let _daemon = storage_daemon(&image, &socket, true);
     let console = Console::default();
-    let vm = Vm::build(&config("blkstream", " probe.writes=512", &socket, &console))
-        .expect("building the VM");
-    wait_progress(&console, "blkstream", "writes=64", T);
+    let vm = streaming(&socket, &console);
     let mut diskless = probe_config("blkstream", 1, 64, &console);
     diskless.cmdline.push_str(" probe.writes=512");
     let (addr, receiver) = migration_target(diskless);
@@ -211,14 +212,7 @@ fn a_failed_migration_gives_the_rings_back_to_the_source_backend() {
     assert!(e.to_string().contains("vhost-user"), "{e}");
     assert!(receiver.join().unwrap().is_err());
     assert!(vm.end_signal().get().is_none() && !vm.is_paused());
-    let run = run_to_end(vm, &console, T);
-    assert_eq!(
-        expect_probe_ok(&run, "blkstream").field("written"),
-        Some("512"),
-        "{}",
-        run.console
-    );
-    assert_blkstream_image(&image, 512);
+    finish_stream(vm, &console, &image);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -230,17 +224,11 @@ fn a_failed_migration_gives_the_rings_back_to_the_source_backend() {
 fn a_vhost_user_disk_being_written_survives_snapshots_and_a_restore() {
     require_kvm();
     let dir = workdir("snapshot");
-    let image = dir.join("disk.img");
-    std::fs::File::create(&image)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
+    let image = blkstream_image(&dir);
     let (s1, s2) = (dir.join("first.sock"), dir.join("second.sock"));
     let first = peers::storage_daemon_unlocked(&image, &s1);
     let console = Console::default();
-    let vm = Vm::build(&config("blkstream", " probe.writes=512", &s1, &console))
-        .expect("building the VM");
-    wait_progress(&console, "blkstream", "writes=64", T);
+    let vm = streaming(&s1, &console);
     let snap = dir.join("snap");
     std::fs::create_dir_all(&snap).unwrap();
     let paths = vmm::SnapshotPaths::in_dir(&snap);
@@ -259,18 +247,11 @@ fn a_vhost_user_disk_being_written_survives_snapshots_and_a_restore() {
         &paths,
     )
     .expect("restoring with a vhost-user disk");
-    let run = run_to_end(restored, &restored_console, T);
+    let run = finish_stream(restored, &restored_console, &image);
     assert!(
         !run.console.contains("PROBE PROGRESS blkstream writes=64\n"),
         "the restored guest started over:\n{}",
         run.console
     );
-    assert_eq!(
-        expect_probe_ok(&run, "blkstream").field("written"),
-        Some("512"),
-        "{}",
-        run.console
-    );
-    assert_blkstream_image(&image, 512);
     let _ = std::fs::remove_dir_all(&dir);
 }
