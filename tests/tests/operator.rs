@@ -565,8 +565,15 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
         let gvk = kube::api::GroupVersionKind::gvk("apiregistration.k8s.io", "v1", "APIService");
         let ar = kube::api::ApiResource::from_gvk(&gvk);
         let services: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &ar);
-        let svc = services.get("v1.subresources.kubevirt.io").await.unwrap();
-        let b64 = svc.data["spec"]["caBundle"].as_str().unwrap().to_string();
+        // The operator writes the APIService after the webhook configurations: wait for it.
+        let b64 = eventually("virt-api's APIService with the CA", T, || async {
+            let svc = services
+                .get_opt("v1.subresources.kubevirt.io")
+                .await
+                .unwrap()?;
+            svc.data["spec"]["caBundle"].as_str().map(str::to_string)
+        })
+        .await;
         let pem = base64::engine::general_purpose::STANDARD
             .decode(b64)
             .unwrap();
