@@ -579,10 +579,11 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
             .unwrap();
         assert_eq!(String::from_utf8(pem).unwrap(), bundle);
     }
-    let controller = Api::<Deployment>::namespaced(client.clone(), NS)
-        .get("virt-controller")
-        .await
-        .unwrap();
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    let controller = eventually("virt-controller installed", T, || async {
+        deployments.get_opt("virt-controller").await.unwrap()
+    })
+    .await;
     let args = controller.spec.unwrap().template.spec.unwrap().containers[0]
         .args
         .clone()
@@ -634,7 +635,10 @@ async fn certificates_are_issued_trusted_and_rotated_without_a_restart() {
     let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
         Api::namespaced(client.clone(), NS);
     for cm in ["virt-api-client-ca", "microvirt-node-ca"] {
-        let data = configmaps.get(cm).await.unwrap().data.unwrap();
+        let data = eventually(cm, T, || async {
+            configmaps.get_opt(cm).await.unwrap()?.data
+        })
+        .await;
         assert_eq!(data["ca.crt"], bundle, "{cm}");
     }
 

@@ -710,27 +710,33 @@ impl VhostUserDevice {
         let bases = bases.inspect_err(|why| self.fail(why))?;
         self.state = BackendState::Stopped;
         let mem = self.mem.clone().ok_or("no guest memory")?;
+        // Where each ring stopped is recorded before any wait, so `restart` resumes there even
+        // when a backend is too slow and the wait gives up.
+        for (&i, &base) in ready.iter().zip(&bases) {
+            self.rings[i].set_next_avail(base);
+        }
         let deadline = std::time::Instant::now() + BACKEND_TIMEOUT;
+        let mut late = None;
         for (&i, &base) in ready.iter().zip(&bases) {
             let used_idx = vm_memory::GuestAddress(self.rings[i].used_ring() + 2);
-            let used = loop {
+            loop {
                 let used: u16 = vm_memory::Bytes::read_obj(&mem, used_idx)
                     .map_err(|e| format!("queue {i}: reading the used index: {e}"))?;
+                self.rings[i].set_next_used(used);
                 if used == base {
-                    break used;
+                    break;
                 }
                 if std::time::Instant::now() >= deadline {
-                    return Err(format!(
+                    late.get_or_insert(format!(
                         "queue {i}: the backend took requests up to {base} but completed only up to {used} within {} s",
                         BACKEND_TIMEOUT.as_secs()
                     ));
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(1));
-            };
-            self.rings[i].set_next_avail(base);
-            self.rings[i].set_next_used(used);
+            }
         }
-        Ok(())
+        late.map_or(Ok(()), Err)
     }
 
     /// Hands stopped rings back to the backend where they stopped (a migration that failed).
