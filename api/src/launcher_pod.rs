@@ -27,6 +27,27 @@ pub const CONTROL_SOCKET: &str = "launcher.sock";
 pub fn virtiofs_socket(tag: &str) -> String {
     format!("virtiofs-{tag}.sock")
 }
+/// Where a volume a filesystem shares is, relative to [`VOLUMES`] (the Pod mounts it there,
+/// the launcher's translation looks there), and whether it is shared read-only: a claim's
+/// directory (read-only if the claim is), and ConfigMaps, Secrets, the ServiceAccount's token
+/// and downwardAPI files read-only, as KubeVirt shares them. None for any other volume.
+pub fn shared_dir(v: &crate::types::Volume) -> Option<(String, bool)> {
+    if let Some(c) = &v.config_map {
+        Some((format!("configmap/{}", c.name), true))
+    } else if let Some(s) = &v.secret {
+        Some((format!("secret/{}", s.secret_name), true))
+    } else if v.service_account.is_some() {
+        // One per VMI (validation), so the account's name need not be in the path.
+        Some(("serviceaccount".into(), true))
+    } else if v.downward_api.is_some() {
+        Some((format!("downwardapi/{}", v.name), true))
+    } else if let Some(p) = &v.persistent_volume_claim {
+        Some((p.claim_name.clone(), p.read_only == Some(true)))
+    } else {
+        v.data_volume.as_ref().map(|d| (d.name.clone(), false))
+    }
+}
+
 /// The socket a target launcher receives a migration on, in [`SOCKETS`].
 pub const MIGRATION_IN_SOCKET: &str = "migration-in.sock";
 /// The socket a source launcher offers its migration stream on, in [`SOCKETS`].

@@ -565,6 +565,18 @@ pub struct Volume {
     pub config_map: Option<ConfigMapSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret: Option<SecretSource>,
+    /// A ServiceAccount's token, with the cluster's CA and the namespace, as the files a Pod
+    /// finds in `/var/run/secrets/kubernetes.io/serviceaccount`; shared with virtio-fs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account: Option<ServiceAccountSource>,
+    /// Fields of the launcher Pod (the VMI's labels and annotations, its name, namespace, ...)
+    /// as files; shared with virtio-fs.
+    #[serde(
+        default,
+        rename = "downwardAPI",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub downward_api: Option<DownwardApiSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ephemeral: Option<EphemeralSource>,
     #[serde(flatten, default)]
@@ -656,6 +668,23 @@ pub struct SecretSource {
     pub secret_name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optional: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_label: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceAccountSource {
+    pub service_account_name: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownwardApiSource {
+    /// The files, as a Pod's `downwardAPI` volume lists them (`path` and a `fieldRef` or
+    /// `resourceFieldRef`).
+    #[serde(default)]
+    pub fields: Vec<k8s_openapi::api::core::v1::DownwardAPIVolumeFile>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume_label: Option<String>,
 }

@@ -515,7 +515,7 @@ fn validate_devices(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) 
 pub const FS_TAG_MAX: usize = 36;
 
 /// A filesystem: virtiofs, a tag that fits, and a volume that is a directory to share
-/// (a claim, a DataVolume, a ConfigMap or a Secret).
+/// (a claim, a DataVolume, a ConfigMap, a Secret, a ServiceAccount's token or downwardAPI files).
 fn validate_filesystem(
     spec: &VirtualMachineInstanceSpec,
     fs: &crate::types::Filesystem,
@@ -549,11 +549,13 @@ fn validate_filesystem(
             let shareable = v.persistent_volume_claim.is_some()
                 || v.data_volume.is_some()
                 || v.config_map.is_some()
-                || v.secret.is_some();
+                || v.secret.is_some()
+                || v.service_account.is_some()
+                || v.downward_api.is_some();
             if !shareable {
                 e.add(
                     format!("{fp}.name"),
-                    format!("volume {:?} is not a directory to share; accepted for filesystems: persistentVolumeClaim, dataVolume, configMap, secret", fs.name),
+                    format!("volume {:?} is not a directory to share; accepted for filesystems: persistentVolumeClaim, dataVolume, configMap, secret, serviceAccount, downwardAPI", fs.name),
                 );
             }
         }
@@ -635,6 +637,81 @@ fn validate_volumes(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors) 
             .any(|f| f.name == v.name);
         volume_source(v, &vp, shared, e);
     }
+    // A Pod runs as one ServiceAccount, so one token is all a VMI can share (KubeVirt's rule).
+    let accounts: Vec<usize> = (spec.volumes.iter().enumerate())
+        .filter(|(_, v)| v.service_account.is_some())
+        .map(|(i, _)| i)
+        .collect();
+    if let [_, second, ..] = accounts[..] {
+        e.add(
+            format!("{p}.volumes[{second}].serviceAccount"),
+            "a second serviceAccount volume; a VMI runs as one ServiceAccount, so at most one is accepted",
+        );
+    }
+}
+
+/// The Pod fields a downwardAPI volume may name (what the API server accepts in a Pod's
+/// downwardAPI volume); `metadata.labels['k']` and `metadata.annotations['k']` too.
+const DOWNWARD_FIELDS: [&str; 5] = [
+    "metadata.name",
+    "metadata.namespace",
+    "metadata.uid",
+    "metadata.labels",
+    "metadata.annotations",
+];
+
+/// A downwardAPI volume's files: relative paths that stay inside the share, each with one
+/// source the launcher Pod has.
+fn downward_api_files(d: &crate::types::DownwardApiSource, vp: &str, e: &mut Errors) {
+    let mut paths = BTreeSet::new();
+    for (i, f) in d.fields.iter().enumerate() {
+        let fp = format!("{vp}.downwardAPI.fields[{i}]");
+        let escapes = f.path.split('/').any(|c| c == "..");
+        if f.path.is_empty() || f.path.starts_with('/') || escapes {
+            e.add(
+                format!("{fp}.path"),
+                format!(
+                    "{:?} must be a relative path without '..' (the file's name in the share)",
+                    f.path
+                ),
+            );
+        } else if !paths.insert(f.path.as_str()) {
+            e.add(format!("{fp}.path"), format!("duplicate path {:?}", f.path));
+        }
+        match (&f.field_ref, &f.resource_field_ref) {
+            (Some(r), None) => {
+                let path = r.field_path.as_str();
+                let keyed = ["metadata.labels['", "metadata.annotations['"]
+                    .iter()
+                    .any(|pre| path.starts_with(pre) && path.ends_with("']"));
+                if !DOWNWARD_FIELDS.contains(&path) && !keyed {
+                    e.add(
+                        format!("{fp}.fieldRef.fieldPath"),
+                        format!("{path:?} is not a field a downwardAPI volume can hold; accepted: {}, metadata.labels['KEY'], metadata.annotations['KEY']", DOWNWARD_FIELDS.join(", ")),
+                    );
+                }
+            }
+            (None, Some(r)) => {
+                let accepted = [
+                    "limits.cpu",
+                    "limits.memory",
+                    "requests.cpu",
+                    "requests.memory",
+                ];
+                if !accepted.contains(&r.resource.as_str()) {
+                    e.add(
+                        format!("{fp}.resourceFieldRef.resource"),
+                        format!(
+                            "{:?} is not a resource of the VM's container; accepted: {}",
+                            r.resource,
+                            accepted.join(", ")
+                        ),
+                    );
+                }
+            }
+            _ => e.add(fp, "set exactly one of fieldRef, resourceFieldRef"),
+        }
+    }
 }
 
 /// The names and paths a volume gives microvirt to open.
@@ -649,6 +726,13 @@ fn volume_names(v: &crate::types::Volume, vp: &str, e: &mut Errors) {
     }
     if let Some(d) = &v.data_volume {
         plain_name(e, format!("{vp}.dataVolume.name"), &d.name);
+    }
+    if let Some(a) = &v.service_account {
+        dns_subdomain(
+            e,
+            format!("{vp}.serviceAccount.serviceAccountName"),
+            &a.service_account_name,
+        );
     }
     if let Some(path) = v.container_disk.as_ref().and_then(|c| c.path.as_ref()) {
         confined_path(
@@ -673,6 +757,8 @@ fn volume_source(v: &crate::types::Volume, vp: &str, shared: bool, e: &mut Error
         v.cloud_init_config_drive.is_some(),
         v.config_map.is_some(),
         v.secret.is_some(),
+        v.service_account.is_some(),
+        v.downward_api.is_some(),
         v.ephemeral.is_some(),
     ]
     .iter()
@@ -688,11 +774,16 @@ fn volume_source(v: &crate::types::Volume, vp: &str, shared: bool, e: &mut Error
     for (set, name) in [
         (v.config_map.is_some() && !shared, "configMap"),
         (v.secret.is_some() && !shared, "secret"),
+        (v.service_account.is_some() && !shared, "serviceAccount"),
+        (v.downward_api.is_some() && !shared, "downwardAPI"),
         (v.ephemeral.is_some(), "ephemeral"),
     ] {
         if set {
-            e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume as a disk"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive; a configMap or secret is shared with a filesystem (domain.devices.filesystems, virtiofs)");
+            e.unsupported(format!("{vp}.{name}"), &format!("a {name} volume as a disk"), "accepted: containerDisk, persistentVolumeClaim, dataVolume, emptyDisk, hostDisk, cloudInitNoCloud, cloudInitConfigDrive; a configMap, secret, serviceAccount or downwardAPI volume is shared with a filesystem (domain.devices.filesystems, virtiofs)");
         }
+    }
+    if let Some(d) = &v.downward_api {
+        downward_api_files(d, vp, e);
     }
     if let Some(ed) = &v.empty_disk {
         if let Err(why) = parse_bytes(&ed.capacity.0) {
@@ -888,6 +979,25 @@ fn plain_name(e: &mut Errors, field: String, name: &str) {
         e.add(
             field,
             format!("{name:?} is not a valid name: names are 1 to 253 characters without '/', control characters, \".\" or \"..\" alone (they name files microvirt creates)"),
+        );
+    }
+}
+
+/// A Kubernetes object name that must be a DNS subdomain (RFC 1123): what the API server
+/// would refuse later, when the launcher Pod is created, refused now with the VMI's field.
+fn dns_subdomain(e: &mut Errors, field: String, name: &str) {
+    let label_ok = |l: &str| {
+        let b = l.as_bytes();
+        !b.is_empty()
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && b.iter()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+    };
+    if name.len() > 253 || !name.split('.').all(label_ok) {
+        e.add(
+            field,
+            format!("{name:?} is not a valid name: lower-case letters, digits, '-' and '.', starting and ending with a letter or digit, at most 253 characters"),
         );
     }
 }

@@ -351,6 +351,67 @@ spec:
 }
 
 #[test]
+fn a_service_account_token_and_downward_api_files_are_shared_not_attached() {
+    let good = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: fs, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      filesystems:
+        - {name: sa, virtiofs: {}}
+        - {name: meta, virtiofs: {}}
+  volumes:
+    - {name: sa, serviceAccount: {serviceAccountName: builder}}
+    - name: meta
+      downwardAPI:
+        fields:
+          - {path: labels, fieldRef: {fieldPath: metadata.labels}}
+          - {path: owner, fieldRef: {fieldPath: "metadata.annotations['owner']"}}
+          - {path: cpu, resourceFieldRef: {resource: limits.cpu}}
+"#);
+    validate_vmi(&good).unwrap();
+
+    let bad = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: fs, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      disks: [{name: sa}]
+      filesystems:
+        - {name: meta, virtiofs: {}}
+        - {name: sa2, virtiofs: {}}
+  volumes:
+    - {name: sa, serviceAccount: {serviceAccountName: builder}}
+    - {name: sa2, serviceAccount: {serviceAccountName: "Not_A_Name"}}
+    - name: meta
+      downwardAPI:
+        fields:
+          - {path: ../escape, fieldRef: {fieldPath: metadata.name}}
+          - {path: ip, fieldRef: {fieldPath: status.podIP}}
+          - {path: both, fieldRef: {fieldPath: metadata.name}, resourceFieldRef: {resource: limits.cpu}}
+          - {path: gpu, resourceFieldRef: {resource: limits.nvidia.com/gpu}}
+"#);
+    let text = validate_vmi(&bad).unwrap_err().to_string();
+    for e in [
+        "spec.volumes[0].serviceAccount: a serviceAccount volume as a disk",
+        "spec.volumes[1].serviceAccount: a second serviceAccount volume",
+        "spec.volumes[1].serviceAccount.serviceAccountName",
+        "spec.volumes[2].downwardAPI.fields[0].path: \"../escape\" must be a relative path",
+        "spec.volumes[2].downwardAPI.fields[1].fieldRef.fieldPath: \"status.podIP\" is not a field",
+        "spec.volumes[2].downwardAPI.fields[2]: set exactly one of fieldRef, resourceFieldRef",
+        "spec.volumes[2].downwardAPI.fields[3].resourceFieldRef.resource: \"limits.nvidia.com/gpu\"",
+    ] {
+        assert!(text.contains(e), "missing {e:?} in:\n{text}");
+    }
+}
+
+#[test]
 fn hugepages_take_kubevirt_page_sizes_and_whole_pages_of_guest_memory() {
     let with = |page: &str, guest: &str| {
         vmi(&format!(

@@ -16,9 +16,11 @@ use api::quantity::parse_bytes;
 use api::validation::{guest_memory, vcpus};
 use api::{VirtualMachineInstance, VirtualMachineInstanceSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, HostPathVolumeSource,
-    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+    Capabilities, ConfigMapProjection, ConfigMapVolumeSource, Container, DownwardAPIProjection,
+    DownwardAPIVolumeFile, DownwardAPIVolumeSource, EmptyDirVolumeSource, HostPathVolumeSource,
+    KeyToPath, ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext,
+    PodSpec, ProjectedVolumeSource, ResourceRequirements, SeccompProfile, SecretVolumeSource,
+    SecurityContext, ServiceAccountTokenProjection, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -190,6 +192,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
         volumes,
         mounts,
         init_containers,
+        service_account,
     } = storage;
     Ok(Pod {
         metadata: metadata(vmi, name, uid),
@@ -209,6 +212,7 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
             hostname: spec.hostname.clone(),
             subdomain: spec.subdomain.clone(),
             automount_service_account_token: Some(false),
+            service_account_name: service_account,
             restart_policy: Some("Never".into()),
             ..Default::default()
         }),
@@ -217,8 +221,21 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
 }
 
 /// The Pod's name, labels, annotations and the VMI as its controller.
+/// The VMI's labels are the Pod's (as in KubeVirt: a Service selecting a VMI's labels reaches
+/// its guest, and a downwardAPI volume sees them), under microvirt's own; its annotations too,
+/// but for those that are KubeVirt's, kubectl's or Multus' to set.
 fn metadata(vmi: &VirtualMachineInstance, name: String, uid: String) -> ObjectMeta {
-    let labels = BTreeMap::from([
+    // Labels the controllers set on Pods and VMIs themselves stay theirs to set.
+    let owned = [
+        api::labels::NODE_NAME,
+        api::labels::MIGRATION_JOB,
+        api::labels::MIGRATION_TARGET_NODE,
+    ];
+    let mut labels: BTreeMap<String, String> = (vmi.metadata.labels.iter().flatten())
+        .filter(|(k, _)| !owned.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    labels.extend([
         (
             api::labels::APP.to_string(),
             api::labels::APP_LAUNCHER.to_string(),
@@ -226,7 +243,19 @@ fn metadata(vmi: &VirtualMachineInstance, name: String, uid: String) -> ObjectMe
         (api::labels::CREATED_BY.to_string(), uid.clone()),
         (api::labels::VM_NAME.to_string(), name.clone()),
     ]);
-    let annotations = BTreeMap::from([(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone())]);
+    let mut annotations: BTreeMap<String, String> = (vmi.metadata.annotations.iter().flatten())
+        .filter(|(k, _)| {
+            ![
+                "kubevirt.io/",
+                "kubectl.kubernetes.io/",
+                "k8s.v1.cni.cncf.io/",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    annotations.insert(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone());
     ObjectMeta {
         generate_name: Some(format!("virt-launcher-{name}-")),
         namespace: vmi.metadata.namespace.clone(),
@@ -353,6 +382,9 @@ struct Storage {
     volumes: Vec<Volume>,
     mounts: Vec<VolumeMount>,
     init_containers: Vec<Container>,
+    /// The ServiceAccount a serviceAccount volume names: the Pod runs as it, so its token can
+    /// be projected.
+    service_account: Option<String>,
 }
 
 fn empty_dir(name: &str) -> Volume {
@@ -360,6 +392,98 @@ fn empty_dir(name: &str) -> Volume {
         name: name.into(),
         empty_dir: Some(EmptyDirVolumeSource::default()),
         ..Default::default()
+    }
+}
+
+/// The Pod volume behind a ConfigMap, Secret, ServiceAccount or downwardAPI volume of the VMI.
+fn shared_volume_source(v: &api::Volume) -> Volume {
+    if let Some(c) = &v.config_map {
+        Volume {
+            config_map: Some(ConfigMapVolumeSource {
+                name: c.name.clone(),
+                optional: c.optional,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    } else if let Some(sec) = &v.secret {
+        Volume {
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(sec.secret_name.clone()),
+                optional: sec.optional,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    } else if v.service_account.is_some() {
+        // The files the kubelet mounts for a Pod's own account (token, CA, namespace), asked
+        // for by name because the launcher Pod automounts nothing into its containers.
+        let token = ServiceAccountTokenProjection {
+            path: "token".into(),
+            expiration_seconds: Some(3607),
+            audience: None,
+        };
+        let ca = ConfigMapProjection {
+            name: "kube-root-ca.crt".into(),
+            items: Some(vec![KeyToPath {
+                key: "ca.crt".into(),
+                path: "ca.crt".into(),
+                mode: None,
+            }]),
+            optional: None,
+        };
+        let namespace = DownwardAPIProjection {
+            items: Some(vec![DownwardAPIVolumeFile {
+                path: "namespace".into(),
+                field_ref: Some(ObjectFieldSelector {
+                    api_version: Some("v1".into()),
+                    field_path: "metadata.namespace".into(),
+                }),
+                ..Default::default()
+            }]),
+        };
+        Volume {
+            projected: Some(ProjectedVolumeSource {
+                sources: Some(vec![
+                    VolumeProjection {
+                        service_account_token: Some(token),
+                        ..Default::default()
+                    },
+                    VolumeProjection {
+                        config_map: Some(ca),
+                        ..Default::default()
+                    },
+                    VolumeProjection {
+                        downward_api: Some(namespace),
+                        ..Default::default()
+                    },
+                ]),
+                default_mode: None,
+            }),
+            ..Default::default()
+        }
+    } else if let Some(d) = &v.downward_api {
+        // A resource of "the container" is the VM's: the launcher's compute container.
+        let items = d
+            .fields
+            .iter()
+            .map(|f| {
+                let mut f = f.clone();
+                if let Some(r) = &mut f.resource_field_ref {
+                    r.container_name.get_or_insert_with(|| "compute".into());
+                }
+                f
+            })
+            .collect();
+        Volume {
+            downward_api: Some(DownwardAPIVolumeSource {
+                items: Some(items),
+                default_mode: None,
+            }),
+            ..Default::default()
+        }
+    } else {
+        Volume::default()
     }
 }
 
@@ -383,6 +507,7 @@ impl Storage {
                 mount("container-disks", CONTAINER_DISKS),
             ],
             init_containers: Vec::new(),
+            service_account: None,
         }
     }
 
@@ -430,34 +555,18 @@ impl Storage {
                 .push(mount(&vname, &format!("{VOLUMES}/{claim}")));
         } else if let Some(h) = &v.host_disk {
             self.add_host_disk(vmi, cfg, i, &vname, h)?;
-        } else if let Some(c) = &v.config_map {
-            // Shared with virtio-fs (validation allows nothing else): where the launcher's
-            // translation looks for it.
+        } else if let Some((dir, _)) = api::launcher_pod::shared_dir(v) {
+            // Shared with virtio-fs (validation allows nothing else), read-only, where the
+            // launcher's translation looks for it.
             self.volumes.push(Volume {
                 name: vname.clone(),
-                config_map: Some(ConfigMapVolumeSource {
-                    name: c.name.clone(),
-                    optional: c.optional,
-                    ..Default::default()
-                }),
-                ..Default::default()
+                ..shared_volume_source(v)
             });
             self.mounts
-                .push(mount_ro(&vname, &format!("{VOLUMES}/configmap/{}", c.name)));
-        } else if let Some(sec) = &v.secret {
-            self.volumes.push(Volume {
-                name: vname.clone(),
-                secret: Some(SecretVolumeSource {
-                    secret_name: Some(sec.secret_name.clone()),
-                    optional: sec.optional,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            });
-            self.mounts.push(mount_ro(
-                &vname,
-                &format!("{VOLUMES}/secret/{}", sec.secret_name),
-            ));
+                .push(mount_ro(&vname, &format!("{VOLUMES}/{dir}")));
+            if let Some(a) = &v.service_account {
+                self.service_account = Some(a.service_account_name.clone());
+            }
         } else if v.empty_disk.is_none()
             && v.cloud_init_no_cloud.is_none()
             && v.cloud_init_config_drive.is_none()
@@ -596,6 +705,69 @@ mod tests {
             let sc = c.security_context.clone().unwrap();
             assert_eq!(sc.run_as_non_root, Some(true), "{}", c.name);
             assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+        }
+    }
+
+    #[test]
+    fn a_service_account_and_downward_api_are_shared_read_only_and_the_pod_runs_as_the_account() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "web", "namespace": "default", "uid": "u-1",
+                         "labels": {"app": "shop", "kubevirt.io/nodeName": "n1"},
+                         "annotations": {"team": "red", "kubevirt.io/latest-observed-api-version": "v1"}},
+            "spec": {"domain": {"memory": {"guest": "64Mi"},
+                                "devices": {"filesystems": [{"name": "sa", "virtiofs": {}},
+                                                            {"name": "meta", "virtiofs": {}}]}},
+                     "volumes": [{"name": "sa", "serviceAccount": {"serviceAccountName": "builder"}},
+                                 {"name": "meta", "downwardAPI": {"fields": [
+                                     {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                                     {"path": "mem", "resourceFieldRef": {"resource": "limits.memory"}}]}}]},
+        }))
+        .unwrap();
+        let pod = render(
+            &vmi,
+            &PodConfig {
+                launcher_image: "launcher".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let labels = pod.metadata.labels.clone().unwrap();
+        assert_eq!(labels["app"], "shop", "the VMI's labels are the Pod's");
+        assert!(!labels.contains_key("kubevirt.io/nodeName"), "{labels:?}");
+        let annotations = pod.metadata.annotations.clone().unwrap();
+        assert_eq!(annotations["team"], "red");
+        assert!(!annotations.contains_key("kubevirt.io/latest-observed-api-version"));
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.service_account_name.as_deref(), Some("builder"));
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let volumes = spec.volumes.unwrap();
+        let sa = volumes.iter().find(|v| v.name == "volume-sa").unwrap();
+        let sources = sa.projected.as_ref().unwrap().sources.clone().unwrap();
+        let token = sources[0].service_account_token.as_ref().unwrap();
+        assert_eq!(token.path, "token");
+        assert_eq!(
+            sources[1].config_map.as_ref().unwrap().name,
+            "kube-root-ca.crt"
+        );
+        let meta = volumes.iter().find(|v| v.name == "volume-meta").unwrap();
+        let items = meta.downward_api.as_ref().unwrap().items.clone().unwrap();
+        assert_eq!(
+            items[0].field_ref.as_ref().unwrap().field_path,
+            "metadata.labels"
+        );
+        let mem = items[1].resource_field_ref.as_ref().unwrap();
+        assert_eq!(mem.container_name.as_deref(), Some("compute"));
+        for (container, dir) in [
+            (&spec.containers[1], "serviceaccount"),
+            (&spec.containers[2], "downwardapi/meta"),
+        ] {
+            let cmd = container.command.clone().unwrap();
+            assert!(
+                cmd.contains(&format!("--shared-dir={VOLUMES}/{dir}")),
+                "{cmd:?}"
+            );
+            assert!(cmd.contains(&"--readonly".to_string()), "{cmd:?}");
         }
     }
 

@@ -15,8 +15,10 @@
 //! - cloudInitNoCloud / cloudInitConfigDrive: a FAT seed labelled `cidata` / `config-2` in
 //!   `<state_dir>`, attached read-only (see `crate::cloudinit`).
 //! - filesystems (virtiofs): the directory itself — a claim's `<volume_dir>/<claim>`, a
-//!   ConfigMap's `<volume_dir>/configmap/<name>`, a Secret's `<volume_dir>/secret/<name>`
-//!   (both read-only, as KubeVirt shares them); virtiofsd serves it under the filesystem's name.
+//!   ConfigMap's `<volume_dir>/configmap/<name>`, a Secret's `<volume_dir>/secret/<name>`, the
+//!   ServiceAccount token's `<volume_dir>/serviceaccount`, a downwardAPI volume's
+//!   `<volume_dir>/downwardapi/<volume>` (all but claims read-only, as KubeVirt shares them;
+//!   `api::launcher_pod::shared_dir`); virtiofsd serves it under the filesystem's name.
 //! - kernel: firmware.kernelBoot.container, else the launcher's default guest kernel
 //!   (`--default-kernel`, `$MICROVIRT_KERNEL`, or `/usr/share/microvirt/vmlinux` in the image).
 
@@ -485,27 +487,19 @@ fn fs_plans(
             .iter()
             .find(|v| v.name == fs.name)
             .ok_or_else(|| err(&fp, "has no volume"))?;
-        let (dir, read_only, what) = if let Some(c) = &vol.config_map {
-            (
-                env.volume_dir.join("configmap").join(&c.name),
-                true,
-                "ConfigMap",
-            )
-        } else if let Some(s) = &vol.secret {
-            (
-                env.volume_dir.join("secret").join(&s.secret_name),
-                true,
-                "Secret",
-            )
-        } else if let Some(claim) = api::migratability::claim_of(vol) {
-            let ro = vol
-                .persistent_volume_claim
-                .as_ref()
-                .and_then(|p| p.read_only)
-                == Some(true);
-            (env.volume_dir.join(claim), ro, "claim")
+        let (rel, read_only) = api::launcher_pod::shared_dir(vol)
+            .ok_or_else(|| err(&fp, "its volume is not a directory to share"))?;
+        let dir = env.volume_dir.join(rel);
+        let what = if vol.config_map.is_some() {
+            "ConfigMap"
+        } else if vol.secret.is_some() {
+            "Secret"
+        } else if vol.service_account.is_some() {
+            "ServiceAccount token"
+        } else if vol.downward_api.is_some() {
+            "downwardAPI volume"
         } else {
-            return Err(err(&fp, "its volume is not a directory to share"));
+            "claim"
         };
         if !dir.is_dir() {
             return Err(err(

@@ -396,8 +396,9 @@ fn links_out_of_images_and_volumes_are_refused() {
     );
 }
 
-/// KubeVirt's `filesystems` with `virtiofs: {}`: a claim shared read-write and a ConfigMap
-/// shared read-only, each served by a virtiofsd the launcher starts; the probe mounts by tag.
+/// KubeVirt's `filesystems` with `virtiofs: {}`: a claim shared read-write, a ConfigMap and a
+/// ServiceAccount's token shared read-only, each served by a virtiofsd the launcher starts;
+/// the probe mounts by tag.
 #[test]
 fn virtiofs_filesystems_share_a_claim_and_a_read_only_config_map() {
     tests::require_kvm();
@@ -411,6 +412,9 @@ fn virtiofs_filesystems_share_a_claim_and_a_read_only_config_map() {
         "from the config map\n",
     )
     .unwrap();
+    // Where the launcher Pod mounts the projected token (`api::launcher_pod::shared_dir`).
+    std::fs::create_dir_all(volumes.join("serviceaccount")).unwrap();
+    std::fs::write(volumes.join("serviceaccount/hello.txt"), "token\n").unwrap();
     let manifest = |tag: &str| {
         format!(
             r#"
@@ -426,6 +430,7 @@ spec:
       filesystems:
         - {{name: data, virtiofs: {{}}}}
         - {{name: cfg, virtiofs: {{}}}}
+        - {{name: sa, virtiofs: {{}}}}
     firmware:
       kernelBoot:
         container: {{image: registry.example.com/kernels/linux:6.1, kernelPath: /boot/vmlinux}}
@@ -433,6 +438,7 @@ spec:
   volumes:
     - {{name: data, persistentVolumeClaim: {{claimName: shared-pvc}}}}
     - {{name: cfg, configMap: {{name: app-config}}}}
+    - {{name: sa, serviceAccount: {{serviceAccountName: builder}}}}
 "#
         )
     };
@@ -466,4 +472,10 @@ spec:
         "{cfg}"
     );
     assert!(!volumes.join("configmap/app-config/written.txt").exists());
+    let sa = run("sa");
+    assert!(
+        sa.contains("PROBE RESULT virtiofs FAIL tag=sa: CREATE written.txt failed: errno 30"),
+        "{sa}"
+    );
+    assert!(!volumes.join("serviceaccount/written.txt").exists());
 }
