@@ -95,6 +95,8 @@ pub enum Binding {
     Bridge,
     Sriov,
     Slirp,
+    /// `binding: {name: ...}` (validation accepts only `vhostuser`).
+    Plugin,
 }
 
 impl Binding {
@@ -104,6 +106,7 @@ impl Binding {
             Binding::Bridge => "bridge",
             Binding::Sriov => "sriov",
             Binding::Slirp => "slirp",
+            Binding::Plugin => "binding",
         }
     }
 }

@@ -454,6 +454,10 @@ pub struct Interface {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_object")]
     pub slirp: Option<Value>,
+    /// A network binding by name (KubeVirt's binding plugins): microvirt's own `vhostuser`
+    /// attaches the NIC to the vhost-user socket a userspace CNI made for its Multus network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binding: Option<PluginBinding>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac_address: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -475,12 +479,23 @@ impl Interface {
             (self.bridge.is_some(), Binding::Bridge),
             (self.sriov.is_some(), Binding::Sriov),
             (self.slirp.is_some(), Binding::Slirp),
+            (self.binding.is_some(), Binding::Plugin),
         ]
         .into_iter()
         .filter_map(|(set, b)| set.then_some(b))
         .collect()
     }
 }
+
+/// `interfaces[].binding`: a binding by name.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PluginBinding {
+    pub name: String,
+}
+
+/// The one named binding microvirt has (`binding: {name: vhostuser}`).
+pub const VHOST_USER_BINDING: &str = "vhostuser";
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

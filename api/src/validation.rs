@@ -881,10 +881,18 @@ fn validate_interface(iface: &crate::types::Interface, ip: &str, e: &mut Errors)
             "accepted bindings: masquerade, bridge",
         );
     }
+    if let Some(b) = &iface.binding {
+        if b.name != crate::types::VHOST_USER_BINDING {
+            e.add(
+                format!("{ip}.binding.name"),
+                format!("{:?} is not a network binding microvirt has (binding plugins' sidecars rewrite a libvirt domain, and there is none); accepted: vhostuser", b.name),
+            );
+        }
+    }
     if iface.bindings().len() > 1 {
         e.add(
             ip.to_string(),
-            "set exactly one binding method (masquerade or bridge)",
+            "set exactly one binding method (masquerade, bridge or binding: {name: vhostuser})",
         );
     }
     if let Some(m) = &iface.model {
@@ -920,11 +928,18 @@ fn validate_networks(spec: &VirtualMachineInstanceSpec, p: &str, e: &mut Errors)
             (false, true) => {}
             _ => e.add(np.clone(), "set exactly one of pod, multus"),
         }
-        if !dev.interfaces.iter().any(|i| i.name == n.name) {
-            e.add(
+        match dev.interfaces.iter().position(|i| i.name == n.name) {
+            None => e.add(
                 format!("{np}.name"),
                 format!("no interface named {:?} uses this network", n.name),
-            );
+            ),
+            // The socket is made by a userspace CNI for a Multus network; the Pod network has
+            // no such socket.
+            Some(ii) if dev.interfaces[ii].binding.is_some() && n.pod.is_some() => e.add(
+                format!("{p}.domain.devices.interfaces[{ii}].binding"),
+                format!("vhostuser needs a Multus network whose CNI makes its vhost-user socket; network {:?} is the pod network", n.name),
+            ),
+            Some(_) => {}
         }
     }
     if pods > 1 {
@@ -1153,7 +1168,7 @@ pub fn default_vmi_spec_with(spec: &mut VirtualMachineInstanceSpec, network: &Ne
         d.devices.interfaces.push(auto);
     }
     for i in &mut d.devices.interfaces {
-        if i.masquerade.is_none() && i.bridge.is_none() && i.sriov.is_none() && i.slirp.is_none() {
+        if i.bindings().is_empty() {
             i.bridge = Some(serde_json::json!({}));
         }
         i.model.get_or_insert(NicModel::Virtio);

@@ -412,6 +412,59 @@ spec:
 }
 
 #[test]
+fn the_vhostuser_binding_is_the_only_named_one_and_needs_a_multus_network() {
+    let good = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: vnf, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces:
+        - {name: default, masquerade: {}}
+        - {name: dp, binding: {name: vhostuser}}
+  networks:
+    - {name: default, pod: {}}
+    - {name: dp, multus: {networkName: dpdk}}
+"#);
+    validate_vmi(&good).unwrap();
+    let mut defaulted = good.clone();
+    default_vmi_spec(&mut defaulted.spec);
+    let dp = &defaulted.spec.domain.devices.interfaces[1];
+    assert!(
+        dp.bridge.is_none(),
+        "a named binding gets no default bridge"
+    );
+
+    let bad = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: vnf, namespace: ns}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces:
+        - {name: default, binding: {name: vhostuser}}
+        - {name: a, binding: {name: passt}}
+        - {name: b, bridge: {}, binding: {name: vhostuser}}
+  networks:
+    - {name: default, pod: {}}
+    - {name: a, multus: {networkName: x}}
+    - {name: b, multus: {networkName: y}}
+"#);
+    let text = validate_vmi(&bad).unwrap_err().to_string();
+    for e in [
+        "spec.domain.devices.interfaces[0].binding: vhostuser needs a Multus network",
+        "spec.domain.devices.interfaces[1].binding.name: \"passt\" is not a network binding microvirt has",
+        "spec.domain.devices.interfaces[2]: set exactly one binding method",
+    ] {
+        assert!(text.contains(e), "missing {e:?} in:\n{text}");
+    }
+}
+
+#[test]
 fn hugepages_take_kubevirt_page_sizes_and_whole_pages_of_guest_memory() {
     let with = |page: &str, guest: &str| {
         vmi(&format!(

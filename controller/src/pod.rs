@@ -187,6 +187,10 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
     if let Some(c) = kernel_boot_container(spec) {
         storage.init_containers.push(c);
     }
+    if let Some((volume, mount)) = network_info_volume(spec) {
+        storage.volumes.push(volume);
+        storage.mounts.push(mount);
+    }
     let grace = spec.termination_grace_period_seconds.unwrap_or(30);
     let Storage {
         volumes,
@@ -256,6 +260,9 @@ fn metadata(vmi: &VirtualMachineInstance, name: String, uid: String) -> ObjectMe
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     annotations.insert(api::labels::ANNOTATION_DOMAIN.to_string(), name.clone());
+    if let Some(networks) = multus_networks(&vmi.spec, vmi.metadata.namespace.as_deref()) {
+        annotations.insert(api::launcher_pod::MULTUS_NETWORKS.to_string(), networks);
+    }
     ObjectMeta {
         generate_name: Some(format!("virt-launcher-{name}-")),
         namespace: vmi.metadata.namespace.clone(),
@@ -271,6 +278,71 @@ fn metadata(vmi: &VirtualMachineInstance, name: String, uid: String) -> ObjectMe
         }]),
         ..Default::default()
     }
+}
+
+/// Multus' `k8s.v1.cni.cncf.io/networks`: each Multus network of the VMI (`networkName`
+/// as `name` or `namespace/name`), on the Pod interface virt-handler and the launcher expect
+/// (`api::launcher_pod::multus_interfaces`). None without Multus networks.
+fn multus_networks(spec: &VirtualMachineInstanceSpec, namespace: Option<&str>) -> Option<String> {
+    let ifaces = api::launcher_pod::multus_interfaces(spec);
+    let list: Vec<serde_json::Value> = ifaces
+        .iter()
+        .filter_map(|(network, pod_iface)| {
+            let m = spec
+                .networks
+                .iter()
+                .find(|n| &n.name == network)?
+                .multus
+                .as_ref()?;
+            let (ns, name) = match m.network_name.split_once('/') {
+                Some((ns, name)) => (Some(ns), name),
+                None => (namespace, m.network_name.as_str()),
+            };
+            let mut entry = serde_json::json!({"name": name, "interface": pod_iface});
+            if let Some(ns) = ns {
+                entry["namespace"] = ns.into();
+            }
+            Some(entry)
+        })
+        .collect();
+    (!list.is_empty()).then(|| serde_json::Value::from(list).to_string())
+}
+
+/// The Pod's own network-status annotation as a file, for interfaces whose vhost-user
+/// socket Multus reports there (`binding: {name: vhostuser}`); None without such interfaces.
+fn network_info_volume(spec: &VirtualMachineInstanceSpec) -> Option<(Volume, VolumeMount)> {
+    if !spec
+        .domain
+        .devices
+        .interfaces
+        .iter()
+        .any(|i| i.binding.is_some())
+    {
+        return None;
+    }
+    let file = DownwardAPIVolumeFile {
+        path: api::launcher_pod::NETWORK_STATUS_FILE.into(),
+        field_ref: Some(ObjectFieldSelector {
+            api_version: Some("v1".into()),
+            field_path: format!(
+                "metadata.annotations['{}']",
+                api::launcher_pod::MULTUS_NETWORK_STATUS
+            ),
+        }),
+        ..Default::default()
+    };
+    let volume = Volume {
+        name: "network-info".into(),
+        downward_api: Some(DownwardAPIVolumeSource {
+            items: Some(vec![file]),
+            default_mode: None,
+        }),
+        ..Default::default()
+    };
+    Some((
+        volume,
+        mount_ro("network-info", api::launcher_pod::NETWORK_INFO),
+    ))
 }
 
 /// The launcher itself, serving its control socket with the Pod's directories.
@@ -349,6 +421,18 @@ fn resources(spec: &VirtualMachineInstanceSpec) -> Result<ResourceRequirements, 
     }
     if !spec.domain.devices.interfaces.is_empty() {
         limits.insert(RESOURCE_TUN.to_string(), Quantity("1".into()));
+    }
+    // Extended resources the VMI asks for (a device plugin's `vhostuser/sockets`, a GPU, …)
+    // go to the launcher, as KubeVirt passes them on; the kubelet mounts what they grant.
+    if let Some(r) = spec.domain.resources.as_ref() {
+        let extended = |m: &BTreeMap<String, Quantity>| {
+            m.iter()
+                .filter(|(k, _)| k.contains('/'))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<Vec<_>>()
+        };
+        limits.extend(extended(&r.limits));
+        requests.extend(extended(&r.requests));
     }
     requests.extend(
         limits
@@ -769,6 +853,58 @@ mod tests {
             );
             assert!(cmd.contains(&"--readonly".to_string()), "{cmd:?}");
         }
+    }
+
+    #[test]
+    fn multus_networks_are_asked_for_and_a_vhostuser_nic_reads_its_socket_from_network_status() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "vnf", "namespace": "tenant", "uid": "u-1"},
+            "spec": {"domain": {"memory": {"guest": "64Mi"},
+                                "resources": {"requests": {"vhostuser/sockets": "1"},
+                                              "limits": {"vhostuser/sockets": "1"}},
+                                "devices": {"interfaces": [
+                                    {"name": "default", "masquerade": {}},
+                                    {"name": "dp", "binding": {"name": "vhostuser"}},
+                                    {"name": "blue", "bridge": {}}]}},
+                     "networks": [{"name": "default", "pod": {}},
+                                  {"name": "dp", "multus": {"networkName": "dpdk-net"}},
+                                  {"name": "blue", "multus": {"networkName": "infra/blue-net"}}]},
+        }))
+        .unwrap();
+        let pod = render(
+            &vmi,
+            &PodConfig {
+                launcher_image: "launcher".into(),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let annotations = pod.metadata.annotations.clone().unwrap();
+        let networks: serde_json::Value =
+            serde_json::from_str(&annotations[api::launcher_pod::MULTUS_NETWORKS]).unwrap();
+        assert_eq!(
+            networks,
+            serde_json::json!([
+                {"name": "dpdk-net", "namespace": "tenant", "interface": "net1"},
+                {"name": "blue-net", "namespace": "infra", "interface": "net2"}
+            ])
+        );
+        let spec = pod.spec.unwrap();
+        let compute = &spec.containers[0];
+        let r = compute.resources.clone().unwrap();
+        assert_eq!(r.limits.unwrap()["vhostuser/sockets"].0, "1");
+        assert_eq!(r.requests.unwrap()["vhostuser/sockets"].0, "1");
+        let mounts = compute.volume_mounts.clone().unwrap();
+        let m = mounts.iter().find(|m| m.name == "network-info").unwrap();
+        assert_eq!(m.mount_path, api::launcher_pod::NETWORK_INFO);
+        let volumes = spec.volumes.unwrap();
+        let v = volumes.iter().find(|v| v.name == "network-info").unwrap();
+        let items = v.downward_api.as_ref().unwrap().items.clone().unwrap();
+        assert_eq!(
+            items[0].field_ref.as_ref().unwrap().field_path,
+            "metadata.annotations['k8s.v1.cni.cncf.io/network-status']"
+        );
     }
 
     #[test]

@@ -42,19 +42,20 @@ fn port(v: &serde_json::Value, at: &str) -> Result<Port, String> {
 /// What to wire for each of the VMI's interfaces, in order.
 pub fn nic_requests(vmi: &VirtualMachineInstance) -> Result<Vec<NicRequest>, String> {
     let spec = &vmi.spec;
-    let mut multus_ordinal = 0;
-    let mut pod_iface_of = std::collections::BTreeMap::new();
-    for n in &spec.networks {
-        if n.multus.is_some() {
-            multus_ordinal += 1;
-            pod_iface_of.insert(n.name.clone(), format!("net{multus_ordinal}"));
-        } else if n.pod.is_some() {
-            pod_iface_of.insert(n.name.clone(), "eth0".to_string());
-        }
+    let mut pod_iface_of: std::collections::BTreeMap<String, String> =
+        api::launcher_pod::multus_interfaces(spec)
+            .into_iter()
+            .collect();
+    for n in spec.networks.iter().filter(|n| n.pod.is_some()) {
+        pod_iface_of.insert(n.name.clone(), "eth0".to_string());
     }
     let mut out = Vec::new();
     for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
         let at = format!("spec.domain.devices.interfaces[{i}]");
+        if iface.binding.is_some() {
+            // vhostuser: the userspace CNI attached it; the launcher connects to its socket.
+            continue;
+        }
         let (ni, net) = spec
             .networks
             .iter()
@@ -79,7 +80,7 @@ pub fn nic_requests(vmi: &VirtualMachineInstance) -> Result<Vec<NicRequest>, Str
             Binding::Masquerade
         } else {
             return Err(format!(
-                "{at}: only masquerade and bridge bindings are wired by microvirt"
+                "{at}: only masquerade, bridge and vhostuser bindings are wired by microvirt"
             ));
         };
         let ports = match (&iface.ports, binding) {
@@ -215,6 +216,28 @@ mod tests {
 
     fn vmi(yaml: &str) -> VirtualMachineInstance {
         serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn a_vhostuser_interface_is_not_wired_and_keeps_the_multus_ordinals() {
+        let v = vmi(r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: a}
+spec:
+  domain:
+    devices:
+      interfaces:
+      - {name: dp, binding: {name: vhostuser}}
+      - {name: blue, bridge: {}}
+  networks:
+  - {name: dp, multus: {networkName: dpdk}}
+  - {name: blue, multus: {networkName: blue-net}}
+"#);
+        let r = nic_requests(&v).unwrap();
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].interface, "blue");
+        assert_eq!(r[0].pod_interface.as_deref(), Some("net2"));
     }
 
     #[test]

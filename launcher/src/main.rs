@@ -299,6 +299,12 @@ struct RunArgs {
     /// 10.0.2.1); `none` attaches no NICs (the manifest's interfaces are listed and dropped).
     #[arg(long, value_enum, default_value = "nat")]
     network: Network,
+    /// With -f: Multus' network-status (the JSON of the Pod annotation
+    /// `k8s.v1.cni.cncf.io/network-status`) naming the vhost-user socket of each interface
+    /// with `binding: {name: vhostuser}`, by its Pod interface (net1, net2, … in the order of
+    /// the manifest's Multus networks).
+    #[arg(long, value_name = "FILE", requires = "manifest")]
+    network_status: Option<PathBuf>,
     /// Also serve the control protocol on this unix socket while the VM runs in the
     /// foreground (status, pause/resume, snapshot, shutdown).
     #[arg(long)]
@@ -417,6 +423,7 @@ impl RunArgs {
                 Network::None => NetworkMode::None,
                 Network::Nat => NetworkMode::Nat,
             },
+            network_status: self.network_status.clone(),
             socket: self.socket.clone(),
             boot_timer: self.boot_timer,
             pull: launcher::images::PullPolicy {

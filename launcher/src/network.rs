@@ -6,11 +6,53 @@
 
 use std::os::fd::IntoRawFd;
 
-use vmm::config::{NetConfig, TapSource};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use vmm::config::{NetConfig, TapSource, VhostUserNetConfig};
 
 use crate::translate::NicPlan;
 
 pub const GUEST: std::net::Ipv4Addr = podnet::GUEST_V4;
+
+/// The vhostuser NICs of `nics` on the sockets Multus reports for their Pod interfaces in
+/// `status_file` (the Pod's network-status annotation as a file). The kubelet refreshes a
+/// downwardAPI file some time after Multus annotates the Pod, so a file that does not list an
+/// interface yet is read again for up to `wait`; any other fault is reported at once.
+pub fn vhost_user_nets(
+    nics: &[NicPlan],
+    status_file: &Path,
+    wait: Duration,
+) -> Result<Vec<VhostUserNetConfig>, String> {
+    let deadline = Instant::now() + wait;
+    let mut out = Vec::new();
+    for n in nics {
+        let pod_iface = n.pod_interface.as_deref().ok_or_else(|| {
+            format!(
+                "interface {}: binding vhostuser needs a Multus network",
+                n.interface
+            )
+        })?;
+        let socket = loop {
+            let status = std::fs::read_to_string(status_file).unwrap_or_default();
+            let listed = !status.trim().is_empty()
+                && serde_json::from_str::<Vec<serde_json::Value>>(&status)
+                    .map(|l| {
+                        l.iter()
+                            .any(|e| e.get("interface").and_then(|i| i.as_str()) == Some(pod_iface))
+                    })
+                    .unwrap_or(true);
+            if listed || Instant::now() >= deadline {
+                break api::launcher_pod::vhost_user_socket(&status, pod_iface).map_err(|e| {
+                    format!("interface {} ({}): {e}", n.interface, status_file.display())
+                })?;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        };
+        out.push(VhostUserNetConfig { socket, mac: n.mac });
+    }
+    Ok(out)
+}
 
 pub struct PodNetwork {
     net: podnet::PodNetwork,

@@ -43,6 +43,8 @@ pub struct RunOptions {
     pub instancetype_dir: Option<PathBuf>,
     pub seccomp: bool,
     pub network: NetworkMode,
+    /// `--network-status FILE`: where vhostuser interfaces find their sockets.
+    pub network_status: Option<PathBuf>,
     pub socket: Option<PathBuf>,
     pub boot_timer: bool,
     /// Whether (and how) `-f` pulls images the image directory lacks.
@@ -100,6 +102,19 @@ fn manifest_config(path: &Path, opts: &RunOptions, restoring: bool) -> Result<Pr
     let mut plan = crate::translate::translate(&name, manifest.vmi_spec(), &env)
         .map_err(|e| bad_config(format!("{}: {e}", path.display())))?;
     let mut network = None;
+    // vhostuser NICs connect to the sockets Multus reported; the rest are the pod network's.
+    let (vhost_user, taps): (Vec<_>, Vec<_>) = std::mem::take(&mut plan.nics)
+        .into_iter()
+        .partition(|n| n.binding == crate::translate::Binding::VhostUser);
+    plan.nics = taps;
+    if let Some(n) = vhost_user.first() {
+        let status = opts.network_status.as_deref().ok_or_else(|| {
+            bad_config(format!("{}: interface {}: binding vhostuser takes its socket from Multus' network-status; give it with --network-status FILE", path.display(), n.interface))
+        })?;
+        plan.config.vhost_user_nets =
+            crate::network::vhost_user_nets(&vhost_user, status, std::time::Duration::ZERO)
+                .map_err(|e| bad_config(format!("{}: {e}", path.display())))?;
+    }
     if !plan.nics.is_empty() {
         match opts.network {
             NetworkMode::None => {

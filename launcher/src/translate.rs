@@ -98,6 +98,9 @@ pub struct DiskPlan {
 pub enum Binding {
     Masquerade,
     Bridge,
+    /// `binding: {name: vhostuser}`: the vhost-user socket Multus reports for the NIC's Pod
+    /// interface (`api::launcher_pod::vhost_user_socket`).
+    VhostUser,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,6 +110,8 @@ pub struct NicPlan {
     pub mac: Option<MacAddr>,
     /// None for the pod network, else the Multus network name.
     pub multus: Option<String>,
+    /// The Pod interface Multus makes for it (`net1`, …); None on the pod network.
+    pub pod_interface: Option<String>,
 }
 
 /// A directory the guest mounts with virtio-fs, by `tag`.
@@ -592,6 +597,7 @@ fn nic_plans(
     spec: &VirtualMachineInstanceSpec,
 ) -> Result<Vec<NicPlan>, TranslateError> {
     let mut nics = Vec::new();
+    let multus_ifaces = api::launcher_pod::multus_interfaces(spec);
     for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
         let net = spec.networks.iter().find(|n| n.name == iface.name);
         // KubeVirt users expect a NIC's MAC to survive restarts and migrations: without
@@ -616,24 +622,28 @@ fn nic_plans(
         let binding = match iface.bindings().as_slice() {
             [api::Binding::Masquerade] => Binding::Masquerade,
             [api::Binding::Bridge] => Binding::Bridge,
+            [api::Binding::Plugin] => Binding::VhostUser,
             [b @ (api::Binding::Sriov | api::Binding::Slirp)] => {
                 return Err(err(
                     format!("{ip}.{}", b.field()),
-                    "is not supported; accepted bindings: masquerade, bridge",
+                    "is not supported; accepted bindings: masquerade, bridge, vhostuser",
                 ))
             }
-            _ => {
-                return Err(err(
-                    ip,
-                    "set exactly one binding method (masquerade or bridge)",
-                ))
-            }
+            _ => return Err(err(
+                ip,
+                "set exactly one binding method (masquerade, bridge or binding: {name: vhostuser})",
+            )),
         };
+        let pod_interface = multus_ifaces
+            .iter()
+            .find(|(network, _)| *network == iface.name)
+            .map(|(_, pod_iface)| pod_iface.clone());
         nics.push(NicPlan {
             interface: iface.name.clone(),
             binding,
             mac,
             multus: net.and_then(|n| n.multus.as_ref().map(|m| m.network_name.clone())),
+            pod_interface,
         });
     }
     Ok(nics)

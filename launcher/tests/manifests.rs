@@ -479,3 +479,89 @@ spec:
     );
     assert!(!volumes.join("serviceaccount/written.txt").exists());
 }
+
+/// KubeVirt's vhostuser binding on a Multus network: the interface's socket is the one Multus
+/// reports for its Pod interface (`net1`) in the Pod's network-status, here DPDK's testpmd
+/// looping the probe's frames back; without the status, or with a socket the VM would have
+/// to create, the launcher refuses with the interface named.
+#[test]
+fn a_vhostuser_interface_connects_to_the_socket_multus_reports() {
+    tests::require_kvm();
+    let f = Fixture::new("vhostuser");
+    let socket = f.root.join("net1.sock");
+    let _switch = tests::peers::testpmd(&socket, "io");
+    let manifest = f.root.join("vnf.yaml");
+    std::fs::write(
+        &manifest,
+        r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: probe-vnf}
+spec:
+  terminationGracePeriodSeconds: 0
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      interfaces:
+        - {name: dataplane, binding: {name: vhostuser}, macAddress: "52:54:00:aa:bb:07"}
+    firmware:
+      kernelBoot:
+        container: {image: registry.example.com/kernels/linux:6.1, kernelPath: /boot/vmlinux}
+        kernelArgs: "console=ttyS0 probe.test=netloop"
+  networks:
+    - {name: dataplane, multus: {networkName: userspace-net}}
+"#,
+    )
+    .unwrap();
+    let status = |mode: &str| {
+        let path = f.root.join(format!("status-{mode}.json"));
+        let json = serde_json::json!([
+            {"name": "default", "interface": "eth0", "ips": ["10.244.0.9"]},
+            {"name": "ns/userspace-net", "interface": "net1",
+             "device-info": {"type": "vhost-user", "version": "1.1.0",
+                             "vhost-user": {"mode": mode, "path": socket}}}
+        ]);
+        std::fs::write(&path, json.to_string()).unwrap();
+        path
+    };
+    let dirs = ["images", "volumes", "state"].map(|d| f.root.join(d));
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "-f",
+            manifest.to_str().unwrap(),
+            "--image-dir",
+            dirs[0].to_str().unwrap(),
+            "--volume-dir",
+            dirs[1].to_str().unwrap(),
+            "--state-dir",
+            dirs[2].to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = launcher_run(&args);
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.code(), text)
+    };
+    let client = status("client");
+    let (code, out) = run(&["--network-status", client.to_str().unwrap()]);
+    assert!(
+        out.contains("PROBE RESULT netloop OK") && out.contains("mac=52:54:00:aa:bb:07"),
+        "{out}"
+    );
+    assert!(out.contains("looped=3"), "{out}");
+    assert_eq!(code, Some(0), "{out}");
+
+    let (code, out) = run(&[]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.contains("interface dataplane: binding vhostuser takes its socket from Multus' network-status; give it with --network-status FILE"),
+        "{out}"
+    );
+    let server = status("server");
+    let (code, out) = run(&["--network-status", server.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.contains("interface dataplane (") && out.contains("socket is in server mode"),
+        "{out}"
+    );
+}

@@ -506,22 +506,48 @@ impl Daemon {
         Ok(out)
     }
 
-    /// The plan's NICs on the TAPs virt-handler handed over, with their DHCP servers started.
-    /// Without a hand-over (a launcher driven by hand) the VM runs without NICs rather than
-    /// not at all.
+    /// The plan's NICs on the TAPs virt-handler handed over, with their DHCP servers started,
+    /// and its vhostuser NICs on the sockets Multus reports in the Pod's network-status.
+    /// Without a hand-over (a launcher driven by hand) the VM runs without TAP NICs rather
+    /// than not at all.
     fn attach_nics(&self, plan: &mut crate::translate::Plan) -> Result<Vec<NicInfo>, String> {
+        use crate::translate::Binding;
         if plan.nics.is_empty() {
             return Ok(Vec::new());
         }
+        let vhost_user: Vec<_> = (plan.nics.iter())
+            .filter(|n| n.binding == Binding::VhostUser)
+            .cloned()
+            .collect();
+        if !vhost_user.is_empty() {
+            let status = std::path::Path::new(api::launcher_pod::NETWORK_INFO)
+                .join(api::launcher_pod::NETWORK_STATUS_FILE);
+            plan.config.vhost_user_nets = crate::network::vhost_user_nets(
+                &vhost_user,
+                &status,
+                std::time::Duration::from_secs(120),
+            )?;
+        }
         let mut g = self.inner.lock().unwrap();
-        if g.network.is_empty() {
-            let names: Vec<&str> = plan.nics.iter().map(|n| n.interface.as_str()).collect();
+        let taps: Vec<_> = (plan.nics.iter())
+            .filter(|n| n.binding != Binding::VhostUser)
+            .collect();
+        if g.network.is_empty() && !taps.is_empty() {
+            let names: Vec<&str> = taps.iter().map(|n| n.interface.as_str()).collect();
             tracing::warn!(interfaces = ?names, "no TAP devices handed over; interfaces not attached");
             return Ok(Vec::new());
         }
         let mut configs = Vec::new();
         let mut info = Vec::new();
         for nic in &plan.nics {
+            if nic.binding == Binding::VhostUser {
+                info.push(NicInfo {
+                    mac: nic.mac.map(|m| m.to_string()),
+                    ip_addresses: Vec::new(),
+                    pod_interface: nic.pod_interface.clone(),
+                });
+                continue;
+            }
             let a = g
                 .network
                 .iter_mut()
