@@ -9,7 +9,9 @@
 //!   private network namespace, against write(2) of the same bytes to the same TAP.
 //!
 //! - the same 4 KiB random I/O on vhost-user-blk: qemu-storage-daemon exporting the same file,
-//!   through microvirt's vhost-user frontend, beside the in-process device.
+//!   through microvirt's vhost-user frontend, beside the in-process device;
+//! - virtio-net transmit of 1514-byte frames through vhost-user-net to DPDK's testpmd
+//!   (`rxonly`, `--no-huge`), beside the in-process device writing the same frames to a TAP.
 //!
 //! Environment: BENCH_SECONDS per measurement (default 2).
 
@@ -374,9 +376,117 @@ fn tso_frame() -> Vec<u8> {
     f
 }
 
-/// Gbit/s of frame bytes written through the device / directly.
-fn net_bench() -> Result<(f64, f64)> {
-    std::thread::spawn(|| -> Result<(f64, f64)> {
+/// A 1514-byte Ethernet frame (IPv4/UDP) behind a virtio-net header asking for nothing.
+fn mtu_frame() -> Vec<u8> {
+    let mut f = vec![0u8; VNET_HDR_LEN + 1514];
+    let e = &mut f[VNET_HDR_LEN..];
+    e[0..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    e[6..12].copy_from_slice(&[0x52, 0x54, 0, 0, 0, 2]);
+    e[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    e[14] = 0x45;
+    e[16..18].copy_from_slice(&1500u16.to_be_bytes());
+    e[22] = 64;
+    e[23] = 17;
+    f
+}
+
+/// Transmits `frame` 64 per kick on the TX queue at DESC/AVAIL/USED (header and data
+/// descriptors, as Linux does) until the time is up; Gbit/s of frame bytes (header excluded).
+fn drive_tx(mem: &GuestMemory, drv: &mut Driver, kick: &EventFd, frame: &[u8]) -> Result<f64> {
+    for i in 0..64u64 {
+        mem.write_slice(frame, GuestAddress(DATA + i * 0x20000))
+            .unwrap();
+    }
+    let (mut bytes, start, limit) = (0u64, Instant::now(), seconds());
+    while start.elapsed() < limit {
+        for i in 0..64u64 {
+            let at = DATA + i * 0x20000;
+            drv.add(&[
+                (at, VNET_HDR_LEN as u32, false),
+                (
+                    at + VNET_HDR_LEN as u64,
+                    (frame.len() - VNET_HDR_LEN) as u32,
+                    false,
+                ),
+            ]);
+        }
+        drv.publish();
+        kick.write(1)?;
+        drv.wait_used(64);
+        bytes += 64 * (frame.len() - VNET_HDR_LEN) as u64;
+    }
+    Ok(bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// An RX queue with no buffers (these benches only transmit).
+fn idle_rx_queue() -> Queue {
+    let mut q = Queue::new(QSIZE).unwrap();
+    q.set_size(QSIZE);
+    q.set_desc_table_address(Some(0x80_0000), Some(0));
+    q.set_avail_ring_address(Some(0x81_0000), Some(0));
+    q.set_used_ring_address(Some(0x82_0000), Some(0));
+    q.set_ready(true);
+    q
+}
+
+/// Gbit/s of `frame`s transmitted through vhost-user-net to testpmd, which takes them off the
+/// ring and drops them (`rxonly`): the frontend's and the backend's cost, no kernel.
+fn net_vhost_user(dir: &std::path::Path, frame: &[u8]) -> Result<f64> {
+    use vmm::devices::virtio::vhost_user::{net, Connection, VhostUserDevice};
+    let socket = dir.join("net.sock");
+    let _ = std::fs::remove_file(&socket);
+    let mut pmd = std::process::Command::new("dpdk-testpmd")
+        .args(["--no-huge", "-m", "256", "--no-pci"])
+        .arg(format!("--file-prefix=mv-bench-{}", std::process::id()))
+        .arg(format!("--vdev=net_vhost0,iface={},queues=1", socket.display()))
+        .args(["--", "--forward-mode=rxonly", "--auto-start", "--stats-period", "60"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("dpdk-testpmd (Debian's dpdk)")?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let run = || -> Result<f64> {
+        let ram = vmm::memory::GuestRam::shared(&[(GuestAddress(0), MEM)], None)?;
+        let mem = ram.memory().clone();
+        let conn = Connection::open(&socket, net::QUEUES)?;
+        let dev = VhostUserDevice::new(
+            "eth0".into(),
+            net::shape(vmm::config::MacAddr([0x52, 0x54, 0, 0, 0, 2])),
+            conn,
+        )?;
+        let kick = dev.queue_events()[1].try_clone()?;
+        let dev = Arc::new(Mutex::new(dev));
+        let interrupt = VirtioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK)?);
+        let mut drv = Driver::new(mem.clone());
+        {
+            let mut d = dev.lock().unwrap();
+            let f = d.avail_features() & vmm::devices::virtio::VIRTIO_F_VERSION_1;
+            d.set_acked_features(f);
+            d.activate(mem.clone(), vec![idle_rx_queue(), drv.queue()], interrupt)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let (stop, h) = event_thread(dev.clone());
+        // The rings are handed over on the event thread.
+        std::thread::sleep(Duration::from_millis(200));
+        let r = drive_tx(&mem, &mut drv, &kick, frame);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        h.join().unwrap();
+        drop(ram);
+        r
+    };
+    let r = run();
+    let _ = pmd.kill();
+    let _ = pmd.wait();
+    let _ = std::fs::remove_file(&socket);
+    r
+}
+
+/// Gbit/s of `frame`s written through the device to a TAP / written to the TAP directly.
+fn net_bench(frame: Vec<u8>) -> Result<(f64, f64)> {
+    std::thread::spawn(move || -> Result<(f64, f64)> {
         // SAFETY: only this thread's network namespace changes.
         anyhow::ensure!(
             unsafe { libc::unshare(libc::CLONE_NEWNET) } == 0,
@@ -394,7 +504,6 @@ fn net_bench() -> Result<(f64, f64)> {
                 "ip {args:?}"
             );
         }
-        let frame = tso_frame();
         let limit = seconds();
         // Raw writes to the TAP.
         let tap = Tap::open("mvb0").map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -423,44 +532,13 @@ fn net_bench() -> Result<(f64, f64)> {
         };
         net.lock().unwrap().set_acked_features(features);
         let mut drv = Driver::new(mem.clone());
-        let rx = {
-            let mut q = Queue::new(QSIZE).unwrap();
-            q.set_size(QSIZE);
-            q.set_desc_table_address(Some(0x80_0000), Some(0));
-            q.set_avail_ring_address(Some(0x81_0000), Some(0));
-            q.set_used_ring_address(Some(0x82_0000), Some(0));
-            q.set_ready(true);
-            q
-        };
         let interrupt = VirtioInterrupt::new(EventFd::new(libc::EFD_NONBLOCK)?);
         net.lock()
             .unwrap()
-            .activate(mem.clone(), vec![rx, drv.queue()], interrupt)
+            .activate(mem.clone(), vec![idle_rx_queue(), drv.queue()], interrupt)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        for i in 0..64u64 {
-            mem.write_slice(&frame, GuestAddress(DATA + i * 0x20000))
-                .unwrap();
-        }
         let (stop, h) = event_thread(net.clone());
-        let (mut bytes, start) = (0u64, Instant::now());
-        while start.elapsed() < limit {
-            for i in 0..64u64 {
-                let at = DATA + i * 0x20000;
-                drv.add(&[
-                    (at, VNET_HDR_LEN as u32, false),
-                    (
-                        at + VNET_HDR_LEN as u64,
-                        (frame.len() - VNET_HDR_LEN) as u32,
-                        false,
-                    ),
-                ]);
-            }
-            drv.publish();
-            kick.write(1)?;
-            drv.wait_used(64);
-            bytes += 64 * (frame.len() - VNET_HDR_LEN) as u64;
-        }
-        let dev = bytes as f64 * 8.0 / start.elapsed().as_secs_f64() / 1e9;
+        let dev = drive_tx(&mem, &mut drv, &kick, &frame)?;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         h.join().unwrap();
         let c = net.lock().unwrap().counters;
@@ -538,8 +616,18 @@ fn main() -> Result<()> {
             vr / dr
         );
     }
-    let (dev, raw) = net_bench()?;
+    let (dev, raw) = net_bench(tso_frame())?;
     println!("| net transmit, 64 KiB TSO frames | {dev:.2} Gbit/s | {raw:.2} Gbit/s | {:.2} | – | ≥ 10 Gbit/s |", dev / raw);
+    // vhost-user-net through testpmd, beside the in-process device on the TAP, same frames.
+    let (tap_dev, tap_raw) = net_bench(mtu_frame())?;
+    println!("| net transmit, 1514-byte frames | {tap_dev:.2} Gbit/s | {tap_raw:.2} Gbit/s | {:.2} | – | – |", tap_dev / tap_raw);
+    match net_vhost_user(&dir, &mtu_frame()) {
+        Ok(vu) => println!(
+            "| net transmit, 1514-byte frames, vhost-user-net (testpmd rxonly) | {vu:.2} Gbit/s | in-process device to TAP {tap_dev:.2} Gbit/s | {:.2} of in-process | – | – |",
+            vu / tap_dev
+        ),
+        Err(e) => eprintln!("vhost-user-net (testpmd): {e:#}; row not measured"),
+    }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
