@@ -90,3 +90,45 @@ fn a_switch_killed_under_the_vm_leaves_the_vmm_running() {
     assert_eq!(vm.wait(), VmEnd::Stopped);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A switch restarted on the same socket (OVS-DPDK being upgraded): the NIC waits for it,
+/// hands its rings to the new process from where the guest's used indexes stand, and the
+/// guest's next frames go through it — no reset, no reboot.
+#[test]
+fn a_switch_restarted_on_its_socket_gets_the_running_nic_back() {
+    require_kvm();
+    let _one = ONE_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = workdir("restart");
+    let socket = dir.join("net.sock");
+    let mut switch = testpmd(&socket, "io");
+    let console = Console::default();
+    let mut cfg = probe_config("netloop", 1, 64, &console);
+    cfg.cmdline.push_str(" probe.rounds=2");
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe fills two descriptors this test owns.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    cfg.serial.input = vmm::SerialInput::Fd(fds[0]);
+    // SAFETY: the write end is ours.
+    let mut input = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fds[1]) };
+    cfg.vhost_user_nets = vec![VhostUserNetConfig {
+        socket: socket.clone(),
+        mac: Some("52:54:00:aa:bb:03".parse::<MacAddr>().unwrap()),
+    }];
+    let vm = Vm::build(&cfg).expect("building the VM");
+    let c = console.clone();
+    let run = std::thread::spawn(move || run_to_end(vm, &c, T));
+    assert!(
+        console.wait_for("PROBE NETLOOP ROUND 1 OK", T),
+        "{}",
+        console.text()
+    );
+    switch.kill();
+    std::thread::sleep(Duration::from_secs(1));
+    let _again = testpmd(&socket, "io");
+    std::io::Write::write_all(&mut input, b"\n").unwrap();
+    let run = run.join().unwrap();
+    let r = expect_probe_ok(&run, "netloop");
+    assert_eq!(r.field("looped"), Some("3"));
+    assert_eq!(r.field("mac"), Some("52:54:00:aa:bb:03"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -438,8 +438,17 @@ fn net_vhost_user(dir: &std::path::Path, frame: &[u8]) -> Result<f64> {
     let mut pmd = std::process::Command::new("dpdk-testpmd")
         .args(["--no-huge", "-m", "256", "--no-pci"])
         .arg(format!("--file-prefix=mv-bench-{}", std::process::id()))
-        .arg(format!("--vdev=net_vhost0,iface={},queues=1", socket.display()))
-        .args(["--", "--forward-mode=rxonly", "--auto-start", "--stats-period", "60"])
+        .arg(format!(
+            "--vdev=net_vhost0,iface={},queues=1",
+            socket.display()
+        ))
+        .args([
+            "--",
+            "--forward-mode=rxonly",
+            "--auto-start",
+            "--stats-period",
+            "60",
+        ])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()

@@ -198,14 +198,33 @@ fn run_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
 /// `probe.test=netloop`: for a backend that sends every frame back (DPDK testpmd in `io` or
 /// `macswap` mode): sends frames of each size to a peer address and checks each comes back
 /// with its payload intact, reporting whether the addresses were swapped.
+/// `probe.test=netloop [probe.rounds=N]`: the frames go out and must come back, N times
+/// (default 1); between rounds the probe prints `PROBE NETLOOP ROUND <k> OK` and waits for a
+/// byte on the serial console, so the host can change the path (restart the switch) before
+/// the next round.
 pub fn loopback(cmdline: &str) -> ! {
-    match open(cmdline).and_then(|(nic, mac, link)| loop_on(nic, mac, link)) {
+    let rounds: u32 = cmdline
+        .split(' ')
+        .find_map(|w| w.strip_prefix("probe.rounds="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let looped = open(cmdline).and_then(|(mut nic, mac, link)| {
+        for k in 1..rounds {
+            loop_on(&mut nic, mac, link)?;
+            let _ = writeln!(crate::hw::Serial, "PROBE NETLOOP ROUND {k} OK");
+            while crate::hw::serial_read().is_none() {
+                core::hint::spin_loop();
+            }
+        }
+        loop_on(&mut nic, mac, link)
+    });
+    match looped {
         Ok(line) => result(true, format_args!("{}", line.as_str())),
         Err(e) => result(false, format_args!("{e}")),
     }
 }
 
-fn loop_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
+fn loop_on(nic: &mut Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
     const PEER: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
     let mut frame = [0u8; 1514];
     let mut back = [0u8; 1514];

@@ -1,5 +1,5 @@
 //! A vhost-user device on the event-manager thread: queued activation and reset work, the
-//! backend's call eventfds, and the socket hanging up.
+//! backend's call eventfds, the socket hanging up, and a reconnection's outcome.
 
 use std::os::fd::AsRawFd;
 
@@ -7,6 +7,10 @@ use event_manager::{EventOps, Events, MutEventSubscriber};
 use vmm_sys_util::epoll::EventSet;
 
 use super::VhostUserDevice;
+
+/// Event data: the backend's socket hung up / the reconnection thread finished.
+const HANG_UP: u32 = 1;
+const RECONNECTED: u32 = 2;
 
 impl MutEventSubscriber for VhostUserDevice {
     fn init(&mut self, ops: &mut EventOps) {
@@ -17,19 +21,37 @@ impl MutEventSubscriber for VhostUserDevice {
                 tracing::error!(device = %self.id, "vhost-user: cannot watch eventfd: {e:?}");
             }
         }
+        if let Some(r) = &self.reconnector {
+            let fd = r.ready.as_raw_fd();
+            if let Err(e) = ops.add(Events::with_data_raw(fd, RECONNECTED, EventSet::IN)) {
+                tracing::error!(device = %self.id, "vhost-user: cannot watch the reconnection: {e:?}");
+            }
+        }
         // The backend never writes to this socket unasked; a hang-up is its death.
         let sock = self.conn.frontend.as_raw_fd();
-        if let Err(e) = ops.add(Events::with_data_raw(sock, 1, EventSet::HANG_UP)) {
+        if let Err(e) = ops.add(Events::with_data_raw(sock, HANG_UP, EventSet::HANG_UP)) {
             tracing::error!(device = %self.id, "vhost-user: cannot watch the socket: {e:?}");
         }
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
         let fd = events.fd();
-        if events.data() == 1 {
-            let _ = ops.remove(events);
-            self.fail("the backend closed its socket");
-            return;
+        match events.data() {
+            HANG_UP => {
+                let _ = ops.remove(events);
+                self.backend_gone();
+                return;
+            }
+            RECONNECTED => {
+                if let Some(sock) = self.reconnected() {
+                    if let Err(e) = ops.add(Events::with_data_raw(sock, HANG_UP, EventSet::HANG_UP))
+                    {
+                        tracing::error!(device = %self.id, "vhost-user: cannot watch the socket: {e:?}");
+                    }
+                }
+                return;
+            }
+            _ => {}
         }
         if fd == self.base.activate_evt.as_raw_fd() {
             let _ = self.base.activate_evt.read();

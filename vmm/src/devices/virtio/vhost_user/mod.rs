@@ -10,7 +10,13 @@
 //! Every exchange with the backend happens on the event-manager thread, never on a vCPU: a
 //! driver's status write only queues the work (`Pending`). The socket has a timeout, so a
 //! backend that stops answering costs that thread seconds, not the VM; a backend that fails
-//! or disconnects makes the device ask for a reset (DEVICE_NEEDS_RESET), and the VM runs on.
+//! makes the device ask for a reset (DEVICE_NEEDS_RESET), and the VM runs on. A NIC's
+//! backend that disconnects (a switch restarting) is waited for instead: a thread reconnects
+//! to the same socket for up to [`RECONNECT_WINDOW`] and the rings are handed to the new
+//! backend from the used indexes in guest memory, as QEMU does; frames in flight may be sent
+//! twice or lost, which networks tolerate. Disks and shares are not reconnected: a disk's
+//! requests in flight (completed out of order) and virtiofsd's open files are not recoverable
+//! from the rings alone.
 
 pub mod blk;
 mod event_handler;
@@ -39,6 +45,9 @@ use crate::memory::GuestMemory;
 
 /// How long one request to the backend may take before the device gives up on it.
 pub const BACKEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a NIC whose backend went away waits for a backend on the same socket.
+pub const RECONNECT_WINDOW: Duration = Duration::from_secs(60);
 
 /// The virtio feature bits a vhost-user device may offer the driver: the device type's own
 /// (0-23), indirect descriptors, event index and VERSION_1. Anything else the backend offers
@@ -372,8 +381,86 @@ pub enum BackendState {
     /// The rings were taken back with their positions while the vCPUs are paused (a
     /// migration's stop-and-copy): what `queue_states` reports is exact until `restart`.
     Stopped,
+    /// The backend went away; a thread waits for one on the same socket ([`Reconnector`]).
+    Reconnecting,
     /// The backend failed or went away: the device needs a reset and does nothing more.
     Failed,
+}
+
+/// A thread that connects to a departed backend's socket again when asked, every 250 ms for
+/// up to [`RECONNECT_WINDOW`]. It is started with the device, on the thread that builds the
+/// VM: the device thread's seccomp filter allows neither sockets nor new threads (a
+/// connection starts its watchdog thread), and a refused connect is retried for a while,
+/// which the event thread must not wait for. `ready` is written when `result` holds the new
+/// connection or why there is none.
+struct Reconnector {
+    ask: Option<std::sync::mpsc::Sender<()>>,
+    ready: EventFd,
+    result: Arc<std::sync::Mutex<Option<Result<Connection, String>>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reconnector {
+    fn start(socket: PathBuf, queues: usize) -> std::io::Result<Reconnector> {
+        let ready = EventFd::new(libc::EFD_NONBLOCK)?;
+        let signal = ready.try_clone()?;
+        let result = Arc::new(std::sync::Mutex::new(None));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (ask, asked) = std::sync::mpsc::channel::<()>();
+        let (r, st) = (result.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("vhost-user-reconnect".into())
+            .spawn(move || {
+                while asked.recv().is_ok() {
+                    let deadline = std::time::Instant::now() + RECONNECT_WINDOW;
+                    let got = loop {
+                        if st.load(std::sync::atomic::Ordering::Relaxed) {
+                            return;
+                        }
+                        match Connection::open(&socket, queues) {
+                            Ok(c) => break Ok(c),
+                            Err(e) if std::time::Instant::now() >= deadline => {
+                                break Err(format!(
+                                    "no backend came back within {} s (last: {e})",
+                                    RECONNECT_WINDOW.as_secs()
+                                ))
+                            }
+                            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+                        }
+                    };
+                    *r.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
+                    let _ = signal.write(1);
+                }
+            })?;
+        Ok(Reconnector {
+            ask: Some(ask),
+            ready,
+            result,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts looking for the backend; false when the thread is gone.
+    fn ask(&self) -> bool {
+        self.ask.as_ref().is_some_and(|a| a.send(()).is_ok())
+    }
+
+    fn take(&self) -> Option<Result<Connection, String>> {
+        let _ = self.ready.read();
+        self.result.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+impl Drop for Reconnector {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.ask.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// What a device type adds to the generic frontend.
@@ -412,6 +499,10 @@ pub struct VhostUserDevice {
     /// The dirty log the backend writes to while a migration runs.
     dirty_log: Option<Arc<SharedDirtyLog>>,
     state: BackendState,
+    /// A NIC's: the thread that finds the backend again when it went away.
+    reconnector: Option<Reconnector>,
+    /// Whether the rings ran when the backend left: the one that comes back gets them.
+    resume_rings: bool,
     /// Requested activation seen by the transport (true from `activate` until `reset`).
     activated: bool,
 }
@@ -431,6 +522,11 @@ impl VhostUserDevice {
         };
         let offered = conn.driver_features() & !shape.hidden_features | shape.local_features;
         let queue_sizes = shape.queue_sizes;
+        let reconnector = if shape.device_type == super::TYPE_NET {
+            Some(Reconnector::start(conn.socket.clone(), queue_sizes.len())?)
+        } else {
+            None
+        };
         Ok(VhostUserDevice {
             id,
             device_type: shape.device_type,
@@ -445,6 +541,8 @@ impl VhostUserDevice {
             rings: Vec::new(),
             dirty_log: None,
             state: BackendState::Idle,
+            reconnector,
+            resume_rings: false,
             activated: false,
         })
     }
@@ -470,8 +568,11 @@ impl VhostUserDevice {
         self.state
     }
 
-    /// Does the queued work (on the event thread).
+    /// Does the queued work (on the event thread); while the backend is away it waits.
     fn run_pending(&mut self) {
+        if self.state == BackendState::Reconnecting {
+            return;
+        }
         while let Some(p) = self.pending.pop_front() {
             let r = match p {
                 Pending::Activate {
@@ -490,6 +591,71 @@ impl VhostUserDevice {
                 self.fail(&e);
             }
         }
+    }
+
+    /// The backend closed its socket. A NIC waits for a backend on the same socket (a switch
+    /// restarting keeps its sockets' paths); anything else fails.
+    fn backend_gone(&mut self) {
+        if self.state == BackendState::Failed {
+            return;
+        }
+        if !self.reconnector.as_ref().is_some_and(Reconnector::ask) {
+            self.fail("the backend closed its socket");
+            return;
+        }
+        tracing::warn!(device = %self.id, socket = %self.conn.socket.display(), "vhost-user: the backend closed its socket; waiting up to {} s for it to come back", RECONNECT_WINDOW.as_secs());
+        self.resume_rings = self.state == BackendState::Running;
+        self.state = BackendState::Reconnecting;
+    }
+
+    /// The reconnection thread finished: on a new backend that offers every feature the
+    /// driver acked, the rings are handed over from the used indexes in guest memory (what
+    /// the old backend completed; what it took but had not completed is offered again).
+    /// Returns the new socket to watch for a hang-up.
+    fn reconnected(&mut self) -> Option<std::os::fd::RawFd> {
+        let got = self.reconnector.as_ref()?.take()?;
+        if self.state != BackendState::Reconnecting {
+            return None;
+        }
+        self.state = BackendState::Idle;
+        let conn = match got {
+            Ok(c) => c,
+            Err(why) => {
+                self.fail(&why);
+                return None;
+            }
+        };
+        let needed = self.base.acked_features & self.conn.features;
+        if conn.features & needed != needed {
+            self.fail(&format!(
+                "the backend that came back lacks features the driver uses ({:#x})",
+                needed & !conn.features
+            ));
+            return None;
+        }
+        self.conn = conn;
+        if std::mem::take(&mut self.resume_rings) {
+            if let Err(e) = self.rewind_to_used().and_then(|()| self.hand_over()) {
+                self.fail(&e);
+                return None;
+            }
+        }
+        tracing::info!(device = %self.id, socket = %self.conn.socket.display(), "vhost-user: the backend is back");
+        self.run_pending();
+        Some(self.conn.frontend.as_raw_fd())
+    }
+
+    /// Every ready ring resumes at its used index: the state a backend that died leaves.
+    fn rewind_to_used(&mut self) -> Result<(), String> {
+        let mem = self.mem.clone().ok_or("no guest memory")?;
+        for (i, q) in self.rings.iter_mut().enumerate().filter(|(_, q)| q.ready()) {
+            let at = vm_memory::GuestAddress(q.used_ring() + 2);
+            let used: u16 = vm_memory::Bytes::read_obj(&mem, at)
+                .map_err(|e| format!("queue {i}: reading the used index: {e}"))?;
+            q.set_next_avail(used);
+            q.set_next_used(used);
+        }
+        Ok(())
     }
 
     /// The backend is gone or broke the protocol: the driver is told the device needs a reset.
@@ -627,6 +793,9 @@ impl VhostUserDevice {
     /// Why a snapshot (or with `migration`, a live migration) cannot carry this device, if
     /// it cannot.
     pub fn persist_blocker(&self, migration: bool) -> Option<String> {
+        if self.state == BackendState::Reconnecting {
+            return Some("its backend went away and is being waited for".into());
+        }
         if self.device_type == fs::TYPE_FS {
             return Some(
                 "virtiofsd keeps the guest's open files and FUSE state, which this VMM does not transfer (VHOST_USER_SET_DEVICE_STATE_FD is not implemented)".into(),
@@ -692,6 +861,9 @@ impl VhostUserDevice {
         match self.state {
             BackendState::Running => {}
             BackendState::Failed => return Err("the backend failed".into()),
+            BackendState::Reconnecting => {
+                return Err("the backend went away and is being waited for".into())
+            }
             BackendState::Idle | BackendState::Stopped => return Ok(()),
         }
         let ready: Vec<usize> = (0..self.rings.len())
