@@ -91,6 +91,24 @@ fn a_switch_killed_under_the_vm_leaves_the_vmm_running() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The probe's frames looped twice on a NIC of `socket`, the second round once a line is
+/// written to the returned console input.
+fn two_rounds(socket: &std::path::Path, console: &Console) -> (vmm::VmConfig, std::fs::File) {
+    let mut cfg = probe_config("netloop", 1, 64, console);
+    cfg.cmdline.push_str(" probe.rounds=2");
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe fills two descriptors this test owns.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    cfg.serial.input = vmm::SerialInput::Fd(fds[0]);
+    cfg.vhost_user_nets = vec![VhostUserNetConfig {
+        socket: socket.to_path_buf(),
+        mac: Some("52:54:00:aa:bb:03".parse::<MacAddr>().unwrap()),
+    }];
+    // SAFETY: the write end is ours.
+    let input = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fds[1]) };
+    (cfg, input)
+}
+
 /// A switch restarted on the same socket (OVS-DPDK being upgraded): the NIC waits for it,
 /// hands its rings to the new process from where the guest's used indexes stand, and the
 /// guest's next frames go through it — no reset, no reboot.
@@ -102,18 +120,7 @@ fn a_switch_restarted_on_its_socket_gets_the_running_nic_back() {
     let socket = dir.join("net.sock");
     let mut switch = testpmd(&socket, "io");
     let console = Console::default();
-    let mut cfg = probe_config("netloop", 1, 64, &console);
-    cfg.cmdline.push_str(" probe.rounds=2");
-    let mut fds = [0i32; 2];
-    // SAFETY: pipe fills two descriptors this test owns.
-    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-    cfg.serial.input = vmm::SerialInput::Fd(fds[0]);
-    // SAFETY: the write end is ours.
-    let mut input = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fds[1]) };
-    cfg.vhost_user_nets = vec![VhostUserNetConfig {
-        socket: socket.clone(),
-        mac: Some("52:54:00:aa:bb:03".parse::<MacAddr>().unwrap()),
-    }];
+    let (cfg, mut input) = two_rounds(&socket, &console);
     let vm = Vm::build(&cfg).expect("building the VM");
     let c = console.clone();
     let run = std::thread::spawn(move || run_to_end(vm, &c, T));
@@ -130,5 +137,51 @@ fn a_switch_restarted_on_its_socket_gets_the_running_nic_back() {
     let r = expect_probe_ok(&run, "netloop");
     assert_eq!(r.field("looped"), Some("3"));
     assert_eq!(r.field("mac"), Some("52:54:00:aa:bb:03"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A VM whose NIC is on one testpmd migrates to a target whose NIC is on another: the source's
+/// rings are taken back at stop-and-copy with their positions, handed to the target's switch
+/// there, and the guest's second round of frames goes through the target's switch.
+#[test]
+fn a_nic_on_a_switch_migrates_to_the_targets_switch() {
+    require_kvm();
+    let _one = ONE_SWITCH.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = workdir("migrate");
+    let (s1, s2) = (dir.join("source.sock"), dir.join("target.sock"));
+    let source_switch = testpmd(&s1, "io");
+    let console = Console::default();
+    let (cfg, _source_input) = two_rounds(&s1, &console);
+    let vm = Vm::build(&cfg).expect("building the VM");
+    assert!(
+        console.wait_for("PROBE NETLOOP ROUND 1 OK", T),
+        "{}",
+        console.text()
+    );
+    vm.check_migratable().expect("a NIC on testpmd migrates");
+    let _target_switch = testpmd(&s2, "io");
+    let (target_cfg, mut target_input) = two_rounds(&s2, &console);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let receiver = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let console = Console::default();
+        let mut c = target_cfg;
+        c.serial.output = console.output();
+        Vm::migrate_in(&mut s, &c).map(|vm| (vm, console))
+    });
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    vm.migrate_out(&mut s, &Default::default(), &mut |_| {})
+        .expect("migration");
+    let (target_vm, target_console) = receiver.join().unwrap().expect("target");
+    assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
+    drop(vm);
+    drop(source_switch);
+    std::io::Write::write_all(&mut target_input, b"\n").unwrap();
+    let run = run_to_end(target_vm, &target_console, T);
+    let r = expect_probe_ok(&run, "netloop");
+    assert_eq!(r.field("looped"), Some("3"));
     let _ = std::fs::remove_dir_all(&dir);
 }

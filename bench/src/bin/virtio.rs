@@ -448,6 +448,8 @@ fn net_vhost_user(dir: &std::path::Path, frame: &[u8]) -> Result<f64> {
             "--auto-start",
             "--stats-period",
             "60",
+            // The default pool does not fit in -m 256 without huge pages.
+            "--total-num-mbufs=8192",
         ])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -455,6 +457,12 @@ fn net_vhost_user(dir: &std::path::Path, frame: &[u8]) -> Result<f64> {
         .context("dpdk-testpmd (Debian's dpdk)")?;
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() && Instant::now() < deadline {
+        if let Some(status) = pmd.try_wait()? {
+            anyhow::bail!(
+                "dpdk-testpmd exited ({status}) before making {}",
+                socket.display()
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     let run = || -> Result<f64> {
