@@ -3,6 +3,14 @@
 use api::validation::*;
 use api::*;
 
+/// `v` is refused with (at least) each of `expected` among its errors.
+fn assert_refused(v: &VirtualMachineInstance, expected: &[&str]) {
+    let text = validate_vmi(v).unwrap_err().to_string();
+    for e in expected {
+        assert!(text.contains(e), "missing {e:?} in:\n{text}");
+    }
+}
+
 fn vmi(yaml: &str) -> VirtualMachineInstance {
     serde_yaml::from_str(yaml).unwrap()
 }
@@ -226,8 +234,7 @@ spec:
     - {name: d, hostDisk: {path: /var/lib/hostdisks/../../../etc/x.img, type: Disk}}
     - {name: .., emptyDisk: {capacity: 1Mi}}
 "#);
-    let text = validate_vmi(&v).unwrap_err().to_string();
-    for field in [
+    assert_refused(&v, &[
         "spec.domain.firmware.kernelBoot.container.kernelPath: \"/boot/../../etc/shadow\" has a \"..\" component",
         "spec.domain.firmware.kernelBoot.container.initrdPath: \"../initrd\" has a \"..\" component",
         "spec.volumes[0].containerDisk.path: \"/disk/../../../../etc/passwd\" has a \"..\" component",
@@ -235,9 +242,7 @@ spec:
         "spec.volumes[2].dataVolume.name: \"a/b\" is not a valid name",
         "spec.volumes[3].hostDisk.path: \"/var/lib/hostdisks/../../../etc/x.img\" has a \"..\" component",
         "spec.volumes[4].name: \"..\" is not a valid name",
-    ] {
-        assert!(text.contains(field), "missing {field:?} in:\n{text}");
-    }
+    ]);
 }
 
 #[test]
@@ -337,17 +342,14 @@ spec:
     - {name: scratch, emptyDisk: {capacity: 1Gi}}
     - {name: a-name-far-too-long-for-a-virtiofs-tag-x, persistentVolumeClaim: {claimName: d}}
 "#);
-    let text = validate_vmi(&bad).unwrap_err().to_string();
-    for e in [
+    assert_refused(&bad, &[
         "spec.domain.devices.filesystems[0].virtiofs: is required",
         "spec.domain.devices.filesystems[1].name: \"root\" is already a disk or filesystem",
         "spec.domain.devices.filesystems[1].name: volume \"root\" is not a directory to share",
         "spec.domain.devices.filesystems[2].name: volume \"scratch\" is not a directory to share",
         "spec.domain.devices.filesystems[3].name: no volume named \"ghost\"",
         "spec.domain.devices.filesystems[4].name: 40 characters; the guest mounts the share by this name, which holds at most 36",
-    ] {
-        assert!(text.contains(e), "missing {e:?} in:\n{text}");
-    }
+    ]);
 }
 
 #[test]
@@ -397,8 +399,7 @@ spec:
           - {path: both, fieldRef: {fieldPath: metadata.name}, resourceFieldRef: {resource: limits.cpu}}
           - {path: gpu, resourceFieldRef: {resource: limits.nvidia.com/gpu}}
 "#);
-    let text = validate_vmi(&bad).unwrap_err().to_string();
-    for e in [
+    assert_refused(&bad, &[
         "spec.volumes[0].serviceAccount: a serviceAccount volume as a disk",
         "spec.volumes[1].serviceAccount: a second serviceAccount volume",
         "spec.volumes[1].serviceAccount.serviceAccountName",
@@ -406,9 +407,7 @@ spec:
         "spec.volumes[2].downwardAPI.fields[1].fieldRef.fieldPath: \"status.podIP\" is not a field",
         "spec.volumes[2].downwardAPI.fields[2]: set exactly one of fieldRef, resourceFieldRef",
         "spec.volumes[2].downwardAPI.fields[3].resourceFieldRef.resource: \"limits.nvidia.com/gpu\"",
-    ] {
-        assert!(text.contains(e), "missing {e:?} in:\n{text}");
-    }
+    ]);
 }
 
 #[test]
@@ -454,14 +453,11 @@ spec:
     - {name: a, multus: {networkName: x}}
     - {name: b, multus: {networkName: y}}
 "#);
-    let text = validate_vmi(&bad).unwrap_err().to_string();
-    for e in [
+    assert_refused(&bad, &[
         "spec.domain.devices.interfaces[0].binding: vhostuser needs a Multus network",
         "spec.domain.devices.interfaces[1].binding.name: \"passt\" is not a network binding microvirt has",
         "spec.domain.devices.interfaces[2]: set exactly one binding method",
-    ] {
-        assert!(text.contains(e), "missing {e:?} in:\n{text}");
-    }
+    ]);
 }
 
 #[test]

@@ -745,9 +745,19 @@ fn kernel_boot_container(spec: &VirtualMachineInstanceSpec) -> Option<Container>
 mod tests {
     use super::*;
 
+    /// The Pod of the VMI `json`, with a launcher image and nothing else configured.
+    fn render_json(json: serde_json::Value) -> Pod {
+        let vmi: VirtualMachineInstance = serde_json::from_value(json).unwrap();
+        let cfg = PodConfig {
+            launcher_image: "launcher".into(),
+            ..Default::default()
+        };
+        render(&vmi, &cfg).unwrap()
+    }
+
     #[test]
     fn each_filesystem_gets_an_unprivileged_virtiofsd_on_the_shared_sockets_directory() {
-        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+        let pod = render_json(serde_json::json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": {"name": "web", "namespace": "default", "uid": "u-1"},
             "spec": {"domain": {"memory": {"guest": "64Mi"},
@@ -755,16 +765,7 @@ mod tests {
                                                             {"name": "cfg", "virtiofs": {}}]}},
                      "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "pvc-1"}},
                                  {"name": "cfg", "configMap": {"name": "app"}}]},
-        }))
-        .unwrap();
-        let pod = render(
-            &vmi,
-            &PodConfig {
-                launcher_image: "launcher".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        }));
         let spec = pod.spec.unwrap();
         let names: Vec<&str> = spec.containers.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["compute", "virtiofs-data", "virtiofs-cfg"]);
@@ -794,7 +795,7 @@ mod tests {
 
     #[test]
     fn a_service_account_and_downward_api_are_shared_read_only_and_the_pod_runs_as_the_account() {
-        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+        let pod = render_json(serde_json::json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": {"name": "web", "namespace": "default", "uid": "u-1",
                          "labels": {"app": "shop", "kubevirt.io/nodeName": "n1"},
@@ -806,16 +807,7 @@ mod tests {
                                  {"name": "meta", "downwardAPI": {"fields": [
                                      {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
                                      {"path": "mem", "resourceFieldRef": {"resource": "limits.memory"}}]}}]},
-        }))
-        .unwrap();
-        let pod = render(
-            &vmi,
-            &PodConfig {
-                launcher_image: "launcher".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        }));
         let labels = pod.metadata.labels.clone().unwrap();
         assert_eq!(labels["app"], "shop", "the VMI's labels are the Pod's");
         assert!(!labels.contains_key("kubevirt.io/nodeName"), "{labels:?}");
@@ -857,7 +849,7 @@ mod tests {
 
     #[test]
     fn multus_networks_are_asked_for_and_a_vhostuser_nic_reads_its_socket_from_network_status() {
-        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+        let pod = render_json(serde_json::json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": {"name": "vnf", "namespace": "tenant", "uid": "u-1"},
             "spec": {"domain": {"memory": {"guest": "64Mi"},
@@ -870,16 +862,7 @@ mod tests {
                      "networks": [{"name": "default", "pod": {}},
                                   {"name": "dp", "multus": {"networkName": "dpdk-net"}},
                                   {"name": "blue", "multus": {"networkName": "infra/blue-net"}}]},
-        }))
-        .unwrap();
-        let pod = render(
-            &vmi,
-            &PodConfig {
-                launcher_image: "launcher".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        }));
         let annotations = pod.metadata.annotations.clone().unwrap();
         let networks: serde_json::Value =
             serde_json::from_str(&annotations[api::launcher_pod::MULTUS_NETWORKS]).unwrap();
@@ -929,22 +912,13 @@ mod tests {
 
     #[test]
     fn every_container_runs_unprivileged() {
-        let vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+        let pod = render_json(serde_json::json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": {"name": "web", "namespace": "default", "uid": "u-1"},
             "spec": {"domain": {"memory": {"guest": "64Mi"},
                                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
                      "volumes": [{"name": "root", "containerDisk": {"image": "quay.io/containerdisks/alpine:3.20"}}]},
-        }))
-        .unwrap();
-        let pod = render(
-            &vmi,
-            &PodConfig {
-                launcher_image: "launcher".into(),
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        }));
         let spec = pod.spec.unwrap();
         let ps = spec.security_context.unwrap();
         assert_eq!(ps.run_as_non_root, Some(true));

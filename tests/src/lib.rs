@@ -364,6 +364,36 @@ pub fn run_probe(test: &str, vcpus: u8, memory_mib: u64, timeout: Duration) -> P
 }
 
 /// Waits for `vm` to end; a VM still running after `timeout` fails the test.
+/// A migration target's thread: the VM it received, with its console.
+pub type Received =
+    std::thread::JoinHandle<Result<(Vm, Console), vmm::migration::MigrationFailure>>;
+
+/// A target on loopback receiving the VM with `config` (its console its own).
+pub fn migration_target(config: VmConfig) -> (std::net::SocketAddr, Received) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let console = Console::default();
+        let mut c = config;
+        c.serial.output = console.output();
+        Vm::migrate_in(&mut s, &c).map(|vm| (vm, console))
+    });
+    (addr, t)
+}
+
+/// Migrates `vm` to the target listening at `addr`.
+pub fn migrate_to(
+    vm: &Vm,
+    addr: std::net::SocketAddr,
+) -> Result<(), vmm::migration::MigrationFailure> {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    vm.migrate_out(&mut s, &Default::default(), &mut |_| {})
+        .map(|_| ())
+}
+
 pub fn run_to_end(vm: Vm, console: &Console, timeout: Duration) -> ProbeRun {
     let ended = vm.end_signal().wait_timeout(timeout);
     if ended.is_none() {

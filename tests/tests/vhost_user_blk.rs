@@ -144,30 +144,6 @@ fn finish_stream(vm: Vm, console: &Console, image: &Path) -> ProbeRun {
     run
 }
 
-type Received = std::thread::JoinHandle<Result<(Vm, Console), vmm::migration::MigrationFailure>>;
-
-/// A target on loopback receiving the VM with `config` (its console its own).
-fn migration_target(config: vmm::VmConfig) -> (std::net::SocketAddr, Received) {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let t = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let console = Console::default();
-        let mut c = config;
-        c.serial.output = console.output();
-        Vm::migrate_in(&mut s, &c).map(|vm| (vm, console))
-    });
-    (addr, t)
-}
-
-fn migrate_to(vm: &Vm, addr: std::net::SocketAddr) -> Result<(), vmm::migration::MigrationFailure> {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    vm.migrate_out(&mut s, &Default::default(), &mut |_| {})
-        .map(|_| ())
-}
-
 /// The guest streams writes to a vhost-user-blk disk while it migrates: the source's backend
 /// logs the buffers and used-ring entries it writes (the shared dirty log), the rings are
 /// taken back with their positions at stop-and-copy and handed to the target's own backend

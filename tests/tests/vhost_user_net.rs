@@ -161,20 +161,8 @@ fn a_nic_on_a_switch_migrates_to_the_targets_switch() {
     vm.check_migratable().expect("a NIC on testpmd migrates");
     let _target_switch = testpmd(&s2, "io");
     let (target_cfg, mut target_input) = two_rounds(&s2, &console);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let receiver = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        let console = Console::default();
-        let mut c = target_cfg;
-        c.serial.output = console.output();
-        Vm::migrate_in(&mut s, &c).map(|vm| (vm, console))
-    });
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    vm.migrate_out(&mut s, &Default::default(), &mut |_| {})
-        .expect("migration");
+    let (addr, receiver) = migration_target(target_cfg);
+    migrate_to(&vm, addr).expect("migration");
     let (target_vm, target_console) = receiver.join().unwrap().expect("target");
     assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
     drop(vm);
