@@ -250,7 +250,7 @@ fn blk_vhost_user(
     use vmm::devices::virtio::vhost_user::{blk, Connection, VhostUserDevice};
     let socket = path.with_extension("sock");
     let _ = std::fs::remove_file(&socket);
-    let mut qsd = std::process::Command::new("qemu-storage-daemon")
+    let qsd = std::process::Command::new("qemu-storage-daemon")
         .arg("--blockdev")
         .arg(format!(
             "driver=file,node-name=file,filename={},cache.direct=off",
@@ -289,20 +289,36 @@ fn blk_vhost_user(
             )
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
-        let (stop, h) = event_thread(dev.clone());
-        // The rings are handed over on the event thread.
-        std::thread::sleep(Duration::from_millis(200));
-        let r = drive_blk(&mem, &kick, sectors, op, size, random, depth);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        h.join().unwrap();
+        let r = on_backend(dev, || {
+            drive_blk(&mem, &kick, sectors, op, size, random, depth)
+        });
         drop(ram);
         r
     };
     let r = run();
-    let _ = qsd.kill();
-    let _ = qsd.wait();
-    let _ = std::fs::remove_file(&socket);
+    stop_peer(qsd, &socket);
     r
+}
+
+/// Runs `work` while `dev`'s event thread serves it, once the thread has handed the rings to
+/// the vhost-user backend.
+fn on_backend<T>(
+    dev: Arc<Mutex<vmm::devices::virtio::vhost_user::VhostUserDevice>>,
+    work: impl FnOnce() -> T,
+) -> T {
+    let (stop, h) = event_thread(dev);
+    std::thread::sleep(Duration::from_millis(200));
+    let r = work();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    h.join().unwrap();
+    r
+}
+
+/// Ends a backend process and removes its socket.
+fn stop_peer(mut child: std::process::Child, socket: &std::path::Path) {
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_file(socket);
 }
 
 /// The same I/O as the device sees it, 64 requests per submission: io_uring with 64 reads
@@ -544,19 +560,12 @@ fn net_vhost_user(dir: &std::path::Path, frame: &[u8]) -> Result<f64> {
             d.activate(mem.clone(), vec![idle_rx_queue(), drv.queue()], interrupt)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
         }
-        let (stop, h) = event_thread(dev.clone());
-        // The rings are handed over on the event thread.
-        std::thread::sleep(Duration::from_millis(200));
-        let r = drive_tx(&mem, &mut drv, &kick, frame);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        h.join().unwrap();
+        let r = on_backend(dev, || drive_tx(&mem, &mut drv, &kick, frame));
         drop(ram);
         r
     };
     let r = run();
-    let _ = pmd.kill();
-    let _ = pmd.wait();
-    let _ = std::fs::remove_file(&socket);
+    stop_peer(pmd, &socket);
     r
 }
 
