@@ -85,6 +85,7 @@ fn dirty_guest_migrates_and_finishes_on_the_target() {
             .expect("migration");
         assert_eq!(vm.end_signal().get(), Some(VmEnd::Migrated));
         assert_eq!(vm.wait(), VmEnd::Migrated);
+        let source = console.text();
         let (vm, console) = receiver.join().unwrap().expect("target");
         let run = run_to_end(vm, &console, T);
         let r = expect_probe_ok(&run, "dirty");
@@ -93,6 +94,14 @@ fn dirty_guest_migrates_and_finishes_on_the_target() {
         assert!(
             !run.console.contains("probe guest: hello"),
             "{}",
+            run.console
+        );
+        // One machine moved, not a copy made: the guest's generation ID stays (the probe
+        // prints it again only when it changes).
+        assert_eq!(source.matches("PROBE GENID ").count(), 1, "{source}");
+        assert!(
+            !run.console.contains("PROBE GENID"),
+            "the generation changed on migration:\n{}",
             run.console
         );
         // Progress: pre-copy passes, then completed; what was sent only grows.

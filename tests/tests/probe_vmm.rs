@@ -35,6 +35,34 @@ fn boot_reports_e820_matching_config() {
     }
 }
 
+/// The guest finds the VMGenID device the way an ACPI guest does (RSDP, XSDT, FADT, DSDT,
+/// the device's ADDR) and reads there the generation ID the VMM wrote, each boot its own.
+#[test]
+fn the_guest_reads_the_generation_id_through_the_acpi_tables() {
+    require_kvm();
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let console = Console::default();
+        let vm = Vm::build(&probe_config("boot", 1, 64, &console)).unwrap();
+        let host: String = vm
+            .generation()
+            .expect("a generation ID in guest memory")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let run = run_to_end(vm, &console, T);
+        expect_probe_ok(&run, "boot");
+        let guest: Vec<&str> = run
+            .console
+            .lines()
+            .filter_map(|l| l.strip_prefix("PROBE GENID "))
+            .collect();
+        assert_eq!(guest, [host.as_str()], "{}", run.console);
+        seen.push(host);
+    }
+    assert_ne!(seen[0], seen[1], "two boots, one generation ID");
+}
+
 #[test]
 fn memory_pattern_across_all_ram() {
     for mib in [64u64, 1024, 3072] {

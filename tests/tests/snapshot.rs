@@ -119,6 +119,71 @@ fn three_snapshot_restore_cycles_in_a_row() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The generation IDs a probe console announced (`PROBE GENID`), in order.
+fn generations(console: &str) -> Vec<String> {
+    console
+        .lines()
+        .filter_map(|l| l.strip_prefix("PROBE GENID "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Sandboxes: one snapshot restored twice at once, each restore a VM of its own. Both finish
+/// the dirty test from where the snapshot was, the snapshot's memory file is unchanged by
+/// what they write (each maps it privately), and each copy was told it is one: a VMGenID
+/// generation of its own, found by the guest through the ACPI tables.
+#[test]
+fn one_snapshot_restored_twice_at_once_runs_two_vms_with_their_own_generation_ids() {
+    require_kvm();
+    let dir = scratch("twice");
+    let console = Console::default();
+    let config = dirty_config(2, 256, 12, &console);
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "dirty", "pass=3", T);
+    snapshot_and_drop(vm, &dir);
+    let memory = std::fs::read(dir.join("memory")).unwrap();
+    let runs = std::thread::scope(|s| {
+        let a = s.spawn(|| restore_to_end(&config, &dir));
+        let b = s.spawn(|| restore_to_end(&config, &dir));
+        [a.join().unwrap(), b.join().unwrap()]
+    });
+    let source = generations(&console.text());
+    assert_eq!(
+        source.len(),
+        1,
+        "the source's one generation:\n{}",
+        console.text()
+    );
+    assert_eq!(source[0].len(), 32);
+    let mut copies = Vec::new();
+    for run in &runs {
+        let seen = generations(&run.console);
+        assert_eq!(
+            seen.len(),
+            1,
+            "one new generation after the restore:\n{}",
+            run.console
+        );
+        assert_ne!(
+            seen[0], source[0],
+            "a restored copy kept the snapshot's generation"
+        );
+        copies.push(seen[0].clone());
+        assert_eq!(expect_probe_ok(run, "dirty").field("passes"), Some("12"));
+        assert!(
+            !run.console.contains("PROBE PROGRESS dirty pass=1\n"),
+            "restarted from scratch:\n{}",
+            run.console
+        );
+    }
+    assert_ne!(copies[0], copies[1], "two copies share a generation");
+    assert!(
+        std::fs::read(dir.join("memory")).unwrap() == memory,
+        "a restored VM wrote into the snapshot's memory file"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn snapshot_without_stop_keeps_the_source_running() {
     require_kvm();

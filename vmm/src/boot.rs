@@ -203,6 +203,8 @@ pub enum BootError {
     Cmdline(String),
     #[error(transparent)]
     MpTable(#[from] crate::arch::mptable::MpTableError),
+    #[error("ACPI tables: {0}")]
+    Acpi(#[from] crate::arch::acpi::AcpiError),
 }
 
 /// Everything the vCPUs need to enter the kernel.
@@ -297,6 +299,9 @@ pub fn write_boot_info<M: GuestMemoryBackend>(
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
     loader::load_cmdline(mem, GuestAddress(CMDLINE_START), &line)?;
     crate::arch::mptable::write(mem, vcpus)?;
+    crate::arch::acpi::write(mem, vcpus)?;
+    crate::devices::ged::write_new_generation(mem)
+        .map_err(|e| BootError::BootParams(format!("VMGenID: {e}")))?;
     crate::arch::regs::write_boot_tables(mem, loaded.mode)
         .map_err(|e| BootError::BootParams(format!("boot tables: {e}")))?;
 
@@ -388,6 +393,7 @@ fn write_zero_page<M: GuestMemoryBackend>(
         slot.r#type = e.kind as u32;
     }
     params.e820_entries = e820.len() as u8;
+    params.acpi_rsdp_addr = ACPI_RSDP_START;
     let bp = BootParams::new::<boot_params>(&params, GuestAddress(ZERO_PAGE_START));
     LinuxBootConfigurator::write_bootparams::<M>(&bp, mem)
         .map_err(|e| BootError::BootParams(e.to_string()))
@@ -409,6 +415,7 @@ fn write_pvh_start_info<M: GuestMemoryBackend>(
         cmdline_paddr: CMDLINE_START,
         memmap_paddr: PVH_MEMMAP_START,
         memmap_entries: e820.len() as u32,
+        rsdp_paddr: ACPI_RSDP_START,
         ..Default::default()
     };
     let memmap: Vec<hvm_memmap_table_entry> = e820

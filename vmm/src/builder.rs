@@ -410,6 +410,16 @@ impl Vm {
             file
         };
         let vm = Self::restore_paused(config, state, ram, true)?;
+        // A snapshot may be restored many times, each copy a machine of its own: it gets a
+        // generation ID of its own before it runs (a migration, one machine moving, keeps it).
+        match vm.announce_new_generation() {
+            Ok(Some(id)) => tracing::debug!(generation = %hex(&id), "new VMGenID generation"),
+            Ok(None) => {}
+            Err(e) => {
+                vm.stop();
+                return Err(VmError::Restore(format!("VMGenID: {e}")));
+            }
+        }
         vm.resume();
         Ok(vm)
     }
@@ -483,7 +493,10 @@ impl Vm {
     }
 }
 
-/// The snapshot must be of the machine the caller asked for.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// What a restore can set up before it has the machine state: KVM, the VM and its irqchip,
 /// guest RAM in its memory slots, the disks and TAPs. A migration target builds it while memory
 /// is still arriving, so the guest's downtime does not pay for it.
@@ -519,6 +532,7 @@ impl RestoreShell {
     }
 }
 
+/// The snapshot must be of the machine the caller asked for.
 pub(crate) fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(), VmError> {
     let mismatch = |what: String| Err(VmError::StateMismatch(what));
     if config.vcpus != state.vcpus {

@@ -10,6 +10,8 @@
 //! 0x0002_0000  kernel command line
 //! 0x0009_fc00  EBDA: MP floating pointer + MP table (reserved in e820)
 //! 0x000a_0000  legacy VGA/ROM hole (reserved)
+//! 0x000e_0000  ACPI RSDP, then XSDT, FADT, MADT, DSDT from 0xe_1000 (reserved)
+//! 0x000e_f000  VMGenID: the 16-byte generation ID (reserved)
 //! 0x0010_0000  kernel (HIMEM_START), then RAM up to the MMIO gap
 //! 0xc000_0000  MMIO gap: virtio-mmio devices, IOAPIC, LAPIC, TSS/identity map (no RAM)
 //! 0x1_0000_0000 RAM above 4 GiB for guests larger than the low region
@@ -34,6 +36,14 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 2048;
 pub const EBDA_START: u64 = 0x9fc00;
 pub const HIMEM_START: u64 = 0x10_0000;
+/// Where guests look for the RSDP without being told (the BIOS read-only area's scan range
+/// starts here); the zero page and the PVH start info also point at it.
+pub const ACPI_RSDP_START: u64 = 0xe_0000;
+pub const ACPI_TABLES_START: u64 = 0xe_1000;
+/// The generation ID sits in reserved memory after the tables, 8-byte aligned as the VMGenID
+/// specification asks.
+pub const VMGENID_START: u64 = 0xe_f000;
+pub const VMGENID_SIZE: u64 = 16;
 
 /// Start of the 32-bit MMIO gap; RAM never overlaps it.
 pub const MMIO_GAP_START: u64 = 0xc000_0000;
@@ -64,6 +74,11 @@ pub const POWER_PORT: u16 = 0x600;
 pub const POWER_OFF_VALUE: u8 = (5 << 2) | (1 << 5);
 /// Writing this value to the shutdown port resets the VM.
 pub const POWER_RESET_VALUE: u8 = 0x1;
+/// The Generic Event Device's event register (one byte, read-to-clear): which events its
+/// interrupt announced. See `devices::ged`.
+pub const GED_PORT: u16 = 0x610;
+/// The GED's interrupt: ISA IRQ 3 (COM2's, unused here); 5 and up are virtio's.
+pub const GED_IRQ: u32 = 3;
 
 /// RAM regions for a guest of `mem_size` bytes: everything below the MMIO gap, the rest above 4 GiB.
 pub fn ram_regions(mem_size: u64) -> Vec<(GuestAddress, usize)> {

@@ -530,6 +530,40 @@ impl Vm {
         self.i8042().ctrl_alt_del();
     }
 
+    /// Presses the ACPI power button (KubeVirt's graceful shutdown): a guest with ACPI hears
+    /// it through the GED. Returns false, pressing nothing, when the guest has not set up the
+    /// GED's interrupt (no ACPI, or not yet).
+    pub fn press_power_button(&self) -> std::io::Result<bool> {
+        let listening =
+            crate::persist::vm::guest_takes_isa_irq(&self.vm_fd, crate::layout::GED_IRQ)
+                .map_err(std::io::Error::other)?;
+        if listening {
+            self.ged().press_power_button()?;
+        }
+        Ok(listening)
+    }
+
+    /// Gives the guest a new VMGenID generation ID and announces it: every restore does, as
+    /// one snapshot may be restored many times. `None` when the guest has no ACPI tables.
+    pub fn announce_new_generation(
+        &self,
+    ) -> std::io::Result<Option<crate::devices::ged::GenerationId>> {
+        let interrupt =
+            crate::persist::vm::guest_takes_isa_irq(&self.vm_fd, crate::layout::GED_IRQ)
+                .map_err(std::io::Error::other)?;
+        self.ged()
+            .announce_new_generation(self.ram.memory(), interrupt)
+    }
+
+    /// The generation ID in guest memory now.
+    pub fn generation(&self) -> Option<crate::devices::ged::GenerationId> {
+        crate::devices::ged::generation(self.ram.memory())
+    }
+
+    fn ged(&self) -> std::sync::MutexGuard<'_, crate::devices::ged::Ged> {
+        self.devices.ged.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn i8042(&self) -> std::sync::MutexGuard<'_, I8042> {
         self.devices.i8042.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -259,6 +259,7 @@ fn stream_on(i: usize, base: u64, writes: u64) -> Result<(), &'static str> {
             return Err("flush failed");
         }
         if (j + 1) % 32 == 0 {
+            crate::genid::report();
             let _ = writeln!(Serial, "PROBE PROGRESS blkstream writes={}", j + 1);
         }
     }

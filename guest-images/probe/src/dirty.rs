@@ -153,6 +153,7 @@ pub fn run(boot: &BootInfo) -> ! {
             .unwrap_or(0);
         while reported < min {
             reported += 1;
+            crate::genid::report();
             let _ = writeln!(Serial, "PROBE PROGRESS dirty pass={reported}");
         }
         if reported >= passes {

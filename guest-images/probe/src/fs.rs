@@ -275,6 +275,7 @@ fn exercise(dev: Device, reads: u32) -> Result<Line, Failure> {
         s.read(node, fh, 2048)
             .map_err(|e| fail("READ hello.txt again", e))?;
         if k % 8 == 0 {
+            crate::genid::report();
             let _ = writeln!(crate::hw::Serial, "PROBE PROGRESS virtiofs reads={k}");
         }
     }

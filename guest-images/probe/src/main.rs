@@ -15,6 +15,7 @@ mod blk;
 mod dhcp;
 mod dirty;
 mod fs;
+mod genid;
 mod hw;
 mod net;
 mod smp;
@@ -209,6 +210,7 @@ impl Write for Line {
 
 pub fn result(ok: bool, details: core::fmt::Arguments) -> ! {
     let name = unsafe { TEST_NAME };
+    genid::report();
     let _ = writeln!(
         Serial,
         "PROBE RESULT {} {} {}",
@@ -239,6 +241,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         result(false, format_args!("e820: {e}"));
     }
     hw::paging::identity_map(boot.ram_top().max(0x1_0000_0000));
+    genid::report();
     match test {
         "boot" => result(
             true,
@@ -364,6 +367,7 @@ fn i8042_flood_test(boot: &BootInfo) -> ! {
         // SAFETY: port I/O to the keyboard controller; the probe owns the machine.
         unsafe { hw::outb(0x60, 0xf2) };
         if i % 50_000 == 0 {
+            crate::genid::report();
             let _ = writeln!(Serial, "PROBE PROGRESS i8042flood writes={i}");
         }
     }

@@ -4,13 +4,17 @@
 //!
 //! `probe.ticks=N` (default 50): prints `PROBE PROGRESS timer ticks=K` every 10 ticks and ends
 //! after N.
+//!
+//! `probe.warm=M` first writes M MiB of RAM (one word a page, so every page is the guest's own
+//! and non-zero): the working set of a warmed-up sandbox, which a snapshot carries and clones
+//! share until they write it. It prints `probe: warm M MiB` when done.
 
 use core::fmt::Write;
 use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::hw::Serial;
 use crate::smp::{lapic_read, lapic_write};
-use crate::{result, BootInfo};
+use crate::{probe_end, result, BootInfo};
 
 const VECTOR: usize = 0x40;
 const SPURIOUS: usize = 0xff;
@@ -57,7 +61,29 @@ fn gate(handler: u64, cs: u16) -> (u64, u64) {
     (lo, handler >> 32)
 }
 
+/// Writes one word in each 4 KiB page of the first `mib` MiB of RAM above the probe; returns
+/// how many MiB it wrote (less when RAM is smaller).
+fn warm(boot: &BootInfo, mib: u64) -> u64 {
+    let floor = (probe_end() + 0xfff) & !0xfff;
+    let mut pages = mib * 256;
+    let mut written = 0u64;
+    for e in boot.ram() {
+        let mut a = e.addr.max(floor);
+        while pages > 0 && a + 0x1000 <= e.addr + e.size {
+            unsafe { core::ptr::write_volatile(a as *mut u64, a ^ 0x5a5a_0f0f_a5a5_f0f0) };
+            a += 0x1000;
+            pages -= 1;
+            written += 1;
+        }
+    }
+    written / 256
+}
+
 pub fn run(boot: &BootInfo) -> ! {
+    if let Some(mib) = boot.param("probe.warm").and_then(|p| p.parse().ok()) {
+        let done = warm(boot, mib);
+        let _ = writeln!(Serial, "probe: warm {done} MiB");
+    }
     let target: u64 = boot
         .param("probe.ticks")
         .and_then(|p| p.parse().ok())
@@ -100,6 +126,7 @@ pub fn run(boot: &BootInfo) -> ! {
         let ticks = TIMER_TICKS.load(Ordering::SeqCst);
         while printed + 10 <= ticks.min(target) {
             printed += 10;
+            crate::genid::report();
             let _ = writeln!(Serial, "PROBE PROGRESS timer ticks={printed}");
         }
         if ticks >= target {

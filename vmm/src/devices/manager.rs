@@ -16,6 +16,7 @@ use crate::config::{
     DiskConfig, FsConfig, MacAddr, NetConfig, SerialConfig, SerialInput, TapSource,
     VhostUserNetConfig,
 };
+use crate::devices::ged::Ged;
 use crate::devices::i8042::persist::I8042Args;
 use crate::devices::i8042::I8042;
 use crate::devices::power::PowerPort;
@@ -292,6 +293,7 @@ pub struct DeviceManager {
     pub mmio: Arc<Bus>,
     pub serial: Arc<Mutex<SerialDevice>>,
     pub i8042: Arc<Mutex<I8042>>,
+    pub ged: Arc<Mutex<Ged>>,
     pub virtio: Vec<VirtioEntry>,
     /// The command-line entries that announce the virtio devices to the guest.
     pub cmdline_entries: String,
@@ -390,6 +392,7 @@ fn serial_input(
 struct Legacy {
     serial: Arc<Mutex<SerialDevice>>,
     i8042: Arc<Mutex<I8042>>,
+    ged: Arc<Mutex<Ged>>,
     wake: EventFd,
 }
 
@@ -439,6 +442,11 @@ impl Legacy {
             Arc::new(Mutex::new(PowerPort::new(end.clone()))),
         )
         .map_err(|e| e.to_string())?;
+        let ged = Arc::new(Mutex::new(Ged::new(EventFdTrigger(irqfd(
+            vm_fd, GED_IRQ, "GED",
+        )?))));
+        pio.insert(GED_PORT as u64, 1, ged.clone())
+            .map_err(|e| e.to_string())?;
 
         let wake = EventFd::new(libc::EFD_NONBLOCK).map_err(dev_err("eventfd"))?;
         em.add_subscriber(Arc::new(Mutex::new(Lifecycle {
@@ -456,6 +464,7 @@ impl Legacy {
         Ok(Legacy {
             serial,
             i8042,
+            ged,
             wake,
         })
     }
@@ -482,6 +491,7 @@ impl DeviceManager {
             mmio: Arc::new(Bus::new()),
             serial: legacy.serial,
             i8042: legacy.i8042,
+            ged: legacy.ged,
             virtio: Vec::new(),
             cmdline_entries: String::new(),
         };

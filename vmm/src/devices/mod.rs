@@ -1,4 +1,5 @@
 //! Legacy devices. Each device keeps its logic and its event handler side by side.
+pub mod ged;
 pub mod i8042;
 pub mod manager;
 pub mod power;

@@ -53,3 +53,24 @@ impl KvmVmState {
         Ok(())
     }
 }
+
+/// Whether the guest set up its interrupt controllers to take ISA interrupt `irq` (< 8):
+/// its IOAPIC pin unmasked, or the master PIC initialised (a vector base other than 0,
+/// where the CPU's exceptions are) with the line unmasked. A guest that did neither (no
+/// firmware ran, and the guest never programmed the PIC) would take the interrupt through
+/// an unprogrammed PIC as a CPU exception, so a device must not raise it.
+pub fn guest_takes_isa_irq(vm: &VmFd, irq: u32) -> Result<bool, String> {
+    if irq >= 8 {
+        return Err(format!("ISA IRQ {irq} is not on the master PIC"));
+    }
+    let ioapic = chip(vm, KVM_IRQCHIP_IOAPIC)?;
+    // SAFETY: KVM_GET_IRQCHIP for the IOAPIC fills the union's `ioapic` member.
+    let redirection = unsafe { ioapic.chip.ioapic.redirtbl[irq as usize].bits };
+    if redirection & (1 << 16) == 0 {
+        return Ok(true);
+    }
+    let pic = chip(vm, KVM_IRQCHIP_PIC_MASTER)?;
+    // SAFETY: KVM_GET_IRQCHIP for a PIC fills the union's `pic` member.
+    let pic = unsafe { pic.chip.pic };
+    Ok(pic.irq_base != 0 && pic.imr & (1 << irq) == 0)
+}
