@@ -5,6 +5,8 @@ use std::process::Command;
 
 use anyhow::{bail, Result};
 
+pub mod firecracker;
+
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -45,6 +47,60 @@ pub fn wait_for_path(p: &std::path::Path) -> Result<()> {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     Ok(())
+}
+
+/// The probe guest, which `guest-images/build probe` makes.
+pub fn probe_guest() -> Result<PathBuf> {
+    let probe = tests::probe_path();
+    if !probe.exists() {
+        bail!(
+            "{} is missing: run `guest-images/build probe`",
+            probe.display()
+        );
+    }
+    Ok(probe)
+}
+
+/// `virt-launcher snapshot --socket SOCK --to DIR --stop`: snapshots a running launcher and
+/// stops its VM. Returns the command's stderr, where the launcher reports the pause time.
+pub fn microvirt_snapshot(
+    launcher: &std::path::Path,
+    sock: &std::path::Path,
+    to: &std::path::Path,
+) -> Result<String> {
+    let out = Command::new(launcher)
+        .arg("snapshot")
+        .arg("--socket")
+        .arg(sock)
+        .arg("--to")
+        .arg(to)
+        .arg("--stop")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        bail!("microvirt snapshot failed: {stderr}");
+    }
+    Ok(stderr)
+}
+
+/// What one line of `virt-launcher restore --boot-timer`'s stderr reports.
+pub enum BootTimerLine {
+    /// The host's memory-slot registration, nanoseconds.
+    MemorySlots(u128),
+    /// The first KVM_RUN, Unix nanoseconds.
+    FirstRun(u128),
+    Other,
+}
+
+pub fn boot_timer_line(line: &str) -> BootTimerLine {
+    let number = |after: &str| line.split(after).nth(1).and_then(|n| n.trim().parse().ok());
+    if let Some(ns) = number("memory slots ns=") {
+        BootTimerLine::MemorySlots(ns)
+    } else if let Some(ns) = number("first KVM_RUN unix_ns=") {
+        BootTimerLine::FirstRun(ns)
+    } else {
+        BootTimerLine::Other
+    }
 }
 
 pub fn kill(mut c: std::process::Child) {

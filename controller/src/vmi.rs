@@ -6,8 +6,8 @@
 //! The Pods a VMI runs in are `status.activePods` (Pod uid → node), so a migration target
 //! Pod (which carries the same `kubevirt.io/created-by` label) is never mistaken for it.
 //! A finalizer makes deleting a VMI delete its Pods with the VMI's grace period first: the
-//! launcher turns SIGTERM into an ACPI-style guest shutdown (Ctrl-Alt-Del), so the guest is shut
-//! down before the Pod goes.
+//! launcher turns SIGTERM into a guest shutdown (the ACPI power button, or Ctrl-Alt-Del for a
+//! guest without ACPI), so the guest is shut down before the Pod goes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -193,6 +193,37 @@ fn pause_stops_the_guest_and_resume_continues_it() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A graceful shutdown presses the ACPI power button for a guest that listens to the GED:
+/// its interrupt arrives, the event register says "power button", and the guest powers off
+/// through the FADT's sleep control register. A guest that does not listen gets Ctrl-Alt-Del.
+#[test]
+fn a_shutdown_request_presses_the_acpi_power_button_for_a_guest_that_listens() {
+    require_kvm();
+    use vmm::ShutdownRequest::{AcpiPowerButton, CtrlAltDel};
+    for (listens, expected) in [(true, AcpiPowerButton), (false, CtrlAltDel)] {
+        let console = Console::default();
+        let mut config = probe_config("timer", 1, 64, &console);
+        config.cmdline.push_str(" probe.ticks=100000");
+        if listens {
+            config.cmdline.push_str(" probe.acpi=1");
+        }
+        let vm = Vm::build(&config).unwrap();
+        wait_progress(&console, "timer", "ticks=10", T);
+        assert_eq!(vm.request_shutdown(), expected);
+        if !listens {
+            vm.stop();
+            continue;
+        }
+        let run = run_to_end(vm, &console, T);
+        assert!(
+            run.console.contains("PROBE ACPI power button"),
+            "{}",
+            run.console
+        );
+        assert_eq!(run.end, VmEnd::PoweredOff, "{}", run.console);
+    }
+}
+
 #[test]
 fn ctrl_alt_del_reaches_the_guest_keyboard() {
     require_kvm();

@@ -250,6 +250,33 @@ fn timer_interrupts_keep_coming_after_restore() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A guest listening to the GED hears of its new generation the moment it is restored: the
+/// interrupt, then the new ID, before its next timer line.
+#[test]
+fn a_restored_guest_is_told_of_its_new_generation_through_the_ged() {
+    require_kvm();
+    let dir = scratch("ged");
+    let console = Console::default();
+    let mut config = probe_config("timer", 1, 64, &console);
+    config.cmdline.push_str(" probe.ticks=60 probe.acpi=1");
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "timer", "ticks=20", T);
+    let before = generations(&console.text());
+    snapshot_and_drop(vm, &dir);
+    let run = restore_to_end(&config, &dir);
+    expect_probe_ok(&run, "timer");
+    let told = run
+        .console
+        .find("probe: GED says a new generation\nPROBE GENID ")
+        .unwrap_or_else(|| panic!("not told through the GED:\n{}", run.console));
+    let first_tick = run.console.find("PROBE PROGRESS timer").unwrap();
+    assert!(told < first_tick, "told only later:\n{}", run.console);
+    let after = generations(&run.console);
+    assert_eq!(after.len(), 1, "{}", run.console);
+    assert_ne!(after, before);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn disk_being_written_holds_exactly_what_the_guest_wrote() {
     require_kvm();

@@ -23,4 +23,6 @@ pub mod vm;
 pub use config::{ConfigError, SerialConfig, SerialInput, SerialOutput, VmConfig};
 pub use kvm::{KvmAcceleration, KvmContext, KvmError};
 pub use persist::SnapshotPaths;
-pub use vm::{SnapshotProgress, SnapshotStats, Vm, VmEnd, VmEndSignal, VmError, VmInfo};
+pub use vm::{
+    ShutdownRequest, SnapshotProgress, SnapshotStats, Vm, VmEnd, VmEndSignal, VmError, VmInfo,
+};

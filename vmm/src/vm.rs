@@ -103,6 +103,13 @@ pub struct SnapshotStats {
     pub paused_for: Duration,
 }
 
+/// How `Vm::request_shutdown` asked the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShutdownRequest {
+    AcpiPowerButton,
+    CtrlAltDel,
+}
+
 pub struct Vm {
     pub info: VmInfo,
     pub(crate) vm_fd: Arc<VmFd>,
@@ -528,6 +535,23 @@ impl Vm {
     /// down (Linux reboots on it, which `reboot=k` turns into a reset the VMM reports).
     pub fn ctrl_alt_del(&self) {
         self.i8042().ctrl_alt_del();
+    }
+
+    /// Asks the guest to shut down the way it can hear: the ACPI power button when it set up
+    /// the GED's interrupt (as KubeVirt does for every guest), else Ctrl-Alt-Del.
+    pub fn request_shutdown(&self) -> ShutdownRequest {
+        match self.press_power_button() {
+            Ok(true) => ShutdownRequest::AcpiPowerButton,
+            Ok(false) => {
+                self.ctrl_alt_del();
+                ShutdownRequest::CtrlAltDel
+            }
+            Err(e) => {
+                tracing::warn!("ACPI power button: {e}; pressing Ctrl-Alt-Del");
+                self.ctrl_alt_del();
+                ShutdownRequest::CtrlAltDel
+            }
+        }
     }
 
     /// Presses the ACPI power button (KubeVirt's graceful shutdown): a guest with ACPI hears

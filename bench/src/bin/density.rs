@@ -15,8 +15,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use bench::{env_or, firecracker_path, launcher_path, median};
+use anyhow::{Context, Result};
+use bench::{env_or, firecracker_path, launcher_path, median, probe_guest};
 
 const GUEST_MIB: u64 = 64;
 /// `probe.ticks` is enough that no VM ends during the measurement (100 ticks a second).
@@ -180,13 +180,7 @@ fn row(name: &str, f: &Figures) {
 fn main() -> Result<()> {
     let n = env_or("DENSITY_VMS", 100) as usize;
     let launcher = launcher_path()?;
-    let probe = tests::probe_path();
-    if !probe.exists() {
-        bail!(
-            "{} is missing: run `guest-images/build probe`",
-            probe.display()
-        );
-    }
+    let probe = probe_guest()?;
     let dir = std::env::temp_dir().join(format!("microvirt-density-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     println!("{n} idle probe VMs (timer test, 100 Hz), {GUEST_MIB} MiB and 1 vCPU each, one VMM at a time\n");

@@ -17,15 +17,17 @@
 //! Medians of BENCH_RUNS (default 3) runs. Guest speed means nothing on a software-emulated
 //! host; these are the VMMs' own costs.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use bench::{env_or, kill, launcher_path, linux_guest, median, wait_for_path, Guest};
+use bench::{
+    boot_timer_line, env_or, firecracker, kill, launcher_path, linux_guest, median,
+    microvirt_snapshot, wait_for_path, BootTimerLine, Guest,
+};
 
 #[derive(Default, Clone, Copy)]
 struct Sample {
@@ -62,19 +64,9 @@ fn microvirt(launcher: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration)
         .spawn()?;
     wait_for_path(&sock)?;
     std::thread::sleep(settle);
-    let out = Command::new(launcher)
-        .arg("snapshot")
-        .arg("--socket")
-        .arg(&sock)
-        .arg("--to")
-        .arg(&snap)
-        .arg("--stop")
-        .output()?;
+    let stderr = microvirt_snapshot(launcher, &sock, &snap);
     kill(child);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        bail!("microvirt snapshot failed: {stderr}");
-    }
+    let stderr = stderr?;
     let snapshot_ms: f64 = stderr
         .split("guest paused ")
         .nth(1)
@@ -98,13 +90,13 @@ fn microvirt(launcher: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration)
         .spawn()?;
     let (mut first_run, mut memslots_ns) = (None, 0u128);
     for line in BufReader::new(child.stderr.take().unwrap()).lines() {
-        let line = line?;
-        if let Some(ns) = line.split("memory slots ns=").nth(1) {
-            memslots_ns = ns.trim().parse()?;
-        }
-        if let Some(ns) = line.split("first KVM_RUN unix_ns=").nth(1) {
-            first_run = Some(ns.trim().parse::<u128>()?);
-            break;
+        match boot_timer_line(&line?) {
+            BootTimerLine::MemorySlots(ns) => memslots_ns = ns,
+            BootTimerLine::FirstRun(ns) => {
+                first_run = Some(ns);
+                break;
+            }
+            BootTimerLine::Other => {}
         }
     }
     kill(child);
@@ -121,38 +113,6 @@ fn microvirt(launcher: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration)
         mem_allocated,
     })
 }
-
-/// One HTTP/1.1 request on Firecracker's API socket; returns the status code.
-fn fc_api(sock: &Path, method: &str, path: &str, body: &str) -> Result<u16> {
-    let mut s = UnixStream::connect(sock)?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nAccept: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut buf = [0u8; 4096];
-    let n = s.read(&mut buf)?;
-    let head = String::from_utf8_lossy(&buf[..n]);
-    let code = head
-        .split_whitespace()
-        .nth(1)
-        .context("no HTTP status")?
-        .parse()?;
-    if !(200..300).contains(&code) {
-        bail!("firecracker {method} {path}: {head}");
-    }
-    Ok(code)
-}
-
-/// Firecracker's API arguments that keep it quiet and comparable (no seccomp: microvirt's
-/// filters are on, which only makes microvirt's figures the more conservative).
-const FC_QUIET: [&str; 5] = [
-    "--no-seccomp",
-    "--log-path",
-    "/dev/null",
-    "--level",
-    "Error",
-];
 
 fn firecracker(fc: &Path, g: &Guest, mib: u64, dir: &Path, settle: Duration) -> Result<Sample> {
     let state = dir.join("fc-state");
@@ -202,24 +162,14 @@ fn fc_snapshot(
         .arg(&sock)
         .arg("--config-file")
         .arg(&config)
-        .args(FC_QUIET)
+        .args(firecracker::QUIET)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
     wait_for_path(&sock)?;
     std::thread::sleep(settle);
     let t = Instant::now();
-    fc_api(&sock, "PATCH", "/vm", r#"{"state": "Paused"}"#)?;
-    fc_api(
-        &sock,
-        "PUT",
-        "/snapshot/create",
-        &format!(
-            r#"{{"snapshot_type": "Full", "snapshot_path": "{}", "mem_file_path": "{}"}}"#,
-            state.display(),
-            memory.display()
-        ),
-    )?;
+    firecracker::create_snapshot(&sock, state, memory)?;
     let snapshot_ms = t.elapsed().as_secs_f64() * 1e3;
     kill(child);
     Ok(snapshot_ms)
@@ -236,28 +186,12 @@ fn fc_restore(fc: &Path, dir: &Path, state: &Path, memory: &Path) -> Result<f64>
     let child = Command::new(fc)
         .arg("--api-sock")
         .arg(&sock)
-        .args(FC_QUIET)
+        .args(firecracker::QUIET)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
-    wait_for_path(&sock)?;
-    // The socket file appears a moment before Firecracker accepts on it.
-    for _ in 0..1000 {
-        if UnixStream::connect(&sock).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    let loaded = fc_api(
-        &sock,
-        "PUT",
-        "/snapshot/load",
-        &format!(
-            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "File", "backend_path": "{}"}}, "resume_vm": true}}"#,
-            state.display(),
-            memory.display()
-        ),
-    );
+    firecracker::wait_accepting(&sock)?;
+    let loaded = firecracker::load_snapshot(&sock, state, memory);
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     kill(child);
     loaded?;

@@ -88,17 +88,30 @@ fn addr_in_dsdt(dsdt: u64, len: usize) -> Option<u64> {
     Some(low | high << 32)
 }
 
-fn find() -> Option<u64> {
+/// The FADT, through the RSDP and the XSDT.
+fn fadt() -> Option<u64> {
     let rsdp = find_rsdp()?;
     if read::<1>(rsdp + 15)[0] < 2 {
         return None; // ACPI 1.0: no XSDT
     }
     let xsdt = u64_at(rsdp + 24);
     let xlen = table(xsdt, b"XSDT")?;
-    let fadt = (xsdt + 36..xsdt + xlen as u64)
+    (xsdt + 36..xsdt + xlen as u64)
         .step_by(8)
         .map(u64_at)
-        .find(|&t| table(t, b"FACP").is_some())?;
+        .find(|&t| table(t, b"FACP").is_some())
+}
+
+/// The I/O port of the FADT's SLEEP_CONTROL_REG (a hardware-reduced machine's way to enter
+/// a sleep state, S5 being off), when it is one.
+pub fn sleep_control_port() -> Option<u16> {
+    let gas = fadt()? + 244;
+    // Generic Address Structure: space 1 is system I/O; the address is at +4.
+    (read::<1>(gas)[0] == 1).then(|| u64_at(gas + 4) as u16)
+}
+
+fn find() -> Option<u64> {
+    let fadt = fadt()?;
     let dsdt = match u64_at(fadt + 140) {
         0 => u32_at(fadt + 40) as u64,
         x => x,
@@ -124,7 +137,10 @@ pub fn report() {
         return;
     }
     let id = [u64_at(addr), u64_at(addr + 8)];
-    let last = [LAST[0].load(Ordering::Relaxed), LAST[1].load(Ordering::Relaxed)];
+    let last = [
+        LAST[0].load(Ordering::Relaxed),
+        LAST[1].load(Ordering::Relaxed),
+    ];
     if REPORTED.swap(1, Ordering::Relaxed) == 1 && id == last {
         return;
     }

@@ -49,6 +49,25 @@ pub fn power_off() -> ! {
 }
 
 /// Pulses the CPU reset line through the i8042 controller, as Linux's `reboot=k`.
+/// Programs the legacy PIC pair as every operating system does first (vectors 0x20-0x2f, off
+/// the CPU's exceptions) and masks all its lines: the probe takes interrupts through the
+/// LAPIC only. Left unprogrammed, a PIC delivers any ISA interrupt a device raises (a
+/// VMGenID notification after a restore, say) as a CPU exception.
+pub fn mask_legacy_pic() {
+    const ICW1_INIT_ICW4: u8 = 0x11;
+    for (command, data, base, cascade) in
+        [(0x20u16, 0x21u16, 0x20u8, 1u8 << 2), (0xa0, 0xa1, 0x28, 2)]
+    {
+        unsafe {
+            outb(command, ICW1_INIT_ICW4);
+            outb(data, base);
+            outb(data, cascade);
+            outb(data, 0x01); // ICW4: 8086 mode
+            outb(data, 0xff); // OCW1: every line masked
+        }
+    }
+}
+
 pub fn i8042_reset() -> ! {
     unsafe { outb(0x64, 0xfe) };
     loop {

@@ -227,6 +227,7 @@ pub fn result(ok: bool, details: core::fmt::Arguments) -> ! {
 pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
     let _ = writeln!(Serial, "microvirt probe guest: hello");
     let boot = unsafe { read_boot_info(zero_page) };
+    hw::mask_legacy_pic();
     let test = boot.param("probe.test").unwrap_or("boot");
     unsafe { TEST_NAME = test };
     let ram_kib: u64 = boot.ram().map(|e| e.size).sum::<u64>() >> 10;

@@ -5,6 +5,11 @@
 //! `probe.ticks=N` (default 50): prints `PROBE PROGRESS timer ticks=K` every 10 ticks and ends
 //! after N.
 //!
+//! `probe.acpi=1` also takes the ACPI Generic Event Device's interrupt (IOAPIC pin 3, as the
+//! DSDT's GED `_CRS` says) and does what its `_EVT` method does: reads the event register and
+//! acts on its bits: the power button powers the machine off through the FADT's sleep control
+//! register (`PROBE ACPI power button` first), a new VMGenID generation is printed at once.
+//!
 //! `probe.warm=M` first writes M MiB of RAM (one word a page, so every page is the guest's own
 //! and non-zero): the working set of a warmed-up sandbox, which a snapshot carries and clones
 //! share until they write it. It prints `probe: warm M MiB` when done.
@@ -17,6 +22,14 @@ use crate::smp::{lapic_read, lapic_write};
 use crate::{probe_end, result, BootInfo};
 
 const VECTOR: usize = 0x40;
+const GED_VECTOR: usize = 0x41;
+const GED_PIN: u32 = 3;
+const GED_PORT: u16 = 0x610;
+const GED_POWER_BUTTON: u8 = 1;
+const GED_GENERATION: u8 = 2;
+const IOAPIC: u64 = 0xfec0_0000;
+/// SLP_TYP 5 (S5, the `_S5_` value) with SLP_EN, as the sleep control register takes it.
+const SLEEP_S5: u8 = (5 << 2) | (1 << 5);
 const SPURIOUS: usize = 0xff;
 const LAPIC_SVR: u64 = 0xf0;
 const LAPIC_LVT_TIMER: u64 = 0x320;
@@ -28,6 +41,8 @@ const COUNT_10MS: u32 = 625_000;
 
 #[no_mangle]
 static TIMER_TICKS: AtomicU64 = AtomicU64::new(0);
+#[no_mangle]
+static GED_INTERRUPTS: AtomicU64 = AtomicU64::new(0);
 
 core::arch::global_asm!(
     ".global timer_isr",
@@ -38,6 +53,14 @@ core::arch::global_asm!(
     "    mov dword ptr [rax], 0",
     "    pop rax",
     "    iretq",
+    ".global ged_isr",
+    "ged_isr:",
+    "    push rax",
+    "    lock inc qword ptr [rip + GED_INTERRUPTS]",
+    "    mov rax, 0xfee000b0", // EOI (edge-triggered: nothing to tell the IOAPIC)
+    "    mov dword ptr [rax], 0",
+    "    pop rax",
+    "    iretq",
     ".global spurious_isr",
     "spurious_isr:",
     "    iretq",
@@ -45,6 +68,7 @@ core::arch::global_asm!(
 
 extern "C" {
     fn timer_isr();
+    fn ged_isr();
     fn spurious_isr();
 }
 
@@ -79,6 +103,36 @@ fn warm(boot: &BootInfo, mib: u64) -> u64 {
     written / 256
 }
 
+/// Routes IOAPIC pin 3 (the GED's) to `GED_VECTOR` on this CPU: edge-triggered, active
+/// high, unmasked.
+fn listen_to_ged() {
+    let redirection = 0x10 + 2 * GED_PIN;
+    unsafe {
+        core::ptr::write_volatile(IOAPIC as *mut u32, redirection + 1);
+        core::ptr::write_volatile((IOAPIC + 0x10) as *mut u32, 0); // destination: APIC 0
+        core::ptr::write_volatile(IOAPIC as *mut u32, redirection);
+        core::ptr::write_volatile((IOAPIC + 0x10) as *mut u32, GED_VECTOR as u32);
+    }
+    let _ = writeln!(Serial, "probe: listening to the GED");
+}
+
+/// What the DSDT's `_EVT` does: read (and so clear) the event register, act on each bit.
+fn ged_event() {
+    let events = unsafe { crate::hw::inb(GED_PORT) };
+    if events & GED_GENERATION != 0 {
+        let _ = writeln!(Serial, "probe: GED says a new generation");
+        crate::genid::report();
+    }
+    if events & GED_POWER_BUTTON != 0 {
+        let _ = writeln!(Serial, "PROBE ACPI power button");
+        match crate::genid::sleep_control_port() {
+            Some(port) => unsafe { crate::hw::outb(port, SLEEP_S5) },
+            None => result(false, format_args!("no sleep control register in the FADT")),
+        }
+        result(false, format_args!("S5 through the sleep control register did not end the VM"));
+    }
+}
+
 pub fn run(boot: &BootInfo) -> ! {
     if let Some(mib) = boot.param("probe.warm").and_then(|p| p.parse().ok()) {
         let done = warm(boot, mib);
@@ -96,6 +150,7 @@ pub fn run(boot: &BootInfo) -> ! {
         for (v, h) in [
             (VECTOR, timer_isr as *const () as u64),
             (SPURIOUS, spurious_isr as *const () as u64),
+            (GED_VECTOR, ged_isr as *const () as u64),
         ] {
             let (lo, hi) = gate(h, cs);
             idt.0[2 * v] = lo;
@@ -119,10 +174,20 @@ pub fn run(boot: &BootInfo) -> ! {
         "probe: timer armed lvt={:#x}",
         lapic_read(LAPIC_LVT_TIMER)
     );
+    let acpi = boot.param("probe.acpi") == Some("1");
+    if acpi {
+        listen_to_ged();
+    }
     let mut printed = 0;
+    let mut ged_seen = 0;
     loop {
         // Interrupts on only while halted: the handler never runs in the middle of printing.
         unsafe { core::arch::asm!("sti", "hlt", "cli", options(nomem, nostack)) };
+        let ged = GED_INTERRUPTS.load(Ordering::SeqCst);
+        if acpi && ged != ged_seen {
+            ged_seen = ged;
+            ged_event();
+        }
         let ticks = TIMER_TICKS.load(Ordering::SeqCst);
         while printed + 10 <= ticks.min(target) {
             printed += 10;

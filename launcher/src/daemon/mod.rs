@@ -934,8 +934,8 @@ impl Daemon {
 
     /// SoftReboot: Ctrl-Alt-Del, which Linux's init (busybox and systemd alike) turns into a
     /// clean reboot; the reset that ends it restarts the VM here (see `watch`). KubeVirt asks
-    /// through ACPI or its guest agent; microvirt's machines have neither, and this is the
-    /// signal they do have.
+    /// through its guest agent; ACPI has no reboot button, and this is the signal every
+    /// guest here has.
     fn soft_reboot(&self) -> Result<(), String> {
         let g = self.inner.lock().unwrap();
         let vm = g.life.vm_to_reboot()?;
@@ -1010,8 +1010,8 @@ impl Daemon {
         }
     }
 
-    /// Graceful shutdown: the guest gets Ctrl-Alt-Del and `grace` seconds to end, then it is
-    /// killed.
+    /// Graceful shutdown: the guest gets the ACPI power button (Ctrl-Alt-Del when it does not
+    /// listen to ACPI events) and `grace` seconds to end, then it is killed.
     pub fn shutdown(&self, grace: Option<u64>) -> Result<(), String> {
         let vm = {
             let mut g = self.inner.lock().unwrap();
@@ -1019,7 +1019,8 @@ impl Daemon {
             g.life.set_stopping();
             vm
         };
-        vm.ctrl_alt_del();
+        let asked = vm.request_shutdown();
+        tracing::info!(?asked, "asked the guest to shut down");
         let grace = grace.unwrap_or_else(|| self.inner.lock().unwrap().grace_seconds);
         std::thread::spawn(move || {
             if vm
