@@ -18,6 +18,29 @@ pub const QUIET: [&str; 5] = [
     "Error",
 ];
 
+/// Writes a `--config-file` for a guest of one vCPU and `mib` MiB booting `kernel` (with
+/// `initrd`, if any) and `cmdline`, without drives or NICs.
+pub fn write_config(
+    path: &Path,
+    kernel: &Path,
+    initrd: Option<&Path>,
+    cmdline: &str,
+    mib: u64,
+) -> Result<()> {
+    let mut boot = serde_json::json!({"kernel_image_path": kernel, "boot_args": cmdline});
+    if let Some(initrd) = initrd {
+        boot["initrd_path"] = serde_json::json!(initrd);
+    }
+    let json = serde_json::json!({
+        "boot-source": boot,
+        "drives": [],
+        "machine-config": {"vcpu_count": 1, "mem_size_mib": mib},
+        "network-interfaces": [],
+    });
+    std::fs::write(path, json.to_string())?;
+    Ok(())
+}
+
 /// One request on Firecracker's API socket; returns the status code, or an error with the
 /// answer when it is not 2xx.
 pub fn api(sock: &Path, method: &str, path: &str, body: &str) -> Result<u16> {

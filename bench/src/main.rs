@@ -264,16 +264,12 @@ fn commands(
     let s = |p: &Path| p.display().to_string();
     let mem = GUEST_MIB.to_string();
     let fc_config = dir.join("fc.json");
-    std::fs::write(
+    bench::firecracker::write_config(
         &fc_config,
-        serde_json::json!({
-            "boot-source": {"kernel_image_path": guest.kernel, "initrd_path": initrd,
-                            "boot_args": guest.cmdline},
-            "drives": [],
-            "machine-config": {"vcpu_count": 1, "mem_size_mib": GUEST_MIB},
-            "network-interfaces": [],
-        })
-        .to_string(),
+        &guest.kernel,
+        Some(initrd),
+        &guest.cmdline,
+        GUEST_MIB,
     )?;
     let words = |v: &[&str]| v.iter().map(|w| w.to_string()).collect::<Vec<_>>();
     let mut microvirt = vec![s(launcher)];

@@ -27,6 +27,23 @@ fn snapshot_and_drop(vm: Vm, dir: &std::path::Path) -> vmm::SnapshotStats {
     stats
 }
 
+/// A snapshot in a fresh scratch directory `tag` of the probe's dirty test (12 passes) taken
+/// after its third pass: the directory, the VM's configuration, the source's console and what
+/// the snapshot reported.
+fn dirty_snapshot(
+    tag: &str,
+    vcpus: u8,
+    mib: u64,
+) -> (PathBuf, VmConfig, Console, vmm::SnapshotStats) {
+    let dir = scratch(tag);
+    let console = Console::default();
+    let config = dirty_config(vcpus, mib, 12, &console);
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "dirty", "pass=3", T);
+    let stats = snapshot_and_drop(vm, &dir);
+    (dir, config, console, stats)
+}
+
 #[test]
 fn pause_stops_device_io_and_leaves_memory_bit_identical() {
     require_kvm();
@@ -57,12 +74,7 @@ fn dirty_probe_survives_snapshot_kill_restore() {
     require_kvm();
     // 4.5 GiB: RAM on both sides of the MMIO gap.
     for (vcpus, mib) in [(1u8, 256u64), (2, 256), (2, 4608)] {
-        let dir = scratch(&format!("dirty-{vcpus}-{mib}"));
-        let console = Console::default();
-        let config = dirty_config(vcpus, mib, 12, &console);
-        let vm = Vm::build(&config).unwrap();
-        wait_progress(&console, "dirty", "pass=3", T);
-        let stats = snapshot_and_drop(vm, &dir);
+        let (dir, config, _, stats) = dirty_snapshot(&format!("dirty-{vcpus}-{mib}"), vcpus, mib);
         assert!(
             stats.state_bytes > 0 && stats.state_bytes <= 64 << 10,
             "{stats:?}"
@@ -135,12 +147,7 @@ fn generations(console: &str) -> Vec<String> {
 #[test]
 fn one_snapshot_restored_twice_at_once_runs_two_vms_with_their_own_generation_ids() {
     require_kvm();
-    let dir = scratch("twice");
-    let console = Console::default();
-    let config = dirty_config(2, 256, 12, &console);
-    let vm = Vm::build(&config).unwrap();
-    wait_progress(&console, "dirty", "pass=3", T);
-    snapshot_and_drop(vm, &dir);
+    let (dir, config, console, _) = dirty_snapshot("twice", 2, 256);
     let memory = std::fs::read(dir.join("memory")).unwrap();
     let runs = std::thread::scope(|s| {
         let a = s.spawn(|| restore_to_end(&config, &dir));
@@ -206,12 +213,7 @@ fn snapshot_without_stop_keeps_the_source_running() {
 fn a_corrupted_page_in_the_memory_file_fails_the_dirty_probe() {
     // The negative control: the dirty probe does notice a page that came back wrong.
     require_kvm();
-    let dir = scratch("badpage");
-    let console = Console::default();
-    let config = dirty_config(1, 256, 12, &console);
-    let vm = Vm::build(&config).unwrap();
-    wait_progress(&console, "dirty", "pass=3", T);
-    snapshot_and_drop(vm, &dir);
+    let (dir, config, _, _) = dirty_snapshot("badpage", 1, 256);
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new()

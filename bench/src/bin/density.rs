@@ -130,13 +130,7 @@ fn measure(vmm: &Vmm) -> Result<Figures> {
 
 fn spawn_firecracker(fc: &Path, dir: &Path, probe: &Path, i: usize) -> Result<Child> {
     let config = dir.join(format!("fc-{i}.json"));
-    let json = serde_json::json!({
-        "boot-source": {"kernel_image_path": probe, "boot_args": CMDLINE},
-        "drives": [],
-        "machine-config": {"vcpu_count": 1, "mem_size_mib": GUEST_MIB},
-        "network-interfaces": [],
-    });
-    std::fs::write(&config, json.to_string())?;
+    bench::firecracker::write_config(&config, probe, None, CMDLINE, GUEST_MIB)?;
     Ok(Command::new(fc)
         .args([
             "--no-api",

@@ -307,13 +307,7 @@ impl Firecracker {
     /// Boots the guest, waits for its timer, and writes a full snapshot: (state, memory).
     fn snapshot(&self, probe: &Path, cmdline: &str) -> Result<(PathBuf, PathBuf)> {
         let config = self.dir.join("fc.json");
-        let json = serde_json::json!({
-            "boot-source": {"kernel_image_path": probe, "boot_args": cmdline},
-            "drives": [],
-            "machine-config": {"vcpu_count": 1, "mem_size_mib": GUEST_MIB},
-            "network-interfaces": [],
-        });
-        std::fs::write(&config, json.to_string())?;
+        firecracker::write_config(&config, probe, None, cmdline, GUEST_MIB)?;
         let (state, memory) = (self.dir.join("fc-state"), self.dir.join("fc-memory"));
         let sock = self.dir.join("fc-snap.sock");
         let mut child = self.spawn(&sock, Some(&config))?;

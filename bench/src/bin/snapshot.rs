@@ -148,15 +148,7 @@ fn fc_snapshot(
     let sock = dir.join("fc.sock");
     let _ = std::fs::remove_file(&sock);
     let config = dir.join("fc.json");
-    std::fs::write(
-        &config,
-        format!(
-            r#"{{"boot-source": {{"kernel_image_path": "{}", "boot_args": "{}"}},
- "drives": [], "machine-config": {{"vcpu_count": 1, "mem_size_mib": {mib}}}, "network-interfaces": []}}"#,
-            g.kernel.display(),
-            g.cmdline
-        ),
-    )?;
+    firecracker::write_config(&config, &g.kernel, None, &g.cmdline, mib)?;
     let child = Command::new(fc)
         .arg("--api-sock")
         .arg(&sock)

@@ -129,7 +129,10 @@ fn ged_event() {
             Some(port) => unsafe { crate::hw::outb(port, SLEEP_S5) },
             None => result(false, format_args!("no sleep control register in the FADT")),
         }
-        result(false, format_args!("S5 through the sleep control register did not end the VM"));
+        result(
+            false,
+            format_args!("S5 through the sleep control register did not end the VM"),
+        );
     }
 }
 
