@@ -231,16 +231,23 @@ fn a_corrupted_page_in_the_memory_file_fails_the_dirty_probe() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-#[test]
-fn timer_interrupts_keep_coming_after_restore() {
-    require_kvm();
-    let dir = scratch("timer");
+/// The timer probe with `args`, snapshotted once it has counted 20 ticks: its snapshot
+/// directory, its config and what its console said before.
+fn ticking_snapshot(name: &str, args: &str) -> (PathBuf, VmConfig, String) {
+    let dir = scratch(name);
     let console = Console::default();
     let mut config = probe_config("timer", 1, 64, &console);
-    config.cmdline.push_str(" probe.ticks=80");
+    config.cmdline.push_str(args);
     let vm = Vm::build(&config).unwrap();
     wait_progress(&console, "timer", "ticks=20", T);
     snapshot_and_drop(vm, &dir);
+    (dir, config, console.text())
+}
+
+#[test]
+fn timer_interrupts_keep_coming_after_restore() {
+    require_kvm();
+    let (dir, config, _) = ticking_snapshot("timer", " probe.ticks=80");
     let run = restore_to_end(&config, &dir);
     let r = expect_probe_ok(&run, "timer");
     assert!(r.field("ticks").unwrap().parse::<u64>().unwrap() >= 80);
@@ -257,14 +264,8 @@ fn timer_interrupts_keep_coming_after_restore() {
 #[test]
 fn a_restored_guest_is_told_of_its_new_generation_through_the_ged() {
     require_kvm();
-    let dir = scratch("ged");
-    let console = Console::default();
-    let mut config = probe_config("timer", 1, 64, &console);
-    config.cmdline.push_str(" probe.ticks=60 probe.acpi=1");
-    let vm = Vm::build(&config).unwrap();
-    wait_progress(&console, "timer", "ticks=20", T);
-    let before = generations(&console.text());
-    snapshot_and_drop(vm, &dir);
+    let (dir, config, before) = ticking_snapshot("ged", " probe.ticks=60 probe.acpi=1");
+    let before = generations(&before);
     let run = restore_to_end(&config, &dir);
     expect_probe_ok(&run, "timer");
     let told = run

@@ -413,8 +413,7 @@ impl Vm {
         // A snapshot may be restored many times, each copy a machine of its own: it gets a
         // generation ID of its own before it runs (a migration, one machine moving, keeps it).
         match vm.announce_new_generation() {
-            Ok(Some(id)) => tracing::debug!(generation = %hex(&id), "new VMGenID generation"),
-            Ok(None) => {}
+            Ok(id) => tracing::debug!(generation = %hex(&id), "new VMGenID generation"),
             Err(e) => {
                 vm.stop();
                 return Err(VmError::Restore(format!("VMGenID: {e}")));

@@ -568,10 +568,8 @@ impl Vm {
     }
 
     /// Gives the guest a new VMGenID generation ID and announces it: every restore does, as
-    /// one snapshot may be restored many times. `None` when the guest has no ACPI tables.
-    pub fn announce_new_generation(
-        &self,
-    ) -> std::io::Result<Option<crate::devices::ged::GenerationId>> {
+    /// one snapshot may be restored many times.
+    pub fn announce_new_generation(&self) -> std::io::Result<crate::devices::ged::GenerationId> {
         let interrupt =
             crate::persist::vm::guest_takes_isa_irq(&self.vm_fd, crate::layout::GED_IRQ)
                 .map_err(std::io::Error::other)?;

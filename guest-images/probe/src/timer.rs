@@ -44,27 +44,26 @@ static TIMER_TICKS: AtomicU64 = AtomicU64::new(0);
 #[no_mangle]
 static GED_INTERRUPTS: AtomicU64 = AtomicU64::new(0);
 
-core::arch::global_asm!(
-    ".global timer_isr",
-    "timer_isr:",
-    "    push rax",
-    "    lock inc qword ptr [rip + TIMER_TICKS]",
-    "    mov rax, 0xfee000b0", // EOI
-    "    mov dword ptr [rax], 0",
-    "    pop rax",
-    "    iretq",
-    ".global ged_isr",
-    "ged_isr:",
-    "    push rax",
-    "    lock inc qword ptr [rip + GED_INTERRUPTS]",
-    "    mov rax, 0xfee000b0", // EOI (edge-triggered: nothing to tell the IOAPIC)
-    "    mov dword ptr [rax], 0",
-    "    pop rax",
-    "    iretq",
-    ".global spurious_isr",
-    "spurious_isr:",
-    "    iretq",
-);
+/// An interrupt handler that counts into `$counter` and ends the interrupt at the local APIC
+/// (both lines are edge-triggered: nothing to tell the IOAPIC).
+macro_rules! counting_isr {
+    ($isr:ident counts $counter:ident) => {
+        core::arch::global_asm!(
+            concat!(".global ", stringify!($isr)),
+            concat!(stringify!($isr), ":"),
+            "    push rax",
+            concat!("    lock inc qword ptr [rip + ", stringify!($counter), "]"),
+            "    mov rax, 0xfee000b0", // EOI
+            "    mov dword ptr [rax], 0",
+            "    pop rax",
+            "    iretq",
+        );
+    };
+}
+
+counting_isr!(timer_isr counts TIMER_TICKS);
+counting_isr!(ged_isr counts GED_INTERRUPTS);
+core::arch::global_asm!(".global spurious_isr", "spurious_isr:", "    iretq");
 
 extern "C" {
     fn timer_isr();

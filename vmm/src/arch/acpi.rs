@@ -192,7 +192,7 @@ pub fn build(vcpus: u8) -> Result<AcpiTables, AcpiError> {
     // XSDT: header and two entries; its length is known before the others are placed.
     const XSDT_LEN: u64 = 36 + 2 * 8;
     let fadt_addr = ACPI_TABLES_START + XSDT_LEN;
-    let fadt_len = fadt(0).len() as u64;
+    let fadt_len = acpi_tables::fadt::FADT::len() as u64;
     let madt_addr = fadt_addr + fadt_len;
     let dsdt_addr = madt_addr + madt.len() as u64;
     let mut xsdt = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);

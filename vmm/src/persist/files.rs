@@ -8,15 +8,16 @@ use std::path::Path;
 /// from two snapshots, could otherwise pair one snapshot's memory with another's vCPU state.
 pub type MemorySeal = [u8; 16];
 
-/// A fresh seal (getrandom).
+/// A fresh seal.
 pub fn new_memory_seal() -> std::io::Result<MemorySeal> {
-    let mut seal = [0u8; 16];
-    // SAFETY: getrandom writes at most `seal.len()` bytes into `seal`.
-    let n = unsafe { libc::getrandom(seal.as_mut_ptr().cast(), seal.len(), 0) };
-    if n != seal.len() as isize {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(seal)
+    random_bytes()
+}
+
+/// `N` bytes from the kernel's random number generator.
+pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut out = [0u8; N];
+    getrandom::fill(&mut out).map_err(std::io::Error::from)?;
+    Ok(out)
 }
 
 /// Creates `path` for writing with mode 0600 (snapshot files hold guest RAM and device state,

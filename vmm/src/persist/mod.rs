@@ -28,8 +28,10 @@ pub use vcpu::VcpuState;
 pub use vm::KvmVmState;
 
 pub const STATE_MAGIC: [u8; 8] = *b"MVRTSTAT";
-/// Bumped whenever `MachineState`'s encoding changes; a restore refuses any other version.
-pub const FORMAT_VERSION: u32 = 3;
+/// Bumped whenever `MachineState`'s encoding or what it implies of the machine changes; a
+/// restore refuses any other version. Format 4: every machine has ACPI tables and a VMGenID
+/// device (a restore gives it a new generation ID, whatever the guest left in its memory).
+pub const FORMAT_VERSION: u32 = 4;
 pub const VMM_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Far above any real state (a few KiB per vCPU): a length beyond it is corruption.
 const MAX_PAYLOAD: u64 = 64 << 20;

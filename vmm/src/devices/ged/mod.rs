@@ -13,7 +13,7 @@ use vm_superio::Trigger;
 use crate::arch::acpi::{GED_EVENT_GENERATION, GED_EVENT_POWER_BUTTON};
 use crate::bus::BusDevice;
 use crate::devices::EventFdTrigger;
-use crate::layout::{ACPI_RSDP_START, VMGENID_START};
+use crate::layout::VMGENID_START;
 
 /// A VMGenID generation ID.
 pub type GenerationId = [u8; 16];
@@ -41,21 +41,17 @@ impl Ged {
     /// Writes a new generation ID into guest memory and, when `interrupt` (the guest set up
     /// the GED's line), tells the guest, as a restore that may run more than once must (the
     /// guest reseeds its random number generator). A guest not told reads the new ID the next
-    /// time it looks. Returns the new ID, or `None` when the machine has no ACPI tables (a
-    /// snapshot made before them), whose guest could not find the ID.
+    /// time it looks. Returns the new ID.
     pub fn announce_new_generation<M: GuestMemory>(
         &mut self,
         mem: &M,
         interrupt: bool,
-    ) -> std::io::Result<Option<GenerationId>> {
-        if !has_acpi_tables(mem) {
-            return Ok(None);
-        }
+    ) -> std::io::Result<GenerationId> {
         let id = write_new_generation(mem)?;
         if interrupt {
             self.raise(GED_EVENT_GENERATION)?;
         }
-        Ok(Some(id))
+        Ok(id)
     }
 }
 
@@ -70,21 +66,9 @@ impl BusDevice for Ged {
     fn write(&mut self, _offset: u64, _data: &[u8]) {}
 }
 
-/// Whether the machine's memory holds microvirt's ACPI tables (the RSDP where it puts it).
-fn has_acpi_tables<M: GuestMemory>(mem: &M) -> bool {
-    let mut sig = [0u8; 8];
-    mem.read_slice(&mut sig, GuestAddress(ACPI_RSDP_START))
-        .is_ok_and(|_| &sig == b"RSD PTR ")
-}
-
 /// A fresh random generation ID, written where the DSDT's VMGenID device says it is.
 pub fn write_new_generation<M: GuestMemory>(mem: &M) -> std::io::Result<GenerationId> {
-    let mut id = [0u8; 16];
-    // SAFETY: getrandom writes at most `id.len()` bytes into `id`.
-    let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), id.len(), 0) };
-    if n != id.len() as isize {
-        return Err(std::io::Error::last_os_error());
-    }
+    let id: GenerationId = crate::persist::files::random_bytes()?;
     mem.write_slice(&id, GuestAddress(VMGENID_START))
         .map_err(|e| std::io::Error::other(format!("writing the generation ID: {e}")))?;
     Ok(id)
@@ -126,19 +110,16 @@ mod tests {
     }
 
     #[test]
-    fn a_new_generation_needs_the_tables_and_differs_each_time() {
+    fn a_new_generation_differs_each_time_and_interrupts_only_a_listener() {
         let mem = memory();
         let (mut g, irq) = ged();
-        assert_eq!(g.announce_new_generation(&mem, true).unwrap(), None);
-        assert!(irq.read().is_err(), "no tables, no interrupt");
-        crate::arch::acpi::write(&mem, 1).unwrap();
-        let a = g.announce_new_generation(&mem, false).unwrap().unwrap();
+        let a = g.announce_new_generation(&mem, false).unwrap();
         assert_eq!(generation(&mem), Some(a));
         assert!(
             irq.read().is_err(),
             "a guest not listening is not interrupted"
         );
-        let b = g.announce_new_generation(&mem, true).unwrap().unwrap();
+        let b = g.announce_new_generation(&mem, true).unwrap();
         assert_eq!(irq.read().unwrap(), 1);
         assert_ne!(a, b);
         assert_eq!(generation(&mem), Some(b));
