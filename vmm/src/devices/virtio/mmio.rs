@@ -324,7 +324,6 @@ mod tests {
 
     /// A device that records what the transport tells it.
     struct Recorder {
-        evts: [EventFd; 2],
         base: DeviceBase,
         activations: Arc<AtomicUsize>,
         resets: usize,
@@ -332,20 +331,11 @@ mod tests {
     }
 
     impl VirtioDevice for Recorder {
-        fn device_type(&self) -> u32 {
-            2
-        }
-        fn queue_max_sizes(&self) -> &[u16] {
-            &[16, 8]
-        }
         fn base(&self) -> &DeviceBase {
             &self.base
         }
         fn base_mut(&mut self) -> &mut DeviceBase {
             &mut self.base
-        }
-        fn queue_events(&self) -> &[EventFd] {
-            &self.evts
         }
         fn activate(
             &mut self,
@@ -379,9 +369,13 @@ mod tests {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let activations = Arc::new(AtomicUsize::new(0));
         let dev = Arc::new(Mutex::new(Recorder {
-            evts: [EventFd::new(0).unwrap(), EventFd::new(0).unwrap()],
-            base: DeviceBase::new(VIRTIO_F_VERSION_1 | 0b101, vec![1, 2, 3, 4, 5, 6, 7, 8])
-                .unwrap(),
+            base: DeviceBase::new(
+                2,
+                &[16, 8],
+                VIRTIO_F_VERSION_1 | 0b101,
+                vec![1, 2, 3, 4, 5, 6, 7, 8],
+            )
+            .unwrap(),
             activations: activations.clone(),
             resets: 0,
             active: false,
@@ -575,7 +569,7 @@ mod tests {
     fn notify_register_reaches_the_queue_event() {
         let (mut t, dev, ..) = setup();
         w(&mut t, 0x50, 1);
-        assert_eq!(dev.lock().unwrap().evts[1].read().unwrap(), 1);
+        assert_eq!(dev.lock().unwrap().base.queue_evts[1].read().unwrap(), 1);
         w(&mut t, 0x50, 99); // no such queue: ignored
     }
 

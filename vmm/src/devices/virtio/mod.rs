@@ -85,6 +85,11 @@ pub enum ActivateError {
 /// event-manager thread) registers the queues. Devices hold one and the trait's feature and
 /// config methods work on it, so a new device writes only what is its own.
 pub struct DeviceBase {
+    pub device_type: u32,
+    /// The most descriptors each queue may have, one entry per queue.
+    pub queue_sizes: Vec<u16>,
+    /// The eventfds KVM signals when the driver notifies queue i (registered as ioeventfds).
+    pub queue_evts: Vec<EventFd>,
     pub avail_features: u64,
     pub acked_features: u64,
     pub config: Vec<u8>,
@@ -92,12 +97,25 @@ pub struct DeviceBase {
 }
 
 impl DeviceBase {
-    pub fn new(avail_features: u64, config: Vec<u8>) -> std::io::Result<DeviceBase> {
+    /// A device of `device_type` with one queue of each size in `queue_sizes`.
+    pub fn new(
+        device_type: u32,
+        queue_sizes: &[u16],
+        avail_features: u64,
+        config: Vec<u8>,
+    ) -> std::io::Result<DeviceBase> {
+        let evt = || EventFd::new(libc::EFD_NONBLOCK);
         Ok(DeviceBase {
+            device_type,
+            queue_sizes: queue_sizes.to_vec(),
+            queue_evts: queue_sizes
+                .iter()
+                .map(|_| evt())
+                .collect::<Result<_, _>>()?,
             avail_features,
             acked_features: 0,
             config,
-            activate_evt: EventFd::new(libc::EFD_NONBLOCK)?,
+            activate_evt: evt()?,
         })
     }
 
@@ -113,10 +131,18 @@ impl DeviceBase {
 
 /// What a device implements; the transport does the rest.
 pub trait VirtioDevice: Send {
-    fn device_type(&self) -> u32;
-    fn queue_max_sizes(&self) -> &[u16];
     fn base(&self) -> &DeviceBase;
     fn base_mut(&mut self) -> &mut DeviceBase;
+    fn device_type(&self) -> u32 {
+        self.base().device_type
+    }
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.base().queue_sizes
+    }
+    /// The eventfds KVM signals when the driver notifies queue i (registered as ioeventfds).
+    fn queue_events(&self) -> &[EventFd] {
+        &self.base().queue_evts
+    }
     fn avail_features(&self) -> u64 {
         self.base().avail_features
     }
@@ -129,8 +155,6 @@ pub trait VirtioDevice: Send {
     }
     /// Most of our config spaces are read-only to the driver; writes are ignored by default.
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
-    /// The eventfds KVM signals when the driver notifies queue i (registered as ioeventfds).
-    fn queue_events(&self) -> &[EventFd];
     fn activate(
         &mut self,
         mem: GuestMemory,

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::bitmap::Bitmap;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
-use vmm_sys_util::eventfd::EventFd;
 
 pub use disk::{CacheMode, Disk, DiskError};
 use request::*;
@@ -57,7 +56,6 @@ pub struct Block {
     disk: Disk,
     serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
     base: DeviceBase,
-    queue_evts: [EventFd; 1],
     active: Option<Active>,
     pub counters: BlockCounters,
 }
@@ -86,13 +84,17 @@ impl Block {
             let n = b.len().min(s.len());
             s[..n].copy_from_slice(&b[..n]);
         }
-        let base = DeviceBase::new(avail_features, build_config(disk.sectors()))?;
+        let base = DeviceBase::new(
+            TYPE_BLOCK,
+            &[QUEUE_SIZE],
+            avail_features,
+            build_config(disk.sectors()),
+        )?;
         Ok(Block {
             id,
             disk,
             serial: s,
             base,
-            queue_evts: [EventFd::new(libc::EFD_NONBLOCK)?],
             active: None,
             counters: BlockCounters::default(),
         })
@@ -442,20 +444,11 @@ fn full_io(total: usize, mut op: impl FnMut(usize) -> isize) -> Result<usize, u8
 }
 
 impl VirtioDevice for Block {
-    fn device_type(&self) -> u32 {
-        TYPE_BLOCK
-    }
-    fn queue_max_sizes(&self) -> &[u16] {
-        &[QUEUE_SIZE]
-    }
     fn base(&self) -> &DeviceBase {
         &self.base
     }
     fn base_mut(&mut self) -> &mut DeviceBase {
         &mut self.base
-    }
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_evts
     }
     fn activate(
         &mut self,
@@ -498,6 +491,7 @@ mod tests {
     use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
+    use vmm_sys_util::eventfd::EventFd;
 
     const HDR: u64 = 0x10_0000;
     const DATA: u64 = 0x20_0000;

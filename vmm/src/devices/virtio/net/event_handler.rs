@@ -15,8 +15,8 @@ impl MutEventSubscriber for Net {
                 tracing::error!("virtio-net: cannot watch fd: {e:?}");
             }
         };
-        add(Events::new(&self.queue_evts[0], EventSet::IN));
-        add(Events::new(&self.queue_evts[1], EventSet::IN));
+        add(Events::new(&self.base.queue_evts[0], EventSet::IN));
+        add(Events::new(&self.base.queue_evts[1], EventSet::IN));
         add(Events::new(&self.base.activate_evt, EventSet::IN));
         add(Events::new(
             &self.tap,
@@ -26,11 +26,11 @@ impl MutEventSubscriber for Net {
 
     fn process(&mut self, events: Events, _ops: &mut EventOps) {
         let fd = events.fd();
-        if fd == self.queue_evts[1].as_raw_fd() {
-            let _ = self.queue_evts[1].read();
+        if fd == self.base.queue_evts[1].as_raw_fd() {
+            let _ = self.base.queue_evts[1].read();
             self.process_tx();
-        } else if fd == self.queue_evts[0].as_raw_fd() {
-            let _ = self.queue_evts[0].read();
+        } else if fd == self.base.queue_evts[0].as_raw_fd() {
+            let _ = self.base.queue_evts[0].read();
             self.process_rx();
         } else if fd == self.tap.as_raw_fd() {
             self.process_rx();

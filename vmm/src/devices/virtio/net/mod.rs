@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestMemoryBackend};
-use vmm_sys_util::eventfd::EventFd;
 
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
@@ -75,7 +74,6 @@ pub struct Net {
     tap: Tap,
     mac: MacAddr,
     base: DeviceBase,
-    queue_evts: [EventFd; 2],
     active: Option<Active>,
     /// One frame read from the TAP that has not found guest buffers yet.
     rx_frame: Vec<u8>,
@@ -110,11 +108,7 @@ impl Net {
             id,
             tap,
             mac,
-            base: DeviceBase::new(avail_features, config)?,
-            queue_evts: [
-                EventFd::new(libc::EFD_NONBLOCK)?,
-                EventFd::new(libc::EFD_NONBLOCK)?,
-            ],
+            base: DeviceBase::new(TYPE_NET, &[QUEUE_SIZE, QUEUE_SIZE], avail_features, config)?,
             active: None,
             rx_frame: vec![0u8; MAX_FRAME],
             rx_len: None,
@@ -374,20 +368,11 @@ enum RxOutcome {
 }
 
 impl VirtioDevice for Net {
-    fn device_type(&self) -> u32 {
-        TYPE_NET
-    }
-    fn queue_max_sizes(&self) -> &[u16] {
-        &[QUEUE_SIZE, QUEUE_SIZE]
-    }
     fn base(&self) -> &DeviceBase {
         &self.base
     }
     fn base_mut(&mut self) -> &mut DeviceBase {
         &mut self.base
-    }
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_evts
     }
     fn activate(
         &mut self,

@@ -481,12 +481,9 @@ pub struct DeviceShape {
 /// A virtio device whose queues a vhost-user backend serves.
 pub struct VhostUserDevice {
     id: String,
-    device_type: u32,
-    queue_sizes: Vec<u16>,
+    /// Its queue eventfds (KVM's ioeventfds) are handed to the backend as kick fds.
     base: DeviceBase,
     conn: Connection,
-    /// KVM's ioeventfds for the queue notifications; handed to the backend as kick fds.
-    queue_evts: Vec<EventFd>,
     /// The backend signals these when it used buffers; one per queue.
     call_evts: Vec<EventFd>,
     pending: std::collections::VecDeque<Pending>,
@@ -514,27 +511,24 @@ impl VhostUserDevice {
         shape: DeviceShape,
         conn: Connection,
     ) -> std::io::Result<VhostUserDevice> {
-        let n = shape.queue_sizes.len();
-        let evts = || {
-            (0..n)
-                .map(|_| EventFd::new(libc::EFD_NONBLOCK))
-                .collect::<std::io::Result<Vec<_>>>()
-        };
         let offered = conn.driver_features() & !shape.hidden_features | shape.local_features;
-        let queue_sizes = shape.queue_sizes;
+        let base = DeviceBase::new(shape.device_type, &shape.queue_sizes, offered, shape.config)?;
         let reconnector = if shape.device_type == super::TYPE_NET {
-            Some(Reconnector::start(conn.socket.clone(), queue_sizes.len())?)
+            Some(Reconnector::start(
+                conn.socket.clone(),
+                shape.queue_sizes.len(),
+            )?)
         } else {
             None
         };
+        let call_evts = (0..shape.queue_sizes.len())
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK))
+            .collect::<std::io::Result<Vec<_>>>()?;
         Ok(VhostUserDevice {
             id,
-            device_type: shape.device_type,
-            base: DeviceBase::new(offered, shape.config)?,
-            queue_sizes,
+            base,
             conn,
-            queue_evts: evts()?,
-            call_evts: evts()?,
+            call_evts,
             pending: Default::default(),
             interrupt: None,
             mem: None,
@@ -557,7 +551,7 @@ impl VhostUserDevice {
 
     /// A NIC's MAC (the first six bytes of its config space, which this frontend provides).
     pub fn mac(&self) -> Option<crate::config::MacAddr> {
-        if self.device_type != super::TYPE_NET {
+        if self.base.device_type != super::TYPE_NET {
             return None;
         }
         let b: [u8; 6] = self.base.config.get(..6)?.try_into().ok()?;
@@ -696,7 +690,7 @@ impl VhostUserDevice {
         };
         let logging = self.dirty_log.is_some();
         Ok(VringConfigData {
-            queue_max_size: self.queue_sizes[i],
+            queue_max_size: self.base.queue_sizes[i],
             queue_size: q.size(),
             flags: if logging {
                 VhostUserVringAddrFlags::VHOST_VRING_F_LOG.bits()
@@ -753,7 +747,7 @@ impl VhostUserDevice {
                 .map_err(step("SET_VRING_ADDR"))?;
             f.set_vring_call(i, &self.call_evts[i])
                 .map_err(step("SET_VRING_CALL"))?;
-            f.set_vring_kick(i, &self.queue_evts[i])
+            f.set_vring_kick(i, &self.base.queue_evts[i])
                 .map_err(step("SET_VRING_KICK"))?;
             if enable {
                 f.set_vring_enable(i, true)
@@ -762,7 +756,7 @@ impl VhostUserDevice {
         }
         self.state = BackendState::Running;
         for (i, _) in &addresses {
-            let _ = self.queue_evts[*i].write(1);
+            let _ = self.base.queue_evts[*i].write(1);
         }
         if let Some(irq) = &self.interrupt {
             irq.signal(super::INT_USED_RING);
@@ -782,7 +776,7 @@ impl VhostUserDevice {
             return Ok(());
         }
         let _guard = self.conn.watchdog.arm();
-        for i in 0..self.queue_sizes.len() {
+        for i in 0..self.base.queue_sizes.len() {
             if let Err(e) = self.conn.frontend.get_vring_base(i) {
                 return Err(format!("GET_VRING_BASE: {}", self.conn.watchdog.explain(e)));
             }
@@ -796,7 +790,7 @@ impl VhostUserDevice {
         if self.state == BackendState::Reconnecting {
             return Some("its backend went away and is being waited for".into());
         }
-        if self.device_type == fs::TYPE_FS {
+        if self.base.device_type == fs::TYPE_FS {
             return Some(
                 "virtiofsd keeps the guest's open files and FUSE state, which this VMM does not transfer (VHOST_USER_SET_DEVICE_STATE_FD is not implemented)".into(),
             );
@@ -929,20 +923,11 @@ impl VhostUserDevice {
 }
 
 impl VirtioDevice for VhostUserDevice {
-    fn device_type(&self) -> u32 {
-        self.device_type
-    }
-    fn queue_max_sizes(&self) -> &[u16] {
-        &self.queue_sizes
-    }
     fn base(&self) -> &DeviceBase {
         &self.base
     }
     fn base_mut(&mut self) -> &mut DeviceBase {
         &mut self.base
-    }
-    fn queue_events(&self) -> &[EventFd] {
-        &self.queue_evts
     }
     fn activate(
         &mut self,
