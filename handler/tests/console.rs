@@ -219,11 +219,7 @@ async fn console_pause_unpause_and_soft_reboot_through_every_hop() {
 
     // Pause: the guest stops ticking; unpause: it goes on.
     let out = virtctl(&bins, &alice, &["pause", "vmi", "probe"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tests::expect_success(&out, "");
     eventually("Paused=True", Duration::from_secs(20), || async {
         let v = vmis.get("probe").await.unwrap();
         (condition(&v, "Paused").map(|c| c.0).as_deref() == Some("True")).then_some(())
@@ -261,11 +257,7 @@ async fn console_pause_unpause_and_soft_reboot_through_every_hop() {
         String::from_utf8_lossy(&out.stderr)
     );
     let out = virtctl(&bins, &alice, &["unpause", "vmi", "probe"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tests::expect_success(&out, "");
     let started = Instant::now();
     while session.ticks() <= held {
         assert!(started.elapsed() < t, "no tick after unpause");

@@ -169,13 +169,7 @@ fn every_probe_example_boots_to_its_result_line() {
             "--state-dir",
             f.root.join("state").to_str().unwrap(),
         ]);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{name}: {stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stdout = tests::expect_success(&out, &name);
         let line = format!("PROBE RESULT {test} OK");
         assert!(stdout.contains(&line), "{name}: no {line:?} in\n{stdout}");
         n += 1;

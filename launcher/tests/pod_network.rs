@@ -176,13 +176,7 @@ spec:
     .join()
     .unwrap();
     let out = child.0.take().unwrap().wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = tests::expect_success(&out, "");
     assert!(
         stdout.contains("PROBE RESULT net OK mac=02:00:00:00:00:42 link=1 sent=3 echoed=1"),
         "{stdout}"
@@ -239,13 +233,7 @@ fn the_guest_configures_itself_by_dhcp_and_reaches_a_peer_through_the_nat() {
         .env("RUST_LOG", "error")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = tests::expect_success(&out, "");
     let line = stdout
         .lines()
         .find(|l| l.starts_with("PROBE RESULT dhcp"))

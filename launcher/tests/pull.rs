@@ -76,13 +76,7 @@ spec:
     assert!(e.contains("image not found"), "{e}");
 
     let out = run("missing");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = tests::expect_success(&out, "");
     assert!(stdout.contains("PROBE RESULT blk OK"), "{stdout}");
     // What was pulled: the kernel as a file of the image, the disk converted to raw (the
     // guest wrote only to its copy), the layers kept by digest for the next pull.

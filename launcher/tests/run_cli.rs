@@ -275,12 +275,7 @@ spec:
     for (f, lib) in [(&same_file, false), (&alone, true)] {
         let out = validate(f, lib);
         let plan = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        tests::expect_success(&out, "");
         assert!(plan.contains("vcpus 2\nmemory_mib 1024\n"), "{plan}");
     }
     let out = validate(&alone, false);
@@ -327,13 +322,7 @@ fn fs_dir_shares_a_host_directory_through_virtiofsd() {
         "--fs",
         &share,
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = tests::expect_success(&out, "");
     assert!(
         stdout.contains("PROBE RESULT virtiofs OK") && stdout.contains("first-line=from the CLI"),
         "{stdout}"

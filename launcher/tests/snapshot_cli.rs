@@ -111,12 +111,7 @@ fn snapshot_kill_restore_from_the_command_line() {
         .arg(&console2)
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tests::expect_success(&out, "");
     let text = std::fs::read_to_string(&console2).unwrap();
     assert!(
         text.contains("PROBE RESULT dirty OK passes=60 cpus=2"),
@@ -220,11 +215,7 @@ fn a_vhost_user_disk_is_snapshotted_and_restored_from_the_command_line() {
         Duration::from_secs(120),
     );
     let out = snapshot(&socket, &dir.join("snap"), &["--stop"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tests::expect_success(&out, "");
     child.kill().unwrap();
     child.wait().unwrap();
     drop(first);

@@ -133,6 +133,19 @@ pub fn chown_to_pod_user(path: &Path) {
 }
 
 /// Tests that need KVM fail loudly without it; they never pass by skipping.
+/// Asserts that a finished command exited 0 and returns its stdout. A failure panics with
+/// `context`, the exit status and both streams, so the report shows what the command said.
+pub fn expect_success(out: &std::process::Output, context: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{context} ({}): {stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 pub fn require_kvm() {
     if let Err(e) = std::fs::OpenOptions::new()
         .read(true)

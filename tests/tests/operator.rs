@@ -971,11 +971,7 @@ async fn the_operators_controller_deployment_runs_as_made() {
         .env("KUBECONFIG", &kubectl.kubeconfig)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    tests::expect_success(&out, "");
     let vms: Api<api::VirtualMachine> = Api::namespaced(client.clone(), "default");
     let vm = vms.get("probe-smp").await.unwrap();
     assert_eq!(

@@ -481,11 +481,7 @@ async fn create_vm_applies_and_expose_makes_a_service() {
     })
     .await
     .unwrap();
-    assert!(
-        applied.status.success(),
-        "{}",
-        String::from_utf8_lossy(&applied.stderr)
-    );
+    tests::expect_success(&applied, "");
     let vm = b.vm("made").await;
     let spec = vm.spec.template.spec.clone().unwrap();
     assert_eq!(spec.volumes[0].name, "root");
