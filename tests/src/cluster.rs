@@ -120,6 +120,14 @@ impl Cluster {
         }
     }
 
+    /// The VMI `name` in the test namespace, if it exists.
+    pub async fn vmi(&self, name: &str) -> Option<VirtualMachineInstance> {
+        self.api::<VirtualMachineInstance>()
+            .get_opt(name)
+            .await
+            .unwrap_or_else(|e| panic!("reading VMI {name}: {e}"))
+    }
+
     pub fn api<K>(&self) -> Api<K>
     where
         K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,

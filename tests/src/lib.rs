@@ -371,12 +371,19 @@ pub fn expect_probe_ok(run: &ProbeRun, test: &str) -> ProbeResult {
 /// Boots the probe with `probe.test=<test>` and waits for the VM to end.
 pub fn run_probe(test: &str, vcpus: u8, memory_mib: u64, timeout: Duration) -> ProbeRun {
     require_kvm();
+    run_built(
+        |console| probe_config(test, vcpus, memory_mib, console),
+        timeout,
+    )
+}
+
+/// Builds the VM `config` describes around a fresh console and runs it to its end.
+pub fn run_built(config: impl FnOnce(&Console) -> VmConfig, timeout: Duration) -> ProbeRun {
     let console = Console::default();
-    let vm = Vm::build(&probe_config(test, vcpus, memory_mib, &console)).expect("building the VM");
+    let vm = Vm::build(&config(&console)).expect("building the VM");
     run_to_end(vm, &console, timeout)
 }
 
-/// Waits for `vm` to end; a VM still running after `timeout` fails the test.
 /// A migration target's thread: the VM it received, with its console.
 pub type Received =
     std::thread::JoinHandle<Result<(Vm, Console), vmm::migration::MigrationFailure>>;
@@ -407,6 +414,7 @@ pub fn migrate_to(
         .map(|_| ())
 }
 
+/// Waits for `vm` to end; a VM still running after `timeout` fails the test.
 pub fn run_to_end(vm: Vm, console: &Console, timeout: Duration) -> ProbeRun {
     let ended = vm.end_signal().wait_timeout(timeout);
     if ended.is_none() {

@@ -299,13 +299,7 @@ spec:
     })
     .await;
     // With every import done, the VM gets its VMI, the claims as its volumes.
-    let vmi = eventually("the VMI", T, || async {
-        c.api::<VirtualMachineInstance>()
-            .get_opt("web")
-            .await
-            .unwrap()
-    })
-    .await;
+    let vmi = eventually("the VMI", T, || async { c.vmi("web").await }).await;
     assert_eq!(vmi.spec.volumes.len(), 4);
     boot_probe_on(&node, &vmi, &work);
     // The guest wrote to the claim itself (a claim is the VM's disk, not a copy).

@@ -45,10 +45,8 @@ spec:
 }
 
 async fn vmi_phase(c: &Cluster, name: &str) -> Option<VmiPhase> {
-    c.api::<VirtualMachineInstance>()
-        .get_opt(name)
+    c.vmi(name)
         .await
-        .unwrap()
         .and_then(|v| v.status.and_then(|s| s.phase))
 }
 
@@ -68,13 +66,7 @@ async fn vm_to_vmi_to_pod_then_stop() {
     c.apply_yaml::<VirtualMachine>(&vm_yaml("web", "Always"))
         .await;
 
-    let vmi = eventually("the VMI", T, || async {
-        c.api::<VirtualMachineInstance>()
-            .get_opt("web")
-            .await
-            .unwrap()
-    })
-    .await;
+    let vmi = eventually("the VMI", T, || async { c.vmi("web").await }).await;
     let vm = c.api::<VirtualMachine>().get("web").await.unwrap();
     let owner = &vmi.metadata.owner_references.as_ref().unwrap()[0];
     assert_eq!(owner.uid, vm.metadata.uid.clone().unwrap());
@@ -105,7 +97,7 @@ async fn vm_to_vmi_to_pod_then_stop() {
     c.kubelet_run(pod.metadata.name.as_deref().unwrap(), "node-a")
         .await;
     eventually("VMI Scheduled on node-a", T, || async {
-        let v = c.api::<VirtualMachineInstance>().get("web").await.unwrap();
+        let v = c.vmi("web").await.unwrap();
         let s = v.status.clone()?;
         (s.phase == Some(VmiPhase::Scheduled)
             && s.node_name.as_deref() == Some("node-a")
@@ -157,21 +149,12 @@ async fn vm_to_vmi_to_pod_then_stop() {
     })
     .await;
     assert!(
-        c.api::<VirtualMachineInstance>()
-            .get_opt("web")
-            .await
-            .unwrap()
-            .is_some(),
+        c.vmi("web").await.is_some(),
         "the finalizer keeps the VMI until its Pod is gone"
     );
     c.kubelet_finish_deletions().await;
     eventually("VMI gone, VM Stopped", T, || async {
-        let gone = c
-            .api::<VirtualMachineInstance>()
-            .get_opt("web")
-            .await
-            .unwrap()
-            .is_none();
+        let gone = c.vmi("web").await.is_none();
         (gone && vm_printable(&c, "web").await.as_deref() == Some("Stopped")).then_some(())
     })
     .await;
@@ -213,12 +196,7 @@ async fn manual_start_restart_and_halted() {
         (vm_printable(&c, "m").await.as_deref() == Some("Stopped")).then_some(())
     })
     .await;
-    assert!(c
-        .api::<VirtualMachineInstance>()
-        .get_opt("m")
-        .await
-        .unwrap()
-        .is_none());
+    assert!(c.vmi("m").await.is_none());
 
     // virtctl start
     let vms = c.api::<VirtualMachine>();
@@ -255,11 +233,7 @@ async fn manual_start_restart_and_halted() {
     })
     .await;
     let second = eventually("a new VMI", T, || async {
-        let v = c
-            .api::<VirtualMachineInstance>()
-            .get_opt("m")
-            .await
-            .unwrap()?;
+        let v = c.vmi("m").await?;
         (v.metadata.uid != first.metadata.uid).then_some(v)
     })
     .await;
@@ -270,12 +244,7 @@ async fn manual_start_restart_and_halted() {
     })
     .await;
     // The Halted VM never got a VMI.
-    assert!(c
-        .api::<VirtualMachineInstance>()
-        .get_opt("h")
-        .await
-        .unwrap()
-        .is_none());
+    assert!(c.vmi("h").await.is_none());
     assert_eq!(vm_printable(&c, "h").await.as_deref(), Some("Stopped"));
     r.stop().await;
 }
@@ -308,11 +277,7 @@ async fn rerun_on_failure_backs_off_then_restarts() {
         "a new VMI after the backoff",
         Duration::from_secs(30),
         || async {
-            let v = c
-                .api::<VirtualMachineInstance>()
-                .get_opt("crashy")
-                .await
-                .unwrap()?;
+            let v = c.vmi("crashy").await?;
             (v.metadata.uid != first.metadata.uid).then_some(v)
         },
     )
@@ -355,12 +320,7 @@ async fn invalid_vm_is_never_half_reconciled() {
         "an Event is recorded: {events:?}"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(c
-        .api::<VirtualMachineInstance>()
-        .get_opt("bad")
-        .await
-        .unwrap()
-        .is_none());
+    assert!(c.vmi("bad").await.is_none());
     assert!(c.api.objects("pods").is_empty());
     r.stop().await;
 }
@@ -521,7 +481,7 @@ async fn migration_settings(c: &Cluster, vm: &str, migration: &str) -> api::Migr
     c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
         .await;
     wait_migration(c, migration, api::MigrationPhase::PreparingTarget).await;
-    let v = c.api::<VirtualMachineInstance>().get(vm).await.unwrap();
+    let v = c.vmi(vm).await.unwrap();
     let ms = v.status.unwrap().migration_state.unwrap();
     ms.migration_configuration.unwrap()
 }
@@ -628,7 +588,7 @@ async fn migration_happy_path() {
     c.kubelet_run(target.metadata.name.as_deref().unwrap(), "node-b")
         .await;
     wait_migration(&c, "mig", api::MigrationPhase::PreparingTarget).await;
-    let v = c.api::<VirtualMachineInstance>().get("db").await.unwrap();
+    let v = c.vmi("db").await.unwrap();
     let ms = v.status.as_ref().unwrap().migration_state.clone().unwrap();
     assert_eq!(ms.source_node.as_deref(), Some("node-a"));
     assert_eq!(ms.target_node.as_deref(), Some("node-b"));
@@ -661,7 +621,7 @@ async fn migration_happy_path() {
         .await;
     wait_migration(&c, "mig", api::MigrationPhase::Succeeded).await;
 
-    let v = c.api::<VirtualMachineInstance>().get("db").await.unwrap();
+    let v = c.vmi("db").await.unwrap();
     let s = v.status.clone().unwrap();
     assert_eq!(s.node_name.as_deref(), Some("node-b"));
     assert_eq!(s.phase, Some(VmiPhase::Running));
@@ -744,7 +704,7 @@ async fn assert_left_on_source(c: &Cluster, vm: &str, target: &Pod) {
             .then_some(())
     })
     .await;
-    let v = c.api::<VirtualMachineInstance>().get(vm).await.unwrap();
+    let v = c.vmi(vm).await.unwrap();
     let s = v.status.unwrap();
     assert_eq!(s.node_name.as_deref(), Some("node-a"));
     assert!(!v
@@ -787,13 +747,7 @@ async fn deleting_a_migration_cancels_it() {
     })
     .await;
     assert_left_on_source(&c, "t2", &target).await;
-    let s = c
-        .api::<VirtualMachineInstance>()
-        .get("t2")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let s = c.vmi("t2").await.unwrap().status.unwrap();
     assert_eq!(
         s.migration_state.unwrap().abort_status.as_deref(),
         Some("Succeeded")
@@ -811,13 +765,7 @@ async fn source_node_loss_fails_the_migration_without_orphans() {
     c.kubelet_exit(source.metadata.name.as_deref().unwrap(), 137)
         .await;
     wait_migration(&c, "m3", api::MigrationPhase::Failed).await;
-    let s = c
-        .api::<VirtualMachineInstance>()
-        .get("t3")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let s = c.vmi("t3").await.unwrap().status.unwrap();
     assert_eq!(s.phase, Some(VmiPhase::Failed));
     assert_eq!(
         s.reason.as_deref(),
@@ -977,14 +925,7 @@ async fn once_runs_a_single_time_then_halts() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(
-        c.api::<VirtualMachineInstance>()
-            .get_opt("job")
-            .await
-            .unwrap()
-            .is_none(),
-        "no second run"
-    );
+    assert!(c.vmi("job").await.is_none(), "no second run");
     r.stop().await;
 }
 
@@ -1015,11 +956,7 @@ async fn deleting_a_vm_stops_its_guest_first() {
     c.kubelet_finish_deletions().await;
     eventually("VM, VMI and Pod gone", T, || async {
         let vm = c.api::<VirtualMachine>().get_opt("gone").await.unwrap();
-        let vmi = c
-            .api::<VirtualMachineInstance>()
-            .get_opt("gone")
-            .await
-            .unwrap();
+        let vmi = c.vmi("gone").await;
         (vm.is_none() && vmi.is_none() && c.api.objects("pods").is_empty()).then_some(())
     })
     .await;

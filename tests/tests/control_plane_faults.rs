@@ -20,11 +20,7 @@ fn vm_yaml(name: &str) -> String {
 }
 
 async fn scheduling(c: &Cluster, name: &str) -> Option<VirtualMachineInstance> {
-    let v = c
-        .api::<VirtualMachineInstance>()
-        .get_opt(name)
-        .await
-        .unwrap()?;
+    let v = c.vmi(name).await?;
     (v.status.as_ref()?.phase == Some(VmiPhase::Scheduling)).then_some(v)
 }
 
@@ -272,11 +268,7 @@ async fn a_hung_migration_does_not_hold_up_another() {
     c.kubelet_run(fast_target.metadata.name.as_deref().unwrap(), "node-c")
         .await;
     eventually("the fast migration preparing its target", T, || async {
-        let v = c
-            .api::<VirtualMachineInstance>()
-            .get("m-fast")
-            .await
-            .unwrap();
+        let v = c.vmi("m-fast").await.unwrap();
         let ms = v.status?.migration_state?;
         (ms.migration_uid.as_deref() == Some(fast.as_str())).then_some(())
     })

@@ -200,10 +200,5 @@ async fn a_failed_import_or_a_cluster_without_cdi_is_named_on_the_vm() {
         failure.message.unwrap().contains("install CDI"),
         "the failure says what is missing"
     );
-    assert!(c
-        .api::<VirtualMachineInstance>()
-        .get_opt("nocdi")
-        .await
-        .unwrap()
-        .is_none());
+    assert!(c.vmi("nocdi").await.is_none());
 }

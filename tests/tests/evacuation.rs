@@ -48,12 +48,7 @@ async fn claim(c: &Cluster, name: &str, mode: &str) {
 /// The VMI's LiveMigratable condition once published: (status, reason, message).
 async fn migratable(c: &Cluster, vmi: &str) -> (String, String, String) {
     eventually("the LiveMigratable condition", T, || async {
-        let s = c
-            .api::<VirtualMachineInstance>()
-            .get(vmi)
-            .await
-            .unwrap()
-            .status?;
+        let s = c.vmi(vmi).await.unwrap().status?;
         let cond = s.conditions.iter().find(|c| c.type_ == "LiveMigratable")?;
         Some((
             cond.status.clone(),
@@ -277,7 +272,7 @@ async fn eviction_follows_the_strategy_table_with_budgets_behind_it() {
         pods.push(c.pods_of(&vmi).await.remove(0).metadata.name.unwrap());
     }
     for ((name, _, _, evicted, marked, migrated, budgeted), pod) in cases.iter().zip(&pods) {
-        let vmi = c.api::<VirtualMachineInstance>().get(name).await.unwrap();
+        let vmi = c.vmi(name).await.unwrap();
         // The budget is there before anyone evicts: it protects the Pod when the webhook
         // cannot be reached.
         let b = if *budgeted {
@@ -349,8 +344,7 @@ async fn continue_eviction(
         }
     }
     let mark = c
-        .api::<VirtualMachineInstance>()
-        .get(name)
+        .vmi(name)
         .await
         .unwrap()
         .status
@@ -508,23 +502,12 @@ async fn drain_taint_evacuates_and_failed_attempts_pause_before_retrying() {
         failed_at.push(Instant::now());
     }
     eventually("tenant on node-b, mark cleared", T, || async {
-        let s = c
-            .api::<VirtualMachineInstance>()
-            .get("tenant")
-            .await
-            .unwrap()
-            .status?;
+        let s = c.vmi("tenant").await.unwrap().status?;
         (s.node_name.as_deref() == Some("node-b") && s.evacuation_node_name.is_none()).then_some(())
     })
     .await;
     // The VMI without an eviction strategy stays (its Pod is evicted by the drain instead).
-    let s = c
-        .api::<VirtualMachineInstance>()
-        .get("bystander")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let s = c.vmi("bystander").await.unwrap().status.unwrap();
     assert_eq!(s.evacuation_node_name, None);
     assert!(migrations_of(&c, "bystander").await.is_empty());
     assert_eq!(migrations_of(&c, "tenant").await.len(), 3);
@@ -610,13 +593,7 @@ async fn drain_through_the_eviction_api_with_and_without_the_webhook() {
         p.metadata.deletion_timestamp.is_none(),
         "guarded's Pod kept"
     );
-    let s = c
-        .api::<VirtualMachineInstance>()
-        .get("guarded")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let s = c.vmi("guarded").await.unwrap().status.unwrap();
     assert_eq!(s.evacuation_node_name, None);
     r.stop().await;
 }

@@ -243,12 +243,7 @@ async fn host_disks_need_the_gate_and_stay_in_the_tenants_directory() {
         ))
         .await;
     let msg = eventually("the VMI's refusal", T, || async {
-        let s = c
-            .api::<VirtualMachineInstance>()
-            .get("h")
-            .await
-            .unwrap()
-            .status?;
+        let s = c.vmi("h").await.unwrap().status?;
         s.conditions
             .iter()
             .find(|c| c.type_ == "Synchronized")

@@ -40,9 +40,7 @@ fn the_probe_writes_flushes_and_reads_back_through_qemu_storage_daemon() {
         .unwrap();
     let socket = dir.join("blk.sock");
     let daemon = storage_daemon(&image, &socket, true);
-    let console = Console::default();
-    let vm = Vm::build(&config("blk", "", &socket, &console)).expect("building the VM");
-    let run = run_to_end(vm, &console, T);
+    let run = run_built(|console| config("blk", "", &socket, console), T);
     let r = expect_probe_ok(&run, "blk");
     assert_eq!(r.field("disks"), Some("1"));
     assert_eq!(r.field("d0.sectors"), Some("8192"));
@@ -81,9 +79,7 @@ fn a_read_only_export_refuses_the_guests_writes_and_the_image_is_unchanged() {
     std::fs::write(&image, &content).unwrap();
     let socket = dir.join("blk.sock");
     let _daemon = storage_daemon(&image, &socket, false);
-    let console = Console::default();
-    let vm = Vm::build(&config("blk", "", &socket, &console)).expect("building the VM");
-    let run = run_to_end(vm, &console, T);
+    let run = run_built(|console| config("blk", "", &socket, console), T);
     let r = expect_probe_ok(&run, "blk");
     assert_eq!(r.field("d0.mode"), Some("ro"));
     assert_eq!(r.field("d0.write_rejected"), Some("1"));

@@ -40,9 +40,7 @@ fn the_probe_reads_and_writes_a_shared_directory_through_virtiofsd() {
     std::fs::write(share.join("hello.txt"), "a line from the host\nmore\n").unwrap();
     let socket = dir.join("fs.sock");
     let _daemon = virtiofsd(&share, &socket, false);
-    let console = Console::default();
-    let vm = Vm::build(&fs_config("", &socket, &console)).expect("building the VM");
-    let run = run_to_end(vm, &console, T);
+    let run = run_built(|console| fs_config("", &socket, console), T);
     let r = expect_probe_ok(&run, "virtiofs");
     assert!(
         r.details.ends_with("first-line=a line from the host"),
@@ -68,9 +66,7 @@ fn a_read_only_share_refuses_the_guests_write_and_the_directory_stays_as_it_was(
     std::fs::write(share.join("hello.txt"), "config map data\n").unwrap();
     let socket = dir.join("fs.sock");
     let _daemon = virtiofsd(&share, &socket, true);
-    let console = Console::default();
-    let vm = Vm::build(&fs_config("", &socket, &console)).expect("building the VM");
-    let run = run_to_end(vm, &console, T);
+    let run = run_built(|console| fs_config("", &socket, console), T);
     let r = run
         .result
         .clone()

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use api::migratability::EvictionStrategy;
-use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration};
+use api::{VirtualMachine, VirtualMachineInstanceMigration};
 use kube::api::ListParams;
 use serde_json::{json, Value};
 use tests::admission::{eviction, review, start_webhook};
@@ -299,13 +299,7 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
         .as_str()
         .unwrap()
         .contains("evacuation"));
-    let s = c
-        .api::<VirtualMachineInstance>()
-        .get("drain-me")
-        .await
-        .unwrap()
-        .status
-        .unwrap();
+    let s = c.vmi("drain-me").await.unwrap().status.unwrap();
     assert_eq!(s.evacuation_node_name.as_deref(), Some("node-a"));
     let m = eventually("an evacuation migration", T, || async {
         c.api::<VirtualMachineInstanceMigration>()
@@ -347,12 +341,7 @@ async fn evicting_a_live_migratable_pod_migrates_the_vmi() {
         .await;
     c.handler_complete_migration("drain-me", &muid).await;
     eventually("the VMI on node-b, evacuation cleared", T, || async {
-        let s = c
-            .api::<VirtualMachineInstance>()
-            .get("drain-me")
-            .await
-            .unwrap()
-            .status?;
+        let s = c.vmi("drain-me").await.unwrap().status?;
         (s.node_name.as_deref() == Some("node-b") && s.evacuation_node_name.is_none()).then_some(())
     })
     .await;
