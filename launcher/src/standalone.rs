@@ -249,6 +249,7 @@ fn recorded_config(paths: &vmm::SnapshotPaths, opts: &RunOptions) -> Result<VmCo
                 None => {}
             },
             vmm::persist::VirtioKindState::VhostUser { .. } => vhost_user.push(d.id.clone()),
+            vmm::persist::VirtioKindState::Rng { .. } => config.rng = true,
         }
     }
     if opts.disks.is_empty() {

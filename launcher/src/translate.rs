@@ -456,6 +456,7 @@ pub fn translate(
         });
     }
     config.seccomp = env.seccomp;
+    config.rng = spec.domain.devices.rng.is_some();
     config.initrd = env.default_initrd.clone();
     let kernel_boot = spec
         .domain
@@ -806,6 +807,9 @@ impl Plan {
         }
         for f in &self.filesystems {
             s += &format!("fs {} dir={} ro={}\n", f.tag, f.dir.display(), f.read_only);
+        }
+        if c.rng {
+            s += "rng virtio-rng\n";
         }
         s
     }

@@ -49,9 +49,14 @@ const LIMIT: Duration = Duration::from_secs(12 * 60);
 /// found so far: FWAIT, which that KVM does not emulate, in `fpu__drop` whenever a task exits or
 /// execs — timing-dependent, so it hit some runs before `Run /init`; the emulated-kvm profile
 /// now patches it out.) A lost attempt is reported with how it ended (and every vCPU's RIP when
-/// it stalled) and the boot is tried once more; two lost attempts fail the test. Returns whether `needle` appeared, the
+/// it stalled) and the boot is tried once more; two lost attempts fail the test. `at_needle`
+/// gets the VM, still running, once `needle` appeared. Returns whether `needle` appeared, the
 /// console of the last attempt, and the reports of lost attempts.
-fn boot_to(make: &dyn Fn(&Console) -> VmConfig, needle: &str) -> (bool, String, Vec<String>) {
+fn boot_to(
+    make: &dyn Fn(&Console) -> VmConfig,
+    needle: &str,
+    at_needle: &mut dyn FnMut(&Vm),
+) -> (bool, String, Vec<String>) {
     let mut lost = Vec::new();
     for attempt in 0..2 {
         let console = Console::default();
@@ -73,6 +78,9 @@ fn boot_to(make: &dyn Fn(&Console) -> VmConfig, needle: &str) -> (bool, String, 
             }
             std::thread::sleep(Duration::from_millis(200));
         };
+        if reached {
+            at_needle(&vm);
+        }
         let ended = vm.end_signal().get();
         let stuck_at = if reached || ended.is_some() {
             vec![]
@@ -134,9 +142,19 @@ fn linux_boots_to_init_with_our_e820_map() {
         cfg.vcpus = 1;
         cfg.cmdline = format!("console=ttyS0 reboot=k panic=-1 {extra}");
         cfg.serial.output = console.output();
+        // Entropy: without RDRAND (the emulated-kvm profile hides it) the guest's RNG would not
+        // be ready by init, and a new generation reseeds only a ready one.
+        cfg.rng = true;
         cfg
     };
-    let (reached, log, lost) = boot_to(&make, "Run /init as init process");
+    // At init, the guest is snapshotted; its restore below must tell it it is a copy.
+    let snapshot = std::env::temp_dir().join(format!("mv-linux-genid-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&snapshot);
+    std::fs::create_dir_all(&snapshot).unwrap();
+    let paths = vmm::SnapshotPaths::in_dir(&snapshot);
+    let (reached, log, lost) = boot_to(&make, "Run /init as init process", &mut |vm| {
+        vm.snapshot(&paths, true).expect("snapshot at init");
+    });
     let log_path = std::env::temp_dir().join("microvirt-linux-boot.log");
     std::fs::write(&log_path, &log).unwrap();
     assert!(
@@ -162,6 +180,45 @@ fn linux_boots_to_init_with_our_e820_map() {
     assert!(
         log.contains("Unpacking initramfs") || log.contains("Trying to unpack rootfs"),
         "initramfs not seen:\n{log}"
+    );
+    // ACPI: Linux found microvirt's tables and the VMGenID device's driver bound.
+    for table in [
+        "ACPI: RSDP 0x00000000000E0000",
+        "ACPI: FACP",
+        "ACPI: APIC",
+        "ACPI: DSDT",
+    ] {
+        assert!(log.contains(table), "no `{table}` line:\n{log}");
+    }
+    assert_vmgenid_reseeds_after_restore(&make(&Console::default()), &paths, &log);
+    std::fs::remove_dir_all(&snapshot).unwrap();
+}
+
+/// Restores the snapshot at `paths` and waits for the guest to say that, told of its new
+/// generation through the GED, it reseeded its random number generator (Linux's vmgenid
+/// driver). `booted` is the console before the snapshot.
+fn assert_vmgenid_reseeds_after_restore(
+    config: &VmConfig,
+    paths: &vmm::SnapshotPaths,
+    booted: &str,
+) {
+    const RESEEDED: &str = "crng reseeded due to virtual machine fork";
+    assert!(!booted.contains(RESEEDED), "{booted}");
+    assert!(
+        booted.contains("random: crng init done"),
+        "the guest's RNG was not ready when it was snapshotted, so a new generation would not reseed it:\n{booted}"
+    );
+    let console = Console::default();
+    let mut config = config.clone();
+    config.serial.output = console.output();
+    let vm = Vm::restore(&config, paths).expect("restore");
+    let reseeded = console.wait_for(RESEEDED, Duration::from_secs(120));
+    vm.stop();
+    let _ = vm.wait();
+    assert!(
+        reseeded,
+        "no `{RESEEDED}` after the restore:\n{}",
+        console.text()
     );
 }
 
@@ -232,7 +289,7 @@ fn linux_mounts_root_from_virtio_blk_and_gets_dhcp_over_virtio_net() {
             }];
             cfg
         };
-        let (reached, log, lost) = boot_to(&make, " as init process");
+        let (reached, log, lost) = boot_to(&make, " as init process", &mut |_| {});
         (
             reached,
             if reached {
@@ -444,7 +501,7 @@ fn linux_mounts_its_root_from_virtio_fs_and_runs_init_from_it() {
         cfg.serial.output = console.output();
         cfg
     };
-    let (reached, log, lost) = boot_to(&make, "Run /init as init process");
+    let (reached, log, lost) = boot_to(&make, "Run /init as init process", &mut |_| {});
     drop(daemons);
     let log_path = std::env::temp_dir().join("microvirt-linux-virtiofs.log");
     std::fs::write(&log_path, &log).unwrap();

@@ -372,6 +372,7 @@ fn bad_snapshots_are_refused_with_a_clear_error() {
     let console = Console::default();
     let mut config = dirty_config(1, 128, 1000, &console);
     config.disks = vec![vmm::config::DiskConfig::new(&image)];
+    config.rng = true;
     let vm = Vm::build(&config).unwrap();
     wait_progress(&console, "dirty", "pass=1", T);
     snapshot_and_drop(vm, &dir);
@@ -393,6 +394,12 @@ fn bad_snapshots_are_refused_with_a_clear_error() {
     refuse(
         &more,
         "the snapshot has 128 MiB of memory, 256 MiB were asked for",
+    );
+    let mut no_rng = config.clone();
+    no_rng.rng = false;
+    refuse(
+        &no_rng,
+        "the snapshot has 1 virtio-rng device(s), the configuration 0",
     );
 
     let mut v = good.clone();

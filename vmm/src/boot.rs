@@ -286,20 +286,33 @@ pub fn load_images<M: GuestMemoryBackend>(
     })
 }
 
-/// Writes the command line, MP table, boot tables and boot parameters for loaded images.
+/// What the boot tables describe.
+pub struct DescribedMachine<'a> {
+    pub mem_size: u64,
+    pub vcpus: u8,
+    /// Each virtio-mmio device's base and IRQ.
+    pub virtio: &'a [(u64, u32)],
+}
+
+/// Writes the command line, MP table, ACPI tables, boot tables and boot parameters for loaded
+/// images.
 pub fn write_boot_info<M: GuestMemoryBackend>(
     mem: &M,
     loaded: &LoadedImages,
-    mem_size: u64,
-    vcpus: u8,
+    machine: &DescribedMachine,
     cmdline: &str,
 ) -> Result<BootEntry, BootError> {
+    let DescribedMachine {
+        mem_size,
+        vcpus,
+        virtio,
+    } = *machine;
     let mut line = Cmdline::new(CMDLINE_MAX_SIZE).map_err(|e| BootError::Cmdline(e.to_string()))?;
     line.insert_str(cmdline)
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
     loader::load_cmdline(mem, GuestAddress(CMDLINE_START), &line)?;
     crate::arch::mptable::write(mem, vcpus)?;
-    crate::arch::acpi::write(mem, vcpus)?;
+    crate::arch::acpi::write(mem, vcpus, virtio)?;
     crate::devices::ged::write_new_generation(mem)
         .map_err(|e| BootError::BootParams(format!("VMGenID: {e}")))?;
     crate::arch::regs::write_boot_tables(mem, loaded.mode)

@@ -112,6 +112,7 @@ fn open_backends(config: &VmConfig, lock_disks: bool) -> Result<Backends, VmErro
         vhost_user_disks,
         vhost_user_nets,
         filesystems,
+        rng: config.rng,
     })
 }
 
@@ -356,11 +357,17 @@ impl Vm {
             }
             .into());
         }
+        let virtio: Vec<_> = (machine.devices.virtio.iter())
+            .map(|v| (v.slot.base, v.slot.irq))
+            .collect();
         let entry = boot::write_boot_info(
             machine.ram.memory(),
             &loaded,
-            mem_size,
-            config.vcpus,
+            &boot::DescribedMachine {
+                mem_size,
+                vcpus: config.vcpus,
+                virtio: &virtio,
+            },
             &cmdline,
         )?;
         let vcpus = create_vcpus(&machine.vm_fd, config.vcpus)?;
@@ -555,18 +562,23 @@ pub(crate) fn check_matches(config: &VmConfig, state: &MachineState) -> Result<(
     {
         return mismatch("the snapshot's vCPU states do not match its vCPU count".into());
     }
-    let disks = state
-        .devices
-        .virtio
-        .iter()
-        .filter(|d| matches!(d.kind, VirtioKindState::Block { .. }))
-        .count();
-    let nics = state
-        .devices
-        .virtio
-        .iter()
-        .filter(|d| matches!(d.kind, VirtioKindState::Net { .. }))
-        .count();
+    let count = |kind: fn(&VirtioKindState) -> bool| {
+        state
+            .devices
+            .virtio
+            .iter()
+            .filter(|d| kind(&d.kind))
+            .count()
+    };
+    let disks = count(|k| matches!(k, VirtioKindState::Block { .. }));
+    let nics = count(|k| matches!(k, VirtioKindState::Net { .. }));
+    let rngs = count(|k| matches!(k, VirtioKindState::Rng { .. }));
+    if rngs != usize::from(config.rng) {
+        return mismatch(format!(
+            "the snapshot has {rngs} virtio-rng device(s), the configuration {}",
+            usize::from(config.rng)
+        ));
+    }
     if disks != config.disks.len() || nics != config.nets.len() {
         return mismatch(format!(
             "the snapshot has {disks} disk(s) and {nics} NIC(s), the configuration {} and {}",

@@ -39,6 +39,9 @@ pub struct VmConfig {
     /// virtio-fs shares served by vhost-user-fs backends (virtiofsd), in guest order. These
     /// and `vhost_user_disks` make guest RAM a shared memfd the backends map.
     pub filesystems: Vec<FsConfig>,
+    /// A virtio-rng device (KubeVirt's `rng`), after every other virtio device: entropy from
+    /// the host's RNG for the guest.
+    pub rng: bool,
     /// Back guest RAM with huge pages of this size (KubeVirt's `memory.hugepages.pageSize`):
     /// a hugetlb memfd, reserved when the VM is built, so a host short of pages refuses the VM
     /// instead of failing the guest later.
@@ -243,6 +246,7 @@ impl VmConfig {
             vhost_user_disks: Vec::new(),
             vhost_user_nets: Vec::new(),
             filesystems: Vec::new(),
+            rng: false,
             hugepages: None,
             seccomp: true,
         }

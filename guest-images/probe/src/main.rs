@@ -18,6 +18,7 @@ mod fs;
 mod genid;
 mod hw;
 mod net;
+mod rng;
 mod smp;
 mod timer;
 mod virtio;
@@ -275,6 +276,7 @@ pub unsafe extern "C" fn probe_main(zero_page: *const u8) -> ! {
         "netloop" => net::loopback(boot.cmdline),
         "dhcp" => dhcp::run(boot.cmdline),
         "virtiofs" => fs::run(boot),
+        "rng" => rng::run(boot.cmdline),
         other => result(false, format_args!("unknown test {other:?}")),
     }
 }

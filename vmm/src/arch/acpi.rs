@@ -17,12 +17,13 @@ use acpi_tables::madt::{
 use acpi_tables::rsdp::Rsdp;
 use acpi_tables::sdt::Sdt;
 use acpi_tables::xsdt::XSDT;
-use acpi_tables::Aml as _;
+use acpi_tables::Aml;
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::layout::{
-    ACPI_RSDP_START, ACPI_TABLES_START, APIC_START, GED_IRQ, GED_PORT, IOAPIC_START,
-    POWER_OFF_VALUE, POWER_PORT, POWER_RESET_VALUE, VMGENID_START,
+    ACPI_RSDP_START, ACPI_TABLES_START, APIC_START, GED_IRQ, GED_PORT, I8042_PORT, IOAPIC_START,
+    KEYBOARD_IRQ, POWER_OFF_VALUE, POWER_PORT, POWER_RESET_VALUE, SERIAL_COM1_IRQ,
+    SERIAL_COM1_PORT, VIRTIO_MMIO_SIZE, VMGENID_START,
 };
 
 // `_S5_` announces sleep type 5; the power port powers off on SLP_TYP 5 with SLP_EN.
@@ -55,9 +56,10 @@ pub struct AcpiTables {
 
 /// The DSDT's AML. The GED's `_EVT` reads its event register once and notifies each device
 /// whose bit is set: 0x80 is "status change" for the button and "new generation" for VMGenID.
-fn dsdt() -> Vec<u8> {
+fn dsdt(virtio: &[(u64, u32)]) -> Vec<u8> {
     let mut sdt = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
     let mut body = Vec::new();
+    devices(virtio, &mut body);
     aml::Device::new(
         "_SB_.PWRB".into(),
         vec![
@@ -83,8 +85,7 @@ fn dsdt() -> Vec<u8> {
     )
     .to_aml_bytes(&mut body);
 
-    // Consumer, edge-triggered, active high, exclusive: an ISA interrupt's defaults.
-    let irq = aml::Interrupt::new(true, true, false, false, GED_IRQ);
+    let irq = isa_interrupt(GED_IRQ);
     let crs = aml::ResourceTemplate::new(vec![&irq]);
     let (power_bit, generation_bit) = (GED_EVENT_POWER_BUTTON as u64, GED_EVENT_GENERATION as u64);
     let event = aml::Path::new("GDAT");
@@ -186,8 +187,67 @@ fn madt(vcpus: u8) -> Result<Vec<u8>, AcpiError> {
     Ok(out)
 }
 
-/// Builds every table for a machine of `vcpus` processors.
-pub fn build(vcpus: u8) -> Result<AcpiTables, AcpiError> {
+/// Consumer, edge-triggered, active high, exclusive: an ISA interrupt's defaults.
+fn isa_interrupt(irq: u32) -> aml::Interrupt {
+    aml::Interrupt::new(true, true, false, false, irq)
+}
+
+/// The legacy devices and the virtio-mmio devices (`virtio`: each one's base and IRQ), with
+/// their interrupts. A hardware-reduced machine has no legacy PIC, so Linux maps an IRQ only
+/// for a device ACPI describes: the same devices on the command line (`virtio_mmio.device=`,
+/// the 8250's fixed COM1) would get IRQ numbers nothing routes. As Firecracker does, the
+/// DSDT names COM1 (PNP0501), the keyboard controller (PNP0303, found by i8042's PNP probe)
+/// and every virtio-mmio device (LNRO0005, the ID Linux's virtio-mmio driver matches); the
+/// command line keeps its entries for guests built without ACPI.
+fn devices(virtio: &[(u64, u32)], body: &mut Vec<u8>) {
+    let (com1, com1_irq) = (
+        aml::IO::new(SERIAL_COM1_PORT, SERIAL_COM1_PORT, 1, 8),
+        isa_interrupt(SERIAL_COM1_IRQ),
+    );
+    let (kbd_data, kbd_command, kbd_irq) = (
+        aml::IO::new(I8042_PORT, I8042_PORT, 1, 1),
+        aml::IO::new(I8042_PORT + 4, I8042_PORT + 4, 1, 1),
+        isa_interrupt(KEYBOARD_IRQ),
+    );
+    let legacy: [(&str, &str, Vec<&dyn Aml>); 2] = [
+        ("_SB_.COM1", "PNP0501", vec![&com1, &com1_irq]),
+        (
+            "_SB_.PS2_",
+            "PNP0303",
+            vec![&kbd_data, &kbd_command, &kbd_irq],
+        ),
+    ];
+    for (path, id, resources) in legacy {
+        let crs = aml::ResourceTemplate::new(resources);
+        aml::Device::new(
+            path.into(),
+            vec![
+                &aml::Name::new("_HID".into(), &aml::EISAName::new(id)),
+                &aml::Name::new("_UID".into(), &aml::ZERO),
+                &aml::Name::new("_CRS".into(), &crs),
+            ],
+        )
+        .to_aml_bytes(body);
+    }
+    for (i, &(base, irq)) in virtio.iter().enumerate() {
+        let window = aml::Memory32Fixed::new(true, base as u32, VIRTIO_MMIO_SIZE as u32);
+        let interrupt = isa_interrupt(irq);
+        let crs = aml::ResourceTemplate::new(vec![&window, &interrupt]);
+        aml::Device::new(
+            format!("_SB_.V{i:03X}").as_str().into(),
+            vec![
+                &aml::Name::new("_HID".into(), &"LNRO0005"),
+                &aml::Name::new("_UID".into(), &(i as u64)),
+                &aml::Name::new("_CRS".into(), &crs),
+            ],
+        )
+        .to_aml_bytes(body);
+    }
+}
+
+/// Builds every table for a machine of `vcpus` processors with the virtio-mmio devices
+/// `virtio` (each one's base and IRQ).
+pub fn build(vcpus: u8, virtio: &[(u64, u32)]) -> Result<AcpiTables, AcpiError> {
     let madt = madt(vcpus)?;
     // XSDT: header and two entries; its length is known before the others are placed.
     const XSDT_LEN: u64 = 36 + 2 * 8;
@@ -203,7 +263,7 @@ pub fn build(vcpus: u8) -> Result<AcpiTables, AcpiError> {
     debug_assert_eq!(tables.len() as u64, XSDT_LEN);
     tables.extend_from_slice(&fadt(dsdt_addr));
     tables.extend_from_slice(&madt);
-    tables.extend_from_slice(&dsdt());
+    tables.extend_from_slice(&dsdt(virtio));
     if ACPI_TABLES_START + tables.len() as u64 > VMGENID_START {
         return Err(AcpiError::TooLarge(tables.len()));
     }
@@ -213,8 +273,8 @@ pub fn build(vcpus: u8) -> Result<AcpiTables, AcpiError> {
 }
 
 /// Writes the tables into guest memory; returns the RSDP's address.
-pub fn write<M: GuestMemory>(mem: &M, vcpus: u8) -> Result<u64, AcpiError> {
-    let t = build(vcpus)?;
+pub fn write<M: GuestMemory>(mem: &M, vcpus: u8, virtio: &[(u64, u32)]) -> Result<u64, AcpiError> {
+    let t = build(vcpus, virtio)?;
     mem.write_slice(&t.rsdp, GuestAddress(ACPI_RSDP_START))
         .and_then(|_| mem.write_slice(&t.tables, GuestAddress(ACPI_TABLES_START)))
         .map_err(|_| AcpiError::NotEnoughMemory)?;
@@ -246,7 +306,7 @@ mod tests {
     #[test]
     fn a_guest_walks_rsdp_xsdt_fadt_to_a_dsdt_with_every_checksum_right() {
         for vcpus in [1u8, 2, 8, 254] {
-            let t = build(vcpus).unwrap();
+            let t = build(vcpus, &[]).unwrap();
             assert_eq!(&t.rsdp[..8], b"RSD PTR ");
             assert_eq!(sum(&t.rsdp[..20]), 0, "RSDP 1.0 checksum");
             assert_eq!(sum(&t.rsdp), 0, "RSDP extended checksum");
@@ -270,9 +330,10 @@ mod tests {
 
     #[test]
     fn the_dsdt_names_the_generation_id_address_and_the_ged() {
-        let d = dsdt();
+        let d = dsdt(&[(0xd000_0000, 5)]);
         let find = |needle: &[u8]| d.windows(needle.len()).position(|w| w == needle);
         assert!(find(b"ACPI0013").is_some(), "no GED");
+        assert!(find(b"LNRO0005").is_some(), "no virtio-mmio device");
         assert!(find(b"VMGENCTR").is_some(), "no VMGenID device");
         // Name(ADDR, Package(2) { DWord low, Zero }).
         let at = find(b"\x08ADDR\x12").expect("no ADDR package");
@@ -287,7 +348,7 @@ mod tests {
     /// table without an error, and the DSDT says what the guest is meant to run.
     #[test]
     fn acpica_disassembles_every_table() {
-        let t = build(2).unwrap();
+        let t = build(2, &[(0xd000_0000, 5), (0xd000_1000, 6)]).unwrap();
         let dir = std::env::temp_dir().join(format!("microvirt-acpi-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let xsdt = table(&t, u64_at(&t.rsdp, 24));
@@ -324,6 +385,11 @@ mod tests {
             "Notify (\\_SB.PWRB, 0x80)",
             "OperationRegion (GDST, SystemIO, 0x0610, One)",
             "Name (_S5, Package (0x04)",
+            "Name (_HID, EisaId (\"PNP0501\")",
+            "Name (_HID, EisaId (\"PNP0303\")",
+            "Name (_HID, \"LNRO0005\")",
+            "Device (_SB.V001)",
+            "0xD0001000,         // Address Base",
         ] {
             assert!(
                 listings.contains(expected),
@@ -334,8 +400,8 @@ mod tests {
 
     #[test]
     fn the_tables_fit_below_the_generation_id() {
-        let t = build(254).unwrap();
+        let t = build(254, &[(0xd000_0000, 5)]).unwrap();
         assert!(ACPI_TABLES_START + (t.tables.len() as u64) <= VMGENID_START);
-        assert!(matches!(build(0), Err(AcpiError::TooManyCpus(0))));
+        assert!(matches!(build(0, &[]), Err(AcpiError::TooManyCpus(0))));
     }
 }

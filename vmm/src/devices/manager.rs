@@ -28,6 +28,7 @@ use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY_OFFSET};
 use crate::devices::virtio::net::persist::NetArgs;
 use crate::devices::virtio::net::{Net, Tap};
 use crate::devices::virtio::persist::TransportArgs;
+use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vhost_user::{blk, fs, net, Connection, VhostUserDevice};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt, TYPE_BLOCK, TYPE_NET};
 use crate::devices::EventFdTrigger;
@@ -272,7 +273,12 @@ pub enum VirtioKind {
         tap: Option<String>,
     },
     /// A device a vhost-user backend serves (virtio-fs).
-    VhostUser { device: Arc<Mutex<VhostUserDevice>> },
+    VhostUser {
+        device: Arc<Mutex<VhostUserDevice>>,
+    },
+    Rng {
+        device: Arc<Mutex<Rng>>,
+    },
 }
 
 /// The host side of the devices, opened before anything is created (a missing disk or busy
@@ -286,6 +292,8 @@ pub struct Backends {
     pub vhost_user_nets: Vec<(Connection, VhostUserNetConfig)>,
     /// virtio-fs shares, connected to their backends.
     pub filesystems: Vec<(Connection, FsConfig)>,
+    /// Whether the VM has a virtio-rng device (it needs nothing opened on the host).
+    pub rng: bool,
 }
 
 pub struct DeviceManager {
@@ -319,6 +327,7 @@ struct Recorded<'a> {
     nets: Vec<&'a VirtioDeviceState>,
     vhost_user_disks: Vec<&'a VirtioDeviceState>,
     vhost_user_nets: Vec<&'a VirtioDeviceState>,
+    rng: Option<&'a VirtioDeviceState>,
 }
 
 fn recorded_virtio<'a>(
@@ -333,6 +342,10 @@ fn recorded_virtio<'a>(
         match &d.kind {
             VirtioKindState::Block { .. } => r.blocks.push(d),
             VirtioKindState::Net { .. } => r.nets.push(d),
+            VirtioKindState::Rng { .. } if r.rng.is_none() => r.rng = Some(d),
+            VirtioKindState::Rng { .. } => {
+                return Err(format!("{}: a second virtio-rng device", d.id))
+            }
             VirtioKindState::VhostUser { device_type, .. } => match *device_type {
                 TYPE_BLOCK => r.vhost_user_disks.push(d),
                 TYPE_NET => r.vhost_user_nets.push(d),
@@ -365,6 +378,13 @@ fn recorded_virtio<'a>(
             backends.vhost_user_disks.len(),
             backends.vhost_user_nets.len(),
             backends.filesystems.len()
+        ));
+    }
+    if r.rng.is_some() != backends.rng {
+        return Err(format!(
+            "the state has {} virtio-rng device, the configuration {}",
+            if r.rng.is_some() { "a" } else { "no" },
+            if backends.rng { "has one" } else { "none" }
         ));
     }
     Ok(r)
@@ -521,6 +541,9 @@ impl DeviceManager {
         for (conn, fcfg) in backends.filesystems {
             place.attach_fs(&mut dm, conn, fcfg)?;
         }
+        if backends.rng {
+            place.attach_rng(&mut dm, recorded.rng)?;
+        }
         dm.pio = Arc::new(pio);
         dm.mmio = Arc::new(mmio);
         Ok((dm, em, legacy.wake))
@@ -608,6 +631,9 @@ impl DeviceManager {
                                 mac: d.mac(),
                             }
                         }
+                        VirtioKind::Rng { device } => VirtioKindState::Rng {
+                            state: device.lock().unwrap_or_else(|p| p.into_inner()).save(),
+                        },
                     },
                 })
                 .collect(),
@@ -665,6 +691,20 @@ impl VirtioPlacer<'_> {
 }
 
 impl VirtioPlacer<'_> {
+    /// The virtio-rng device, fresh or as `saved` recorded it.
+    fn attach_rng(
+        &mut self,
+        dm: &mut DeviceManager,
+        saved: Option<&VirtioDeviceState>,
+    ) -> Result<(), String> {
+        let id = "rng0".to_string();
+        let rng = match saved.map(|d| &d.kind) {
+            Some(VirtioKindState::Rng { state }) => Rng::restore(id.clone(), state)?,
+            _ => Rng::new(id.clone()).map_err(dev_err("virtio-rng"))?,
+        };
+        self.attach(dm, id, rng, saved, |device| VirtioKind::Rng { device })
+    }
+
     /// The `i`th disk, fresh or as `saved` recorded it.
     fn attach_disk(
         &mut self,

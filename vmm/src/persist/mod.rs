@@ -21,6 +21,7 @@ use crate::devices::serial::persist::SerialStateDef;
 use crate::devices::virtio::block::persist::BlockState;
 use crate::devices::virtio::net::persist::NetState;
 use crate::devices::virtio::persist::TransportState;
+use crate::devices::virtio::rng::RngCounters;
 use crate::memory::RegionLayout;
 pub use files::{create_private, new_memory_seal, MemorySeal};
 pub use object::Persist;
@@ -71,6 +72,9 @@ pub enum VirtioKindState {
         device_type: u32,
         /// A NIC's MAC (the frontend's, so the guest keeps it on another backend).
         mac: Option<MacAddr>,
+    },
+    Rng {
+        state: RngCounters,
     },
 }
 

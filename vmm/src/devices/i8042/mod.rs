@@ -21,6 +21,8 @@ const COMMAND: u64 = 4; // port 0x64
 const SB_OUT_FULL: u8 = 0x01;
 const SB_SYS: u8 = 0x04;
 const SB_LAST_WAS_COMMAND: u8 = 0x08;
+/// The keylock switch is open (keyboard not inhibited); Linux warns "Keylock active" without it.
+const SB_UNLOCKED: u8 = 0x10;
 
 /// Command byte bits.
 const CB_KBD_INT: u8 = 0x01;
@@ -67,7 +69,7 @@ impl I8042 {
         I8042 {
             reset_evt,
             irq,
-            status: SB_SYS,
+            status: SB_SYS | SB_UNLOCKED,
             command_byte: CB_KBD_INT | CB_POST_OK | CB_TRANSLATE,
             out: VecDeque::new(),
             expect: Expect::KeyboardCommand,

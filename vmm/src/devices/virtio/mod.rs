@@ -6,6 +6,7 @@ pub mod block;
 pub mod mmio;
 pub mod net;
 pub mod persist;
+pub mod rng;
 pub mod vhost_user;
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,6 +22,7 @@ pub const VIRTIO_F_RING_EVENT_IDX: u64 = 1 << 29;
 
 pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_RNG: u32 = 4;
 
 /// Device status bits (VIRTIO 1.2 §2.1).
 pub mod status {
@@ -126,6 +128,136 @@ impl DeviceBase {
     /// Tells the event handler the queues are live (it registers them on the next event).
     pub fn announce_activation(&self) {
         let _ = self.activate_evt.write(1);
+    }
+
+    /// Registers every queue's notification and the activation eventfd with the event
+    /// manager: all a device needs whose only work is its queues.
+    pub fn watch_queues(&self, ops: &mut event_manager::EventOps, device: &str) {
+        for fd in self.queue_evts.iter().chain([&self.activate_evt]) {
+            if let Err(e) = ops.add(event_manager::Events::new(
+                fd,
+                vmm_sys_util::epoll::EventSet::IN,
+            )) {
+                tracing::error!(%device, "cannot watch a queue eventfd: {e:?}");
+            }
+        }
+    }
+
+    /// Clears whichever of [`DeviceBase::watch_queues`]'s eventfds `events` is for, so it
+    /// does not fire again for the same notification.
+    pub fn clear_event(&self, events: &event_manager::Events) {
+        let fd = events.fd();
+        if let Some(evt) = self
+            .queue_evts
+            .iter()
+            .chain([&self.activate_evt])
+            .find(|e| std::os::fd::AsRawFd::as_raw_fd(*e) == fd)
+        {
+            let _ = evt.read();
+        }
+    }
+}
+
+/// Implements [`VirtioDevice`] for a one-queue device: a struct with `base: DeviceBase` and
+/// `active: Option<SingleQueue>`, whose requests are all served on the event thread.
+macro_rules! single_queue_device {
+    ($device:ty) => {
+        impl $crate::devices::virtio::VirtioDevice for $device {
+            fn base(&self) -> &$crate::devices::virtio::DeviceBase {
+                &self.base
+            }
+            fn base_mut(&mut self) -> &mut $crate::devices::virtio::DeviceBase {
+                &mut self.base
+            }
+            fn activate(
+                &mut self,
+                mem: $crate::memory::GuestMemory,
+                queues: Vec<virtio_queue::Queue>,
+                interrupt: std::sync::Arc<$crate::devices::virtio::VirtioInterrupt>,
+            ) -> Result<(), $crate::devices::virtio::ActivateError> {
+                self.active = Some($crate::devices::virtio::SingleQueue::activate(
+                    &self.base, mem, queues, interrupt,
+                )?);
+                Ok(())
+            }
+            fn reset(&mut self) {
+                self.active = None;
+                self.base.acked_features = 0;
+            }
+            fn is_activated(&self) -> bool {
+                self.active.is_some()
+            }
+            fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+                self.active.iter().map(|a| a.queue.state()).collect()
+            }
+        }
+    };
+}
+pub(crate) use single_queue_device;
+
+/// A one-queue device's work while the driver runs it (virtio-blk, virtio-rng).
+pub struct SingleQueue {
+    pub mem: GuestMemory,
+    pub queue: Queue,
+    pub interrupt: Arc<VirtioInterrupt>,
+}
+
+impl SingleQueue {
+    /// Takes queue 0 from what the transport activates, refusing a queue the driver did not
+    /// make ready, and tells the event handler to start serving it: requests queued before
+    /// activation completed are picked up on the event thread.
+    pub fn activate(
+        base: &DeviceBase,
+        mem: GuestMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<SingleQueue, ActivateError> {
+        let queue = queues
+            .into_iter()
+            .next()
+            .filter(virtio_queue::QueueT::ready)
+            .ok_or(ActivateError::BadQueue(0))?;
+        base.announce_activation();
+        Ok(SingleQueue {
+            mem,
+            queue,
+            interrupt,
+        })
+    }
+
+    /// Completes every available request with what `handle` makes of its descriptors (the
+    /// bytes it wrote into the guest's buffers), then interrupts the guest once. A ring the
+    /// guest broke marks the device as needing a reset instead.
+    pub fn serve(
+        &mut self,
+        device: &str,
+        mut handle: impl FnMut(&GuestMemory, &[virtio_queue::desc::split::Descriptor]) -> u32,
+    ) {
+        use virtio_queue::{QueueOwnedT, QueueT};
+        let mut completed = false;
+        loop {
+            let chain = match self.queue.iter(&self.mem) {
+                Ok(mut it) => it.next(),
+                Err(e) => {
+                    tracing::warn!(%device, "broken available ring ({e}); the device needs a reset");
+                    self.interrupt.device_needs_reset();
+                    return;
+                }
+            };
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let descs: Vec<_> = chain.collect();
+            let used_len = handle(&self.mem, &descs);
+            if let Err(e) = self.queue.add_used(&self.mem, head, used_len) {
+                tracing::warn!(%device, "cannot complete a request: {e}");
+                self.interrupt.device_needs_reset();
+                return;
+            }
+            completed = true;
+        }
+        if completed && self.queue.needs_notification(&self.mem).unwrap_or(true) {
+            self.interrupt.signal(INT_USED_RING);
+        }
     }
 }
 

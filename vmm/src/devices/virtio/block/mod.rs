@@ -7,19 +7,14 @@ pub mod persist;
 pub mod request;
 
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
 
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::bitmap::Bitmap;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 pub use disk::{CacheMode, Disk, DiskError};
 use request::*;
 
-use super::{
-    ActivateError, DeviceBase, VirtioDevice, VirtioInterrupt, INT_USED_RING, TYPE_BLOCK,
-    VIRTIO_F_VERSION_1,
-};
+use super::{DeviceBase, SingleQueue, TYPE_BLOCK, VIRTIO_F_VERSION_1};
 use crate::memory::GuestMemory;
 
 pub const VIRTIO_BLK_F_SIZE_MAX: u64 = 1 << 1;
@@ -56,14 +51,8 @@ pub struct Block {
     disk: Disk,
     serial: [u8; VIRTIO_BLK_ID_BYTES as usize],
     base: DeviceBase,
-    active: Option<Active>,
+    active: Option<SingleQueue>,
     pub counters: BlockCounters,
-}
-
-struct Active {
-    mem: GuestMemory,
-    queue: Queue,
-    interrupt: Arc<VirtioInterrupt>,
 }
 
 impl Block {
@@ -104,41 +93,14 @@ impl Block {
         &self.disk
     }
 
-    /// Pops and completes every available request; interrupts the guest once at the end.
+    /// Executes and completes every available request; interrupts the guest once at the end.
     pub fn process_queue(&mut self) {
         let Some(active) = self.active.as_mut() else {
             return;
         };
-        let mut completed = false;
-        loop {
-            let chain = match active.queue.iter(&active.mem) {
-                Ok(mut it) => it.next(),
-                Err(e) => {
-                    tracing::warn!(disk = %self.id, "virtio-blk: broken available ring ({e}); device needs reset");
-                    active.interrupt.device_needs_reset();
-                    return;
-                }
-            };
-            let Some(chain) = chain else { break };
-            let head = chain.head_index();
-            let descs: Vec<_> = chain.collect();
-            let used_len = execute(
-                &self.disk,
-                &self.serial,
-                &active.mem,
-                &descs,
-                &mut self.counters,
-            );
-            if let Err(e) = active.queue.add_used(&active.mem, head, used_len) {
-                tracing::warn!(disk = %self.id, "virtio-blk: cannot complete request: {e}");
-                active.interrupt.device_needs_reset();
-                return;
-            }
-            completed = true;
-        }
-        if completed && active.queue.needs_notification(&active.mem).unwrap_or(true) {
-            active.interrupt.signal(INT_USED_RING);
-        }
+        active.serve(&self.id, |mem, descs| {
+            execute(&self.disk, &self.serial, mem, descs, &mut self.counters)
+        });
     }
 }
 
@@ -443,54 +405,17 @@ fn full_io(total: usize, mut op: impl FnMut(usize) -> isize) -> Result<usize, u8
     Ok(done)
 }
 
-impl VirtioDevice for Block {
-    fn base(&self) -> &DeviceBase {
-        &self.base
-    }
-    fn base_mut(&mut self) -> &mut DeviceBase {
-        &mut self.base
-    }
-    fn activate(
-        &mut self,
-        mem: GuestMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), ActivateError> {
-        let queue = queues
-            .into_iter()
-            .next()
-            .ok_or(ActivateError::BadQueue(0))?;
-        if !queue.ready() {
-            return Err(ActivateError::BadQueue(0));
-        }
-        self.active = Some(Active {
-            mem,
-            queue,
-            interrupt,
-        });
-        // Requests queued before activation completed are picked up on the event thread.
-        self.base.announce_activation();
-        Ok(())
-    }
-    fn reset(&mut self) {
-        self.active = None;
-        self.base.acked_features = 0;
-    }
-    fn is_activated(&self) -> bool {
-        self.active.is_some()
-    }
-    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
-        self.active.iter().map(|a| a.queue.state()).collect()
-    }
-}
+super::single_queue_device!(Block);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::devices::virtio::{VirtioDevice, VirtioInterrupt, INT_USED_RING};
     use std::io::Write;
     use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
+    use virtio_queue::Queue;
     use vmm_sys_util::eventfd::EventFd;
 
     const HDR: u64 = 0x10_0000;
