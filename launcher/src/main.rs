@@ -251,7 +251,7 @@ enum Pull {
 #[derive(Args)]
 struct RunArgs {
     /// Boot this VirtualMachine or VirtualMachineInstance manifest (kubevirt.io/v1).
-    #[arg(short = 'f', long = "filename", value_name = "MANIFEST", conflicts_with_all = ["kernel", "initrd", "disks", "nets"])]
+    #[arg(short = 'f', long = "filename", value_name = "MANIFEST", conflicts_with_all = ["kernel", "initrd", "disks", "nets", "rng"])]
     manifest: Option<PathBuf>,
     /// Guest kernel: an ELF vmlinux (PVH entry if it has the note) or a bzImage.
     #[arg(long)]
@@ -293,6 +293,10 @@ struct RunArgs {
     /// Back guest RAM with huge pages of this size (2Mi or 1Gi) from the host's hugetlb pool.
     #[arg(long, value_name = "SIZE")]
     hugepages: Option<String>,
+    /// A virtio-rng device the guest draws random bytes from (a manifest asks with
+    /// `spec.domain.devices.rng: {}`).
+    #[arg(long)]
+    rng: bool,
     #[command(flatten)]
     host: HostLayout,
     /// With -f: `nat` wires a pod network as a TAP on a NAT'd bridge (guest 10.0.2.2/24 via
@@ -415,6 +419,7 @@ impl RunArgs {
             disks: self.disks.clone(),
             nets: self.nets.clone(),
             filesystems: self.filesystems.clone(),
+            rng: self.rng,
             hugepages: self.hugepages.clone(),
             environment: self.host.environment(),
             instancetype_dir: self.host.instancetype_dir.clone(),

@@ -37,6 +37,8 @@ pub struct RunOptions {
     pub nets: Vec<String>,
     /// `--fs` specs (see [`crate::virtiofs::parse_fs`]).
     pub filesystems: Vec<String>,
+    /// `--rng`: a virtio-rng device.
+    pub rng: bool,
     /// `--hugepages SIZE`.
     pub hugepages: Option<String>,
     pub environment: crate::translate::Environment,
@@ -173,6 +175,7 @@ fn flags_config(kernel: PathBuf, opts: &RunOptions) -> Result<VmConfig, Failure>
     config.cmdline = opts.cmdline.clone();
     config.vcpus = vcpus_arg(opts.vcpus.unwrap_or(1))?;
     config.memory_mib = opts.memory.unwrap_or(128);
+    config.rng = opts.rng;
     Ok(config)
 }
 

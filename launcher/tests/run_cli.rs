@@ -119,6 +119,19 @@ fn exit_code_reflects_how_the_guest_ended() {
         "64",
     ]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("PROBE RESULT boot OK"));
+    // `--rng` attaches the virtio-rng device the probe's rng test draws from (seccomp on).
+    let rng = |extra: &[&str]| {
+        let mut args = vec!["--kernel", probe, "--cmdline", "probe.test=rng"];
+        args.extend_from_slice(extra);
+        String::from_utf8_lossy(&launcher(&args).stdout).to_string()
+    };
+    let with = rng(&["--rng"]);
+    assert!(with.contains("PROBE RESULT rng OK bytes="), "{with}");
+    let without = rng(&[]);
+    assert!(
+        without.contains("PROBE RESULT rng FAIL no virtio-rng device"),
+        "{without}"
+    );
     let log = std::env::temp_dir().join(format!("mv-cli-{}-console.log", std::process::id()));
     let out = launcher(&[
         "--kernel",
