@@ -11,6 +11,7 @@
 pub mod cdi;
 pub mod closed;
 pub mod conditions;
+pub mod duration;
 pub mod fields;
 pub mod instancetype;
 pub mod kubevirt;
@@ -22,6 +23,7 @@ pub mod migratability;
 pub mod ownership;
 pub mod protocol;
 pub mod quantity;
+pub mod snapshot;
 pub mod types;
 pub mod validation;
 

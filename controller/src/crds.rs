@@ -5,6 +5,7 @@ use api::instancetype::{
     VirtualMachineClusterInstancetype, VirtualMachineClusterPreference, VirtualMachineInstancetype,
     VirtualMachinePreference,
 };
+use api::snapshot::{VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent};
 use api::{
     MigrationPolicy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
     VirtualMachineInstanceReplicaSet, VirtualMachinePool,
@@ -24,6 +25,9 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         VirtualMachineClusterInstancetype::crd(),
         VirtualMachinePreference::crd(),
         VirtualMachineClusterPreference::crd(),
+        VirtualMachineSnapshot::crd(),
+        VirtualMachineSnapshotContent::crd(),
+        VirtualMachineRestore::crd(),
     ]
 }
 

@@ -17,6 +17,7 @@ pub mod pool;
 pub mod replicas;
 pub mod replicaset;
 pub mod run;
+pub mod snapshot;
 pub mod vm;
 pub mod vmi;
 pub mod webhook;

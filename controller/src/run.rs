@@ -1,5 +1,5 @@
-//! Wiring: the kube-runtime `Controller`s (VMs, VMIs, ReplicaSets, Migrations and the node
-//! drain taint), behind leader election.
+//! Wiring: the kube-runtime `Controller`s (VMs, VMIs, ReplicaSets, Migrations, the node
+//! drain taint, DataVolumes, VM snapshots and restores), behind leader election.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -50,6 +50,8 @@ pub async fn run_controllers(
         migrations(&ctx, stop()),
         drains(&ctx, stop()),
         datavolumes(&ctx, stop()),
+        snapshots(&ctx, stop()),
+        restores(&ctx, stop()),
     ]);
     ctx.metrics.set_ready(true);
     tokio::select! {
@@ -183,6 +185,36 @@ fn datavolumes(ctx: &Arc<Context>, stop: Stop) -> Running {
             .graceful_shutdown_on(stop)
             .run(crate::cdi::reconcile, crate::cdi::error_policy, ctx.clone())
             .for_each(|_| async {}),
+    )
+}
+
+/// VirtualMachineSnapshots, woken by their contents. The CSI VolumeSnapshots they wait for are
+/// not watched (a cluster without the CSI snapshot CRDs could not serve the watch): a snapshot
+/// in progress is looked at again every few seconds instead.
+fn snapshots(ctx: &Arc<Context>, stop: Stop) -> Running {
+    use crate::snapshot::capture;
+    use api::snapshot::{VirtualMachineSnapshot, VirtualMachineSnapshotContent};
+    let wc = watcher::Config::default;
+    Box::pin(
+        Controller::new(all::<VirtualMachineSnapshot>(ctx), wc())
+            .owns(all::<VirtualMachineSnapshotContent>(ctx), wc())
+            .graceful_shutdown_on(stop)
+            .run(capture::reconcile, capture::error_policy, ctx.clone())
+            .for_each(|_| async {}),
+    )
+}
+
+/// VirtualMachineRestores (each polled while it waits on its target or its claims).
+fn restores(ctx: &Arc<Context>, stop: Stop) -> Running {
+    use crate::snapshot::restore;
+    Box::pin(
+        Controller::new(
+            all::<api::snapshot::VirtualMachineRestore>(ctx),
+            watcher::Config::default(),
+        )
+        .graceful_shutdown_on(stop)
+        .run(restore::reconcile, restore::error_policy, ctx.clone())
+        .for_each(|_| async {}),
     )
 }
 

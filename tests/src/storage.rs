@@ -4,7 +4,9 @@
 //! the Pod's container — the real `cdi-importer` binary, as the Pod's non-root user without
 //! capabilities — with its volumes, Secrets, ConfigMaps and downward API resolved as the
 //! kubelet resolves them, its termination message read back, and `restartPolicy: OnFailure`
-//! honoured (restartCount, lastState, a back-off between attempts).
+//! honoured (restartCount, lastState, a back-off between attempts). It also plays the CSI
+//! snapshot controller: a VolumeSnapshot of a bound claim becomes a copy of its directory, and
+//! a claim whose `dataSource` is a ready VolumeSnapshot starts as a copy of it.
 //!
 //! The kubelet bind-mounts volumes at the container's paths; here the process runs in the
 //! host's mount namespace, so paths under a mount (in the environment) are rewritten to the
@@ -17,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::snapshot::VolumeSnapshot;
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -51,6 +54,18 @@ pub fn importer_bin() -> PathBuf {
     crate::repo_root().join("target/debug/cdi-importer")
 }
 
+/// Copies the contents of `from` into `to` (ownership and sparseness kept, as a CSI driver's
+/// copy-on-write snapshot would leave them).
+fn copy_tree(from: &Path, to: &Path) {
+    let status = Command::new("cp")
+        .args(["-a", "--sparse=always"])
+        .arg(from.join("."))
+        .arg(to)
+        .status()
+        .unwrap();
+    assert!(status.success(), "cp {} {}", from.display(), to.display());
+}
+
 fn give_to_importer(p: &Path) {
     std::fs::create_dir_all(p).unwrap();
     std::os::unix::fs::chown(p, Some(IMPORTER_UID), Some(IMPORTER_UID)).unwrap();
@@ -71,6 +86,7 @@ impl ImportNode {
                 next_ip: 10,
             };
             while !s.load(Ordering::SeqCst) {
+                node.take_snapshots().await;
                 node.provision().await;
                 node.sync_pods().await;
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -128,8 +144,20 @@ impl Node {
             }
             let ns = c.namespace().unwrap_or_default();
             let name = c.name_any();
-            give_to_importer(&self.root.join(&ns).join(&name));
             let spec = c.spec.clone().unwrap_or_default();
+            let dir = self.root.join(&ns).join(&name);
+            give_to_importer(&dir);
+            if let Some(source) = spec
+                .data_source
+                .as_ref()
+                .filter(|d| d.kind == "VolumeSnapshot")
+            {
+                // A claim from a snapshot is bound once the snapshot is ready, holding its data.
+                let Some(from) = self.ready_snapshot(&ns, &source.name).await else {
+                    continue;
+                };
+                copy_tree(&from, &dir);
+            }
             let size = spec
                 .resources
                 .and_then(|r| r.requests)
@@ -148,6 +176,72 @@ impl Node {
                     &PatchParams::default(),
                     &Patch::Merge(json!({"status": {"phase": "Bound",
                         "accessModes": spec.access_modes, "capacity": {"storage": size}}})),
+                )
+                .await;
+        }
+    }
+
+    /// Where the CSI snapshot `name` in `namespace` keeps its copy of the claim.
+    fn snapshot_dir(&self, namespace: &str, name: &str) -> PathBuf {
+        self.root.join(".snapshots").join(namespace).join(name)
+    }
+
+    /// The copy held by VolumeSnapshot `name`, once it is ready.
+    async fn ready_snapshot(&self, namespace: &str, name: &str) -> Option<PathBuf> {
+        let api: Api<VolumeSnapshot> = Api::namespaced(self.client.clone(), namespace);
+        let vs = api.get_opt(name).await.ok()??;
+        (vs.status?.ready_to_use == Some(true)).then(|| self.snapshot_dir(namespace, name))
+    }
+
+    /// The CSI snapshotter's part: each new VolumeSnapshot of a bound claim becomes a copy of
+    /// the claim's directory, made ready with the claim's size; one of a claim that does not
+    /// exist or is not bound gets an error, as the external-snapshotter reports it.
+    async fn take_snapshots(&self) {
+        let all: Api<VolumeSnapshot> = Api::all(self.client.clone());
+        let Ok(list) = all.list(&ListParams::default()).await else {
+            return;
+        };
+        for vs in list.items {
+            if vs.status.is_some() || vs.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            let ns = vs.namespace().unwrap_or_default();
+            let claim = vs
+                .spec
+                .source
+                .persistent_volume_claim_name
+                .clone()
+                .unwrap_or_default();
+            let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), &ns);
+            let bound =
+                claims.get_opt(&claim).await.ok().flatten().filter(|c| {
+                    c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+                });
+            let now = jiff::Timestamp::now()
+                .round(jiff::Unit::Second)
+                .unwrap()
+                .to_string();
+            let status = match bound {
+                None => json!({"readyToUse": false, "error": {"time": now,
+                    "message": format!("claim {claim:?} does not exist or is not bound")}}),
+                Some(c) => {
+                    let to = self.snapshot_dir(&ns, &vs.name_any());
+                    give_to_importer(&to);
+                    copy_tree(&self.root.join(&ns).join(&claim), &to);
+                    let size = c
+                        .status
+                        .and_then(|s| s.capacity)
+                        .and_then(|c| c.get("storage").cloned());
+                    json!({"readyToUse": true, "creationTime": now, "restoreSize": size,
+                        "boundVolumeSnapshotContentName": format!("snapcontent-{}", vs.uid().unwrap_or_default())})
+                }
+            };
+            let api: Api<VolumeSnapshot> = Api::namespaced(self.client.clone(), &ns);
+            let _ = api
+                .patch_status(
+                    &vs.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": status })),
                 )
                 .await;
         }

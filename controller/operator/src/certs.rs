@@ -15,7 +15,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde::Deserialize;
 
-use crate::duration::parse_duration;
+use api::duration::parse_duration;
 
 /// The CA's Secret and ConfigMap.
 pub const CA_NAME: &str = "kubevirt-ca";

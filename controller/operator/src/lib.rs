@@ -13,7 +13,6 @@
 //! - [`webhook`]: the deletion of an installation that still has workloads refused.
 
 pub mod certs;
-pub mod duration;
 pub mod install;
 pub mod node_certs;
 pub mod reconcile;

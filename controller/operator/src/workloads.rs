@@ -16,7 +16,7 @@ use kube::api::{Api, EvictParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde::Deserialize;
 
-use crate::duration::parse_duration;
+use api::duration::parse_duration;
 
 /// The annotation on the migrations the updater creates.
 pub const WORKLOAD_UPDATE_ANNOTATION: &str = "kubevirt.io/workloadUpdateMigration";

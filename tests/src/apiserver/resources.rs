@@ -72,6 +72,13 @@ const KINDS: &[Kind] = &[
     // CDI's DataVolume (its CRD from `deploy/cdi/`), filled by virt-controller's importer.
     ("cdi.kubevirt.io", "v1beta1", "datavolumes", "DataVolume", true, true, None),
     ("storage.k8s.io", "v1", "storageclasses", "StorageClass", false, false, None),
+    // KubeVirt's VM snapshots, and the CSI snapshot kinds they are made of (the
+    // external-snapshotter's CRDs; its controller is played by `storage::ImportNode`).
+    ("snapshot.kubevirt.io", "v1beta1", "virtualmachinesnapshots", "VirtualMachineSnapshot", true, true, None),
+    ("snapshot.kubevirt.io", "v1beta1", "virtualmachinesnapshotcontents", "VirtualMachineSnapshotContent", true, true, None),
+    ("snapshot.kubevirt.io", "v1beta1", "virtualmachinerestores", "VirtualMachineRestore", true, true, None),
+    ("snapshot.storage.k8s.io", "v1", "volumesnapshots", "VolumeSnapshot", true, true, None),
+    ("snapshot.storage.k8s.io", "v1", "volumesnapshotclasses", "VolumeSnapshotClass", false, false, None),
     ("", "v1", "secrets", "Secret", true, false, None),
     ("apps", "v1", "controllerrevisions", "ControllerRevision", true, false, None),
     ("", "v1", "configmaps", "ConfigMap", true, false, None),

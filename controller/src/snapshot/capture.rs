@@ -1,0 +1,461 @@
+//! The VirtualMachineSnapshot reconciler: a `match` on where the snapshot stands.
+//!
+//! 1. `Planning`: the source VM is read and every volume judged (`api::snapshot::capture_of`):
+//!    a claim must be bound and its storage class must have a VolumeSnapshotClass for its
+//!    provisioner (a CSI snapshot can be taken of it); a volume made from the spec (container
+//!    disks, cloud-init, …) is listed as excluded; anything else fails the snapshot before
+//!    anything is written. The content is then made: the VM as it is and one backup per claim.
+//! 2. `Capturing`: a VolumeSnapshot per backup (controlled by the content), followed until the
+//!    snapshotter says each is ready — or reports an error, which fails the snapshot.
+//! 3. `Done`: phase Succeeded, `readyToUse`.
+//!
+//! A running VM is captured crash-consistently (indications `Online`, `NoGuestAgent`): microvirt
+//! has no guest agent to freeze the guest's filesystems with.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::snapshot::{
+    capture_of, check_vm_reference, content_name, volume_snapshot_name, BackedUpClaim,
+    DeletionPolicy, Indication, SnapshotPhase, SnapshotSource, SnapshotVolumesLists, SnapshottedVm,
+    SourceIndication, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
+    VirtualMachineSnapshotContentSpec, VirtualMachineSnapshotContentStatus,
+    VirtualMachineSnapshotStatus, VolumeBackup, VolumeCapture, VolumeSnapshot,
+    VolumeSnapshotSource, VolumeSnapshotSpec, VolumeSnapshotStatus, LABEL_SNAPSHOT,
+};
+use api::{VirtualMachine, VirtualMachineInstance};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DynamicObject, ObjectMeta, PostParams};
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+
+use super::{error, set_done, set_failed, set_progress, volume_snapshot_classes};
+use crate::context::{Context, Error, Result};
+use controller_runtime::{controller_ref, write_status};
+
+pub const CONTROLLER: &str = "vmsnapshot-controller";
+
+/// How often a snapshot in progress is looked at again (besides the watches).
+const RECHECK: Duration = Duration::from_secs(2);
+
+pub fn error_policy(s: Arc<VirtualMachineSnapshot>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.retry(CONTROLLER, s.as_ref(), err)
+}
+
+/// Where a snapshot stands.
+enum Stage {
+    /// Final (Succeeded or Failed), or being deleted: nothing to do.
+    Settled,
+    /// Not started: no content yet.
+    Planning,
+    /// The content exists: its VolumeSnapshots are being taken.
+    Capturing(Box<VirtualMachineSnapshotContent>),
+}
+
+struct Pass {
+    snapshot: Arc<VirtualMachineSnapshot>,
+    ctx: Arc<Context>,
+    ns: String,
+    status: VirtualMachineSnapshotStatus,
+}
+
+pub async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>) -> Result<Action> {
+    let ns = snapshot.namespace().unwrap_or_default();
+    let status = snapshot.status.clone().unwrap_or_default();
+    let mut pass = Pass {
+        snapshot,
+        ctx,
+        ns,
+        status,
+    };
+    let action = match pass.stage().await? {
+        Stage::Settled => return Ok(Action::await_change()),
+        Stage::Planning => pass.plan().await?,
+        Stage::Capturing(content) => pass.capture(*content).await?,
+    };
+    pass.write().await?;
+    pass.ctx.succeeded(CONTROLLER, pass.snapshot.as_ref());
+    Ok(action)
+}
+
+impl Pass {
+    fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        Api::namespaced(self.ctx.client.clone(), &self.ns)
+    }
+
+    fn uid(&self) -> String {
+        self.snapshot.uid().unwrap_or_default()
+    }
+
+    async fn stage(&mut self) -> Result<Stage> {
+        let final_ = matches!(
+            self.status.phase,
+            Some(SnapshotPhase::Succeeded | SnapshotPhase::Failed)
+        );
+        if final_ || self.snapshot.meta().deletion_timestamp.is_some() {
+            return Ok(Stage::Settled);
+        }
+        let contents = self.api::<VirtualMachineSnapshotContent>();
+        Ok(match contents.get_opt(&content_name(&self.uid())).await? {
+            Some(c) => Stage::Capturing(Box::new(c)),
+            None => Stage::Planning,
+        })
+    }
+
+    async fn write(&self) -> Result<()> {
+        let api = self.api::<VirtualMachineSnapshot>();
+        write_status(&api, self.snapshot.as_ref(), self.status.clone()).await?;
+        Ok(())
+    }
+
+    /// Fails the snapshot for `why`, once; nothing else is touched.
+    async fn fail(&mut self, why: String) -> Result<Action> {
+        self.status.phase = Some(SnapshotPhase::Failed);
+        self.status.ready_to_use = Some(false);
+        self.status.error = Some(error(&why));
+        set_failed(&mut self.status.conditions, &why);
+        let s = self.snapshot.clone();
+        self.ctx
+            .event(s.as_ref(), true, "SnapshotFailed", "Snapshot", why)
+            .await;
+        Ok(Action::await_change())
+    }
+
+    /// Whether the failure deadline has passed (an unreadable one is the spec's error).
+    fn past_deadline(&self) -> std::result::Result<bool, String> {
+        let deadline = match &self.snapshot.spec.failure_deadline {
+            None => Duration::from_secs(api::snapshot::DEFAULT_DEADLINE_SECONDS as u64),
+            Some(d) => api::duration::parse_duration(d).ok_or_else(|| {
+                format!("spec.failureDeadline: {d:?} is not a duration (e.g. 5m, 1h30m)")
+            })?,
+        };
+        let created = self
+            .snapshot
+            .meta()
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.as_second())
+            .unwrap_or_else(controller_runtime::time::now_unix);
+        Ok(controller_runtime::time::now_unix() - created > deadline.as_secs() as i64)
+    }
+
+    async fn plan(&mut self) -> Result<Action> {
+        self.status.phase = Some(SnapshotPhase::InProgress);
+        self.status.ready_to_use = Some(false);
+        if let Err(why) = check_vm_reference(&self.snapshot.spec.source, "spec.source") {
+            return self.fail(why).await;
+        }
+        match self.past_deadline() {
+            Err(why) => return self.fail(why).await,
+            Ok(true) => {
+                return self
+                    .fail("the snapshot did not complete within its failureDeadline".into())
+                    .await
+            }
+            Ok(false) => {}
+        }
+        let source = &self.snapshot.spec.source.name;
+        let Some(vm) = self.api::<VirtualMachine>().get_opt(source).await? else {
+            let m = format!("Source VirtualMachine {source:?} does not exist");
+            set_progress(
+                &mut self.status.conditions,
+                false,
+                "Source does not exist",
+                &m,
+            );
+            return Ok(Action::requeue(RECHECK));
+        };
+        let backups = match self.backups(&vm).await? {
+            Ok(b) => b,
+            Err(why) => return self.fail(why).await,
+        };
+        self.indicate(&vm).await?;
+        self.status.source_uid = vm.uid();
+        let content = self.content(&vm, backups);
+        let name = content.name_any();
+        match self
+            .api::<VirtualMachineSnapshotContent>()
+            .create(&PostParams::default(), &content)
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.status.virtual_machine_snapshot_content_name = Some(name);
+        set_progress(
+            &mut self.status.conditions,
+            true,
+            "Operation in progress",
+            "Source locked and operation in progress",
+        );
+        Ok(Action::requeue(RECHECK))
+    }
+
+    /// One backup per claim, or why the VM cannot be captured (every volume's reason).
+    async fn backups(
+        &mut self,
+        vm: &VirtualMachine,
+    ) -> Result<std::result::Result<Vec<VolumeBackup>, String>> {
+        let volumes = vm
+            .spec
+            .template
+            .spec
+            .as_ref()
+            .map(|s| s.volumes.clone())
+            .unwrap_or_default();
+        let (mut backups, mut problems) = (Vec::new(), Vec::new());
+        let mut lists = SnapshotVolumesLists::default();
+        for v in &volumes {
+            match capture_of(v) {
+                VolumeCapture::FromSpec => lists.excluded_volumes.push(v.name.clone()),
+                VolumeCapture::Uncapturable(why) => {
+                    problems.push(format!("volume {:?}: {why}", v.name))
+                }
+                VolumeCapture::Claim(claim) => match self.claim_backup(&v.name, &claim).await? {
+                    Ok(b) => {
+                        lists.included_volumes.push(v.name.clone());
+                        backups.push(b);
+                    }
+                    Err(why) => problems.push(format!("volume {:?}: {why}", v.name)),
+                },
+            }
+        }
+        self.status.snapshot_volumes = Some(lists);
+        if problems.is_empty() {
+            Ok(Ok(backups))
+        } else {
+            Ok(Err(format!(
+                "cannot snapshot VirtualMachine {:?}: {}",
+                vm.name_any(),
+                problems.join("; ")
+            )))
+        }
+    }
+
+    /// The backup of claim `claim` (volume `volume`), or why no CSI snapshot can be taken of it.
+    async fn claim_backup(
+        &self,
+        volume: &str,
+        claim: &str,
+    ) -> Result<std::result::Result<VolumeBackup, String>> {
+        let Some(pvc) = self.api::<PersistentVolumeClaim>().get_opt(claim).await? else {
+            return Ok(Err(format!("claim {claim:?} does not exist")));
+        };
+        if pvc.status.as_ref().and_then(|s| s.phase.as_deref()) != Some("Bound") {
+            return Ok(Err(format!("claim {claim:?} is not bound to a volume yet")));
+        }
+        let spec = pvc.spec.clone().unwrap_or_default();
+        let Some(class) = spec.storage_class_name.clone() else {
+            return Ok(Err(format!(
+                "claim {claim:?} has no storage class, so no VolumeSnapshotClass applies to it"
+            )));
+        };
+        if let Err(why) = self.snapshot_class_for(&class).await? {
+            return Ok(Err(format!("claim {claim:?}: {why}")));
+        }
+        let keep = |m: &Option<BTreeMap<String, String>>| m.clone().filter(|m| !m.is_empty());
+        Ok(Ok(VolumeBackup {
+            volume_name: volume.into(),
+            persistent_volume_claim: BackedUpClaim {
+                metadata: ObjectMeta {
+                    name: Some(claim.into()),
+                    namespace: Some(self.ns.clone()),
+                    labels: keep(&pvc.metadata.labels),
+                    annotations: keep(&pvc.metadata.annotations),
+                    ..Default::default()
+                },
+                spec,
+            },
+            volume_snapshot_name: Some(volume_snapshot_name(&self.uid(), volume)),
+        }))
+    }
+
+    /// The VolumeSnapshotClass serving storage class `class`: the one whose driver is the
+    /// class's provisioner (the default-annotated one first).
+    async fn snapshot_class_for(&self, class: &str) -> Result<std::result::Result<String, String>> {
+        let Some(sc) = Api::<StorageClass>::all(self.ctx.client.clone())
+            .get_opt(class)
+            .await?
+        else {
+            return Ok(Err(format!("its storage class {class:?} does not exist")));
+        };
+        let classes =
+            Api::<DynamicObject>::all_with(self.ctx.client.clone(), &volume_snapshot_classes());
+        let list = match classes.list(&Default::default()).await {
+            Ok(l) => l.items,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                return Ok(Err("the cluster serves no VolumeSnapshotClasses \
+                               (snapshot.storage.k8s.io/v1): install the CSI snapshot CRDs and \
+                               controller"
+                    .into()))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let default = |o: &DynamicObject| {
+            o.annotations()
+                .get("snapshot.storage.kubernetes.io/is-default-class")
+                .map(String::as_str)
+                == Some("true")
+        };
+        let mut matching: Vec<&DynamicObject> = list
+            .iter()
+            .filter(|o| o.data["driver"].as_str() == Some(sc.provisioner.as_str()))
+            .collect();
+        matching.sort_by_key(|o| !default(o));
+        Ok(match matching.first() {
+            Some(o) => Ok(o.name_any()),
+            None => Err(format!(
+                "its storage class {class:?} (provisioner {:?}) has no VolumeSnapshotClass, so \
+                 no CSI snapshot can be taken of it",
+                sc.provisioner
+            )),
+        })
+    }
+
+    /// KubeVirt's indications: a running VM is captured online, without a guest agent.
+    async fn indicate(&mut self, vm: &VirtualMachine) -> Result<()> {
+        let vmi = self
+            .api::<VirtualMachineInstance>()
+            .get_opt(&vm.name_any())
+            .await?;
+        let mut ind = Vec::new();
+        if vmi.is_some() {
+            ind.push(SourceIndication {
+                indication: Indication::Online,
+                message: "Snapshot was taken while the VM was running".into(),
+            });
+            ind.push(SourceIndication {
+                indication: Indication::NoGuestAgent,
+                message: "No guest agent: the disks are crash-consistent".into(),
+            });
+        }
+        self.status.indications = ind.iter().map(|i| i.indication).collect();
+        self.status.source_indications = ind;
+        Ok(())
+    }
+
+    /// The content: the VM as it is, its backups; controlled by the snapshot unless Retained.
+    fn content(
+        &self,
+        vm: &VirtualMachine,
+        backups: Vec<VolumeBackup>,
+    ) -> VirtualMachineSnapshotContent {
+        let mut meta = vm.metadata.clone();
+        meta.managed_fields = None;
+        meta.resource_version = None;
+        let mut content = VirtualMachineSnapshotContent::new(
+            &content_name(&self.uid()),
+            VirtualMachineSnapshotContentSpec {
+                virtual_machine_snapshot_name: Some(self.snapshot.name_any()),
+                source: SnapshotSource {
+                    virtual_machine: Some(SnapshottedVm {
+                        metadata: meta,
+                        spec: vm.spec.clone(),
+                        status: vm.status.clone(),
+                    }),
+                },
+                volume_backups: backups,
+                extra: Default::default(),
+            },
+        );
+        content.metadata.namespace = Some(self.ns.clone());
+        let policy = self.snapshot.spec.deletion_policy.unwrap_or_default();
+        if policy == DeletionPolicy::Delete {
+            content.metadata.owner_references =
+                controller_ref(self.snapshot.as_ref()).map(|r| vec![r]);
+        }
+        content
+    }
+
+    async fn capture(&mut self, content: VirtualMachineSnapshotContent) -> Result<Action> {
+        let volume_snapshots = self.api::<VolumeSnapshot>();
+        let mut statuses = Vec::new();
+        for b in &content.spec.volume_backups {
+            let Some(name) = b.volume_snapshot_name.clone() else {
+                continue;
+            };
+            let vs = match volume_snapshots.get_opt(&name).await? {
+                Some(vs) => vs,
+                None => {
+                    let vs = self.volume_snapshot(&content, b, &name);
+                    volume_snapshots.create(&PostParams::default(), &vs).await?
+                }
+            };
+            let s = vs.status.unwrap_or_default();
+            statuses.push(VolumeSnapshotStatus {
+                volume_snapshot_name: name,
+                creation_time: s.creation_time,
+                ready_to_use: s.ready_to_use,
+                error: s.error,
+            });
+        }
+        let failed = statuses.iter().find_map(|s| {
+            s.error
+                .as_ref()
+                .and_then(|e| e.message.clone())
+                .map(|m| format!("VolumeSnapshot {:?}: {m}", s.volume_snapshot_name))
+        });
+        let ready = failed.is_none() && statuses.iter().all(|s| s.ready_to_use == Some(true));
+        let now = controller_runtime::time::now_rfc3339();
+        let content_status = VirtualMachineSnapshotContentStatus {
+            creation_time: content
+                .status
+                .as_ref()
+                .and_then(|s| s.creation_time.clone())
+                .or_else(|| ready.then(|| now.clone())),
+            ready_to_use: Some(ready),
+            error: failed.as_deref().map(error),
+            volume_snapshot_status: statuses,
+        };
+        let contents = self.api::<VirtualMachineSnapshotContent>();
+        write_status(&contents, &content, content_status.clone()).await?;
+        self.status.virtual_machine_snapshot_content_name = Some(content.name_any());
+        if let Some(why) = failed {
+            return self.fail(why).await;
+        }
+        if !ready {
+            if let Ok(true) = self.past_deadline() {
+                let m = "the snapshot did not complete within its failureDeadline";
+                return self.fail(m.into()).await;
+            }
+            return Ok(Action::requeue(RECHECK));
+        }
+        self.status.phase = Some(SnapshotPhase::Succeeded);
+        self.status.ready_to_use = Some(true);
+        self.status.creation_time = content_status.creation_time;
+        self.status.error = None;
+        set_done(&mut self.status.conditions);
+        Ok(Action::await_change())
+    }
+
+    fn volume_snapshot(
+        &self,
+        content: &VirtualMachineSnapshotContent,
+        b: &VolumeBackup,
+        name: &str,
+    ) -> VolumeSnapshot {
+        let mut vs = VolumeSnapshot::new(
+            name,
+            VolumeSnapshotSpec {
+                source: VolumeSnapshotSource {
+                    persistent_volume_claim_name: b.persistent_volume_claim.metadata.name.clone(),
+                    volume_snapshot_content_name: None,
+                },
+                volume_snapshot_class_name: None,
+            },
+        );
+        vs.metadata.namespace = Some(self.ns.clone());
+        vs.metadata.labels = Some(BTreeMap::from([(
+            LABEL_SNAPSHOT.to_string(),
+            self.snapshot.name_any(),
+        )]));
+        vs.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
+        vs
+    }
+}
