@@ -9,6 +9,7 @@
 //! `extra` map, so a read-modify-write never drops what another tool put there.
 
 pub mod cdi;
+pub mod clone;
 pub mod closed;
 pub mod conditions;
 pub mod duration;

@@ -26,6 +26,17 @@ pub const LABEL_SNAPSHOT: &str = "snapshot.kubevirt.io/source-vm-snapshot";
 pub const ANNOTATION_RESTORE_NAME: &str = "restore.kubevirt.io/name";
 /// On a restored VM: the UID of the last VirtualMachineRestore applied to it (KubeVirt's).
 pub const ANNOTATION_LAST_RESTORE: &str = "restore.kubevirt.io/lastRestoreUID";
+/// Annotations of the source VM not carried onto a VM a restore creates.
+pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
+    "kubectl.kubernetes.io/last-applied-configuration",
+    ANNOTATION_LAST_RESTORE,
+];
+
+/// One entry of a restore's (or clone's) `patches`: a JSON patch (RFC 6902), either a list of
+/// operations or, as KubeVirt's examples write it, one operation alone.
+pub fn parse_json_patch(p: &str) -> Result<json_patch::Patch, serde_json::Error> {
+    serde_json::from_str(p).or_else(|_| serde_json::from_str(&format!("[{p}]")))
+}
 
 // ---------------------------------------------------------------------------------------------
 // VirtualMachineSnapshot

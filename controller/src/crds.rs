@@ -28,6 +28,7 @@ pub fn all() -> Vec<CustomResourceDefinition> {
         VirtualMachineSnapshot::crd(),
         VirtualMachineSnapshotContent::crd(),
         VirtualMachineRestore::crd(),
+        api::clone::VirtualMachineClone::crd(),
     ]
 }
 

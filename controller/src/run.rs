@@ -1,5 +1,5 @@
 //! Wiring: the kube-runtime `Controller`s (VMs, VMIs, ReplicaSets, Migrations, the node
-//! drain taint, DataVolumes, VM snapshots and restores), behind leader election.
+//! drain taint, DataVolumes, VM snapshots, restores and clones), behind leader election.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -52,6 +52,7 @@ pub async fn run_controllers(
         datavolumes(&ctx, stop()),
         snapshots(&ctx, stop()),
         restores(&ctx, stop()),
+        clones(&ctx, stop()),
     ]);
     ctx.metrics.set_ready(true);
     tokio::select! {
@@ -215,6 +216,21 @@ fn restores(ctx: &Arc<Context>, stop: Stop) -> Running {
         .graceful_shutdown_on(stop)
         .run(restore::reconcile, restore::error_policy, ctx.clone())
         .for_each(|_| async {}),
+    )
+}
+
+/// VirtualMachineClones, woken by the snapshots and restores they make.
+fn clones(ctx: &Arc<Context>, stop: Stop) -> Running {
+    use crate::snapshot::clone;
+    use api::snapshot::{VirtualMachineRestore, VirtualMachineSnapshot};
+    let wc = watcher::Config::default;
+    Box::pin(
+        Controller::new(all::<api::clone::VirtualMachineClone>(ctx), wc())
+            .owns(all::<VirtualMachineSnapshot>(ctx), wc())
+            .owns(all::<VirtualMachineRestore>(ctx), wc())
+            .graceful_shutdown_on(stop)
+            .run(clone::reconcile, clone::error_policy, ctx.clone())
+            .for_each(|_| async {}),
     )
 }
 

@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use api::clone::{ClonePhase, VirtualMachineClone};
 use api::snapshot::{
     SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
     VolumeSnapshot, ANNOTATION_LAST_RESTORE,
@@ -460,6 +461,388 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
         .unwrap()
         .is_none());
     assert_eq!(disk(&node, "b-root"), b"b");
+    node.stop().await;
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clones (clone.kubevirt.io/v1beta1)
+
+/// A VM with a root disk on `claim`, two NICs (one with its own MAC), firmware identity, and
+/// labels a clone may filter.
+async fn vm_with_identity(c: &Cluster, name: &str, claim: &str) -> VirtualMachine {
+    c.apply_yaml::<VirtualMachine>(&format!(
+        r##"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: {name}
+  labels: {{app: db, team/secret: "x"}}
+  annotations: {{owner: ops}}
+spec:
+  runStrategy: Halted
+  template:
+    metadata: {{labels: {{kubevirt.io/vm: {name}}}}}
+    spec:
+      domain:
+        memory: {{guest: 128Mi}}
+        firmware: {{uuid: 5d307ca9-b3ef-428c-8861-06e72d69f223, serial: source-serial}}
+        devices:
+          disks:
+          - {{name: root, disk: {{bus: virtio}}}}
+          interfaces:
+          - {{name: default, masquerade: {{}}, macAddress: "02:00:00:00:00:01"}}
+          - {{name: storage, bridge: {{}}}}
+      networks:
+      - {{name: default, pod: {{}}}}
+      - {{name: storage, multus: {{networkName: storage-net}}}}
+      volumes:
+      - name: root
+        persistentVolumeClaim: {{claimName: {claim}}}
+"##
+    ))
+    .await
+}
+
+async fn clone_of(c: &Cluster, name: &str, spec: &str) -> VirtualMachineClone {
+    c.apply_yaml::<VirtualMachineClone>(&format!(
+        "apiVersion: clone.kubevirt.io/v1beta1
+kind: VirtualMachineClone
+metadata: {{name: {name}}}
+spec:
+{spec}"
+    ))
+    .await
+}
+
+/// The clone once it has ended in `phase`.
+async fn clone_ends(c: &Cluster, name: &str, phase: ClonePhase) -> VirtualMachineClone {
+    eventually(&format!("clone {name} {phase:?}"), T, || async {
+        let v = c.api::<VirtualMachineClone>().get(name).await.unwrap();
+        (v.status.as_ref()?.phase? == phase).then_some(v)
+    })
+    .await
+}
+
+fn failure_of(clone: &VirtualMachineClone) -> String {
+    let st = clone.status.as_ref().unwrap();
+    let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(ready.status, "False");
+    ready.message.clone().unwrap_or_default()
+}
+
+fn interfaces(vm: &VirtualMachine) -> Vec<api::Interface> {
+    vm.spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .domain
+        .devices
+        .interfaces
+        .clone()
+}
+
+/// The MAC the guest's first NIC gets when the VM runs (its VMI has the VM's name).
+fn guest_mac(vm: &VirtualMachine) -> String {
+    api::mac::display(&api::mac::of_interface(&vm.name_any(), &interfaces(vm)[0]).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_get_their_own_identity_and_disks_and_leave_the_source_alone() {
+    let work = std::env::temp_dir().join(format!("mv-vmclone-ok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let c = Cluster::start().await;
+    let _controller = c.replica(test_config(), None);
+    let node = ImportNode::start(&c, &work);
+    storage(&c, "csi", "csi.example.com", true).await;
+    claim(&c, &node, "db-root", "csi", b"version 1").await;
+    let db = vm_with_identity(&c, "db", "db-root").await;
+
+    // From a VM: snapshotted, restored into the target with the filters and new MACs applied,
+    // the clone's snapshot and restore gone once it is done.
+    clone_of(
+        &c,
+        "from-vm",
+        r#"  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: db}
+  target: {apiGroup: kubevirt.io, kind: VirtualMachine, name: db-clone}
+  labelFilters: ["*", "!team/*"]
+  newMacAddresses: {storage: "02:00:00:00:00:aa"}
+  newSMBiosSerial: clone-serial"#,
+    )
+    .await;
+    let done = clone_ends(&c, "from-vm", ClonePhase::Succeeded).await;
+    let st = done.status.clone().unwrap();
+    let uid = done.uid().unwrap();
+    assert_eq!(st.target_name.as_deref(), Some("db-clone"));
+    assert_eq!(st.snapshot_name, Some(format!("tmp-snapshot-{uid}")));
+    assert_eq!(st.restore_name, Some(format!("tmp-restore-{uid}")));
+    assert!(st.creation_time.is_some());
+    let ready = st.conditions.iter().find(|c| c.type_ == "Ready").unwrap();
+    assert_eq!(ready.status, "True");
+    let copy = c.api::<VirtualMachine>().get("db-clone").await.unwrap();
+    assert_ne!(copy.uid(), db.uid());
+    assert_eq!(copy.labels().get("app").map(String::as_str), Some("db"));
+    assert!(
+        !copy.labels().contains_key("team/secret"),
+        "{:?}",
+        copy.labels()
+    );
+    assert_eq!(copy.annotations()["owner"], "ops");
+    let nics = interfaces(&copy);
+    assert_eq!(nics[0].mac_address, None, "the source's MAC is not carried");
+    assert_eq!(nics[1].mac_address.as_deref(), Some("02:00:00:00:00:aa"));
+    assert_ne!(guest_mac(&copy), guest_mac(&db));
+    let fw = copy
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .domain
+        .firmware
+        .clone()
+        .unwrap();
+    assert_eq!(fw.uuid, None);
+    assert_eq!(fw.serial.as_deref(), Some("clone-serial"));
+    let copy_claim = root_claim(&copy);
+    assert_ne!(copy_claim, "db-root");
+    assert_eq!(disk(&node, &copy_claim), b"version 1");
+    eventually("the clone's snapshot and restore deleted", T, || async {
+        let snaps = c
+            .api::<VirtualMachineSnapshot>()
+            .list(&Default::default())
+            .await
+            .unwrap();
+        let restores = c
+            .api::<VirtualMachineRestore>()
+            .list(&Default::default())
+            .await
+            .unwrap();
+        (snaps.items.is_empty() && restores.items.is_empty()).then_some(())
+    })
+    .await;
+    // The clone's disk is its own.
+    write_disk(&node, &copy_claim, b"written by db-clone");
+    assert_eq!(disk(&node, "db-root"), b"version 1");
+    let db_now = c.api::<VirtualMachine>().get("db").await.unwrap();
+    assert_eq!(db_now.spec, db.spec);
+    assert_eq!(db_now.labels(), db.labels());
+
+    // Two clones of one snapshot, no target named: two new VMs, different MACs, each with its
+    // own disk; the snapshot (not the clones' own) stays, its data unchanged.
+    snapshot(&c, "golden", "VirtualMachine", "db").await;
+    let golden = snapshot_ends(&c, "golden", SnapshotPhase::Succeeded).await;
+    let source =
+        "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: golden}";
+    clone_of(&c, "one", source).await;
+    clone_of(
+        &c,
+        "two",
+        &format!("{source}\n  newMacAddresses: {{default: \"02:00:00:00:00:02\"}}"),
+    )
+    .await;
+    let one = clone_ends(&c, "one", ClonePhase::Succeeded).await;
+    let two = clone_ends(&c, "two", ClonePhase::Succeeded).await;
+    let name_one = one.status.unwrap().target_name.unwrap();
+    let name_two = two.status.unwrap().target_name.unwrap();
+    assert!(
+        name_one.starts_with("clone-") && name_one != name_two,
+        "{name_one} {name_two}"
+    );
+    let vm_one = c.api::<VirtualMachine>().get(&name_one).await.unwrap();
+    let vm_two = c.api::<VirtualMachine>().get(&name_two).await.unwrap();
+    assert_eq!(
+        interfaces(&vm_two)[0].mac_address.as_deref(),
+        Some("02:00:00:00:00:02")
+    );
+    let macs = [guest_mac(&db), guest_mac(&vm_one), guest_mac(&vm_two)];
+    assert!(
+        macs[0] != macs[1] && macs[1] != macs[2] && macs[0] != macs[2],
+        "{macs:?}"
+    );
+    let (claim_one, claim_two) = (root_claim(&vm_one), root_claim(&vm_two));
+    assert_ne!(claim_one, claim_two);
+    write_disk(&node, &claim_one, b"one");
+    write_disk(&node, &claim_two, b"two");
+    assert_eq!(disk(&node, &claim_one), b"one");
+    assert_eq!(disk(&node, &claim_two), b"two");
+    assert!(c
+        .api::<VirtualMachineSnapshot>()
+        .get_opt("golden")
+        .await
+        .unwrap()
+        .is_some());
+    let vs = golden
+        .status
+        .unwrap()
+        .virtual_machine_snapshot_content_name
+        .unwrap();
+    let content = c
+        .api::<VirtualMachineSnapshotContent>()
+        .get(&vs)
+        .await
+        .unwrap();
+    let vs_name = content.spec.volume_backups[0]
+        .volume_snapshot_name
+        .clone()
+        .unwrap();
+    let kept = work
+        .join(".snapshots")
+        .join(NS)
+        .join(&vs_name)
+        .join("disk.img");
+    assert_eq!(std::fs::read(kept).unwrap(), b"version 1");
+    node.stop().await;
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_clones_are_refused_with_the_reason_and_change_nothing() {
+    let work = std::env::temp_dir().join(format!("mv-vmclone-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let c = Cluster::start().await;
+    let _controller = c.replica(test_config(), None);
+    let node = ImportNode::start(&c, &work);
+    storage(&c, "csi", "csi.example.com", true).await;
+    claim(&c, &node, "db-root", "csi", b"db").await;
+    let db = vm_with_identity(&c, "db", "db-root").await;
+    let vm_source = "  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: db}";
+    let no_vms = |names: &'static [&'static str]| {
+        let c = c.clone_handle();
+        async move {
+            for n in names {
+                assert!(
+                    c.api::<VirtualMachine>()
+                        .get_opt(n)
+                        .await
+                        .unwrap()
+                        .is_none(),
+                    "{n}"
+                );
+            }
+        }
+    };
+
+    // A snapshot that is not ready (its VM does not exist yet): the clone waits, the reason
+    // on its conditions, and makes nothing.
+    snapshot(&c, "pending", "VirtualMachine", "ghost").await;
+    clone_of(
+        &c,
+        "of-pending",
+        "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: pending}
+  target: {apiGroup: kubevirt.io, kind: VirtualMachine, name: never}",
+    )
+    .await;
+    eventually("clone of-pending says why it waits", T, || async {
+        let v = c
+            .api::<VirtualMachineClone>()
+            .get("of-pending")
+            .await
+            .unwrap();
+        let st = v.status?;
+        let ready = st.conditions.iter().find(|c| c.type_ == "Ready")?;
+        (st.phase == Some(ClonePhase::CreatingTargetVm)
+            && ready.reason.as_deref() == Some("SnapshotNotReady")
+            && ready
+                .message
+                .as_deref()?
+                .contains(r#""pending" is not ready to use"#))
+        .then_some(())
+    })
+    .await;
+    no_vms(&["never"]).await;
+
+    // A failed snapshot: Failed with its reason.
+    snapshot(&c, "broken", "Pod", "db").await;
+    snapshot_ends(&c, "broken", SnapshotPhase::Failed).await;
+    clone_of(
+        &c,
+        "of-broken",
+        "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: broken}",
+    )
+    .await;
+    let v = clone_ends(&c, "of-broken", ClonePhase::Failed).await;
+    let why = failure_of(&v);
+    assert!(
+        why.contains(r#""broken" failed and cannot be cloned: spec.source.kind"#),
+        "{why}"
+    );
+
+    // A MAC for an interface the VM does not have: refused after the snapshot, which is
+    // deleted; no VM made.
+    clone_of(
+        &c,
+        "bad-mac",
+        &format!("{vm_source}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: bad-mac-vm}}\n  newMacAddresses: {{eth7: \"02:00:00:00:00:07\"}}"),
+    )
+    .await;
+    let v = clone_ends(&c, "bad-mac", ClonePhase::Failed).await;
+    let why = failure_of(&v);
+    assert!(
+        why.starts_with("spec.newMacAddresses[eth7]: the source VM has no interface \"eth7\""),
+        "{why}"
+    );
+    no_vms(&["bad-mac-vm"]).await;
+    let tmp = format!("tmp-snapshot-{}", v.uid().unwrap());
+    eventually("bad-mac's snapshot deleted", T, || async {
+        c.api::<VirtualMachineSnapshot>()
+            .get_opt(&tmp)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    // A target that exists, a source that is not a VM or snapshot, a patch that is not one.
+    clone_of(
+        &c,
+        "onto-db",
+        &format!(
+            "{vm_source}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: db}}"
+        ),
+    )
+    .await;
+    let why = failure_of(&clone_ends(&c, "onto-db", ClonePhase::Failed).await);
+    assert!(
+        why.starts_with(r#"spec.target: VirtualMachine "db" exists"#),
+        "{why}"
+    );
+    clone_of(&c, "of-pod", "  source: {kind: Pod, name: db}").await;
+    let why = failure_of(&clone_ends(&c, "of-pod", ClonePhase::Failed).await);
+    assert!(
+        why.starts_with("spec.source:") && why.contains("cannot be cloned"),
+        "{why}"
+    );
+    clone_of(
+        &c,
+        "bad-patch",
+        &format!("{vm_source}\n  patches: ['not a patch']"),
+    )
+    .await;
+    let why = failure_of(&clone_ends(&c, "bad-patch", ClonePhase::Failed).await);
+    assert!(
+        why.starts_with("spec.patches[0]: not a JSON patch"),
+        "{why}"
+    );
+
+    // None of it touched the source.
+    let db_now = c.api::<VirtualMachine>().get("db").await.unwrap();
+    assert_eq!(db_now.spec, db.spec);
+    assert_eq!(db_now.metadata.labels, db.metadata.labels);
+    assert_eq!(disk(&node, "db-root"), b"db");
+    let vms = c
+        .api::<VirtualMachine>()
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        vms.items.len(),
+        1,
+        "only db: {:?}",
+        vms.items.iter().map(|v| v.name_any()).collect::<Vec<_>>()
+    );
     node.stop().await;
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -5,12 +5,15 @@
 //!   ready when the storage's snapshotter has made every VolumeSnapshot ready.
 //! - `restore`: a VirtualMachineRestore makes a claim from each VolumeSnapshot and points the
 //!   target VM (the snapshot's own, or a new one) at them.
+//! - `clone`: a VirtualMachineClone (`clone.kubevirt.io/v1beta1`) is a snapshot of its source VM
+//!   (or a given snapshot) restored into a new VM with its own identity.
 //!
 //! Bad input ends the object `Failed` (snapshot) or with a `Failure` condition (restore), the
 //! reason on its conditions; neither ever changes the source VM or its claims when it fails:
 //! every check runs before the first write.
 
 pub mod capture;
+pub mod clone;
 pub mod restore;
 
 use api::snapshot::SnapshotError;

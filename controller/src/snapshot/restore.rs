@@ -18,11 +18,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use api::snapshot::{
-    check_vm_reference, restored_claim_name, SnapshottedVm, TargetReadinessPolicy,
-    VirtualMachineRestore, VirtualMachineRestoreStatus, VirtualMachineSnapshot,
-    VirtualMachineSnapshotContent, VolumeBackup, VolumeOwnershipPolicy, VolumeRestore,
-    VolumeRestorePolicy, VolumeSnapshot, ANNOTATION_LAST_RESTORE, ANNOTATION_RESTORE_NAME,
-    DEFAULT_DEADLINE_SECONDS,
+    check_vm_reference, parse_json_patch, restored_claim_name, SnapshottedVm,
+    TargetReadinessPolicy, VirtualMachineRestore, VirtualMachineRestoreStatus,
+    VirtualMachineSnapshot, VirtualMachineSnapshotContent, VolumeBackup, VolumeOwnershipPolicy,
+    VolumeRestore, VolumeRestorePolicy, VolumeSnapshot, ANNOTATION_LAST_RESTORE,
+    ANNOTATION_RESTORE_NAME, DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS,
 };
 use api::{PvcSource, RunStrategy, VirtualMachine, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReference};
@@ -39,12 +39,6 @@ pub const CONTROLLER: &str = "vmrestore-controller";
 
 /// How often a restore in progress, or waiting, is looked at again.
 const RECHECK: Duration = Duration::from_secs(2);
-
-/// Annotations of the source VM not carried onto a VM a restore creates.
-const NOT_CARRIED: &[&str] = &[
-    "kubectl.kubernetes.io/last-applied-configuration",
-    ANNOTATION_LAST_RESTORE,
-];
 
 pub fn error_policy(r: Arc<VirtualMachineRestore>, err: &Error, ctx: Arc<Context>) -> Action {
     ctx.retry(CONTROLLER, r.as_ref(), err)
@@ -437,7 +431,7 @@ impl Pass {
             None => {
                 let mut vm = VirtualMachine::new(&self.restore.spec.target.name, spec);
                 let mut annotations = source.metadata.annotations.clone().unwrap_or_default();
-                annotations.retain(|k, _| !NOT_CARRIED.contains(&k.as_str()));
+                annotations.retain(|k, _| !NOT_CARRIED_ANNOTATIONS.contains(&k.as_str()));
                 vm.metadata = ObjectMeta {
                     name: Some(self.restore.spec.target.name.clone()),
                     namespace: Some(self.ns.clone()),
@@ -463,8 +457,7 @@ impl Pass {
         let mut doc = serde_json::to_value(&vm).map_err(|e| e.to_string())?;
         for (i, p) in self.restore.spec.patches.iter().enumerate() {
             let field = format!("spec.patches[{i}]");
-            let patch: json_patch::Patch = serde_json::from_str(p)
-                .or_else(|_| serde_json::from_str(&format!("[{p}]")))
+            let patch = parse_json_patch(p)
                 .map_err(|e| format!("{field}: not a JSON patch (RFC 6902): {e}"))?;
             json_patch::patch(&mut doc, &patch)
                 .map_err(|e| format!("{field}: cannot be applied to the VirtualMachine: {e}"))?;

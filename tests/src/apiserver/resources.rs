@@ -77,6 +77,7 @@ const KINDS: &[Kind] = &[
     ("snapshot.kubevirt.io", "v1beta1", "virtualmachinesnapshots", "VirtualMachineSnapshot", true, true, None),
     ("snapshot.kubevirt.io", "v1beta1", "virtualmachinesnapshotcontents", "VirtualMachineSnapshotContent", true, true, None),
     ("snapshot.kubevirt.io", "v1beta1", "virtualmachinerestores", "VirtualMachineRestore", true, true, None),
+    ("clone.kubevirt.io", "v1beta1", "virtualmachineclones", "VirtualMachineClone", true, true, None),
     ("snapshot.storage.k8s.io", "v1", "volumesnapshots", "VolumeSnapshot", true, true, None),
     ("snapshot.storage.k8s.io", "v1", "volumesnapshotclasses", "VolumeSnapshotClass", false, false, None),
     ("", "v1", "secrets", "Secret", true, false, None),
