@@ -26,6 +26,9 @@ pub const LABEL_SNAPSHOT: &str = "snapshot.kubevirt.io/source-vm-snapshot";
 pub const ANNOTATION_RESTORE_NAME: &str = "restore.kubevirt.io/name";
 /// On a restored VM: the UID of the last VirtualMachineRestore applied to it (KubeVirt's).
 pub const ANNOTATION_LAST_RESTORE: &str = "restore.kubevirt.io/lastRestoreUID";
+/// KubeVirt's finalizers: a snapshot or restore being deleted first lets go of its VM.
+pub const SNAPSHOT_FINALIZER: &str = "snapshot.kubevirt.io/vmsnapshot-protection";
+pub const RESTORE_FINALIZER: &str = "snapshot.kubevirt.io/vmrestore-protection";
 /// Annotations of the source VM not carried onto a VM a restore creates.
 pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
     "kubectl.kubernetes.io/last-applied-configuration",

@@ -113,6 +113,13 @@ pub struct VirtualMachineStatus {
     pub start_failure: Option<StartFailure>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_strategy: Option<RunStrategy>,
+    /// The VirtualMachineSnapshot capturing this VM (KubeVirt's lock): no VMI is started
+    /// until it is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_in_progress: Option<String>,
+    /// The VirtualMachineRestore writing this VM: no VMI is started until it is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_in_progress: Option<String>,
     #[serde(flatten, default)]
     #[schemars(skip)]
     pub extra: Extra,

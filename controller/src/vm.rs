@@ -451,6 +451,10 @@ impl Pass<'_> {
         let mut requeue = Action::await_change();
         match decide(&view, vmi.as_ref(), retry_after(&view), self.now) {
             VmAction::Nothing => {}
+            VmAction::CreateVmi if self.locked_by().is_some() => {
+                // A snapshot reads or a restore writes the VM's disks: started once done.
+                requeue = Action::requeue(Duration::from_secs(2));
+            }
             VmAction::CreateVmi if *data_volumes != DataVolumes::Ready => {
                 if let DataVolumes::Failed(msg) = data_volumes {
                     self.failure("FailedCreate", "Create", msg.clone()).await;
@@ -470,6 +474,15 @@ impl Pass<'_> {
             }
         }
         Ok(Outcome::Vmi(vmi.map(Box::new), requeue))
+    }
+
+    /// The snapshot or restore holding the VM (KubeVirt's `snapshotInProgress` /
+    /// `restoreInProgress`), if any.
+    fn locked_by(&self) -> Option<&str> {
+        self.status
+            .snapshot_in_progress
+            .as_deref()
+            .or(self.status.restore_in_progress.as_deref())
     }
 
     async fn create_vmi(&mut self) -> Result<Outcome> {

@@ -437,10 +437,11 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
         "  targetReadinessPolicy: StopTarget",
     )
     .await;
-    eventually("VM b stopped by the restore", T, || async {
+    eventually("VM b stopped and held by the restore", T, || async {
         let b = c.api::<VirtualMachine>().get("b").await.unwrap();
         c.kubelet_finish_deletions().await;
-        (b.spec.run_strategy == Some(api::RunStrategy::Halted)).then_some(())
+        let held = b.status.as_ref()?.restore_in_progress.as_deref() == Some("stop-first");
+        (b.spec.run_strategy == Some(api::RunStrategy::Halted) && held).then_some(())
     })
     .await;
     eventually("VMI b gone", T, || async {
@@ -454,6 +455,11 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
     let b = c.api::<VirtualMachine>().get("b").await.unwrap();
     assert_ne!(root_claim(&b), "b-root");
     assert_eq!(b.spec.run_strategy, Some(api::RunStrategy::Halted));
+    assert_eq!(
+        b.status.unwrap().restore_in_progress,
+        None,
+        "let go once restored"
+    );
     assert!(c
         .api::<VirtualMachineInstance>()
         .get_opt("b")
@@ -843,6 +849,138 @@ async fn bad_clones_are_refused_with_the_reason_and_change_nothing() {
         "only db: {:?}",
         vms.items.iter().map(|v| v.name_any()).collect::<Vec<_>>()
     );
+    node.stop().await;
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+/// KubeVirt's locks: a VM held by a restore is neither captured nor started until the restore
+/// lets go; a snapshot holds its VM while it captures it and always lets go (done or failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_and_restores_hold_the_vm_while_they_work() {
+    let work = std::env::temp_dir().join(format!("mv-vmsnap-lock-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let c = Cluster::start().await;
+    let _controller = c.replica(test_config(), None);
+    let node = ImportNode::start(&c, &work);
+    storage(&c, "csi", "csi.example.com", true).await;
+    claim(&c, &node, "l-root", "csi", b"l").await;
+    vm(&c, "l", "Halted", "l-root", "").await;
+    let vms = c.api::<VirtualMachine>();
+    let lock = |field: &str, holder: Option<&str>| json!({"status": {field: holder}});
+    let set = |p: serde_json::Value| {
+        let vms = vms.clone();
+        async move {
+            vms.patch_status("l", &Default::default(), &kube::api::Patch::Merge(&p))
+                .await
+                .unwrap();
+        }
+    };
+
+    // Held by a restore (one that does not exist: a stale lock is the user's to clear): the
+    // snapshot waits and says why, and the VM asked to run is not started.
+    set(lock("restoreInProgress", Some("elsewhere"))).await;
+    snapshot(&c, "held", "VirtualMachine", "l").await;
+    eventually("snapshot held waits for the restore", T, || async {
+        let s = c.api::<VirtualMachineSnapshot>().get("held").await.unwrap();
+        let cond = s
+            .status?
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "Progressing")?;
+        (cond.status == "False"
+            && cond
+                .message?
+                .contains(r#"VirtualMachineRestore "elsewhere" is writing it"#))
+        .then_some(())
+    })
+    .await;
+    let p = json!({"spec": {"runStrategy": "Always"}});
+    vms.patch("l", &Default::default(), &kube::api::Patch::Merge(&p))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        c.vmi("l").await.is_none(),
+        "a VMI started while the VM was held"
+    );
+
+    // Let go (the VM halted again, and no snapshotter on the node, so the capture lasts):
+    // the snapshot holds the VM, which asked to run is still not started.
+    node.stop().await;
+    let halt = json!({"spec": {"runStrategy": "Halted"}});
+    vms.patch("l", &Default::default(), &kube::api::Patch::Merge(&halt))
+        .await
+        .unwrap();
+    set(lock("restoreInProgress", None)).await;
+    eventually("the snapshot holds the VM", T, || async {
+        let st = vms.get("l").await.unwrap().status?;
+        (st.snapshot_in_progress.as_deref() == Some("held")).then_some(())
+    })
+    .await;
+    vms.patch("l", &Default::default(), &kube::api::Patch::Merge(&p))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        c.vmi("l").await.is_none(),
+        "a VMI started while the VM was captured"
+    );
+
+    // The snapshotter back: the capture completes, the snapshot lets go, the VM starts.
+    let node = ImportNode::start(&c, &work);
+    let s = snapshot_ends(&c, "held", SnapshotPhase::Succeeded).await;
+    assert!(
+        s.status.unwrap().indications.is_empty(),
+        "captured before the VM started"
+    );
+    eventually("VMI l started once nothing holds the VM", T, || async {
+        c.vmi("l").await
+    })
+    .await;
+    let st = vms.get("l").await.unwrap().status.unwrap();
+    assert_eq!(
+        (st.snapshot_in_progress, st.restore_in_progress),
+        (None, None)
+    );
+
+    // A restore deleted while it waits for the running VM to stop lets go of it on its way.
+    restore(&c, "waits", "l", "held", "  targetReadinessPolicy: WaitEventually").await;
+    eventually("the restore holds the running VM", T, || async {
+        let st = vms.get("l").await.unwrap().status?;
+        (st.restore_in_progress.as_deref() == Some("waits")).then_some(())
+    })
+    .await;
+    let restores = c.api::<VirtualMachineRestore>();
+    restores.delete("waits", &Default::default()).await.unwrap();
+    eventually("the deleted restore let go", T, || async {
+        let st = vms.get("l").await.unwrap().status?;
+        let gone = restores.get_opt("waits").await.unwrap().is_none();
+        (gone && st.restore_in_progress.is_none()).then_some(())
+    })
+    .await;
+
+    // A failed snapshot lets go too.
+    snapshot(&c, "online", "VirtualMachine", "l").await;
+    let p = json!({"spec": {"runStrategy": "Halted"}});
+    vms.patch("l", &Default::default(), &kube::api::Patch::Merge(&p))
+        .await
+        .unwrap();
+    snapshot_ends(&c, "online", SnapshotPhase::Succeeded).await;
+    let mut missing = vms.get("l").await.unwrap();
+    missing.metadata.managed_fields = None;
+    let spec = missing.spec.template.spec.as_mut().unwrap();
+    spec.volumes[0]
+        .persistent_volume_claim
+        .as_mut()
+        .unwrap()
+        .claim_name = "nowhere".into();
+    vms.replace("l", &Default::default(), &missing)
+        .await
+        .unwrap();
+    snapshot(&c, "fails", "VirtualMachine", "l").await;
+    snapshot_ends(&c, "fails", SnapshotPhase::Failed).await;
+    let st = vms.get("l").await.unwrap().status.unwrap();
+    assert_eq!(st.snapshot_in_progress, None);
     node.stop().await;
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -23,6 +23,7 @@ use api::snapshot::{
     VirtualMachineSnapshotContentSpec, VirtualMachineSnapshotContentStatus,
     VirtualMachineSnapshotStatus, VolumeBackup, VolumeCapture, VolumeSnapshot,
     VolumeSnapshotSource, VolumeSnapshotSpec, VolumeSnapshotStatus, LABEL_SNAPSHOT,
+    SNAPSHOT_FINALIZER,
 };
 use api::{VirtualMachine, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
@@ -31,7 +32,7 @@ use kube::api::{Api, DynamicObject, ObjectMeta, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 
-use super::{error, set_done, set_failed, set_progress, volume_snapshot_classes};
+use super::{error, protect, set_done, set_failed, set_progress, volume_snapshot_classes, Lock};
 use crate::context::{Context, Error, Result};
 use controller_runtime::{controller_ref, write_status};
 
@@ -71,7 +72,24 @@ pub async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>)
         status,
     };
     let action = match pass.stage().await? {
-        Stage::Settled => return Ok(Action::await_change()),
+        Stage::Settled => {
+            // Done, failed or being deleted: the VM let go, the object free to go.
+            pass.release().await?;
+            let api = pass.api::<VirtualMachineSnapshot>();
+            protect(&api, pass.snapshot.as_ref(), SNAPSHOT_FINALIZER, false).await?;
+            return Ok(Action::await_change());
+        }
+        Stage::Planning
+            if protect(
+                &pass.api(),
+                pass.snapshot.as_ref(),
+                SNAPSHOT_FINALIZER,
+                true,
+            )
+            .await? =>
+        {
+            return Ok(Action::await_change());
+        }
         Stage::Planning => pass.plan().await?,
         Stage::Capturing(content) => pass.capture(*content).await?,
     };
@@ -113,8 +131,17 @@ impl Pass {
         Ok(())
     }
 
+    /// Lets go of the source VM (if this snapshot holds it).
+    async fn release(&self) -> Result<()> {
+        let source = &self.snapshot.spec.source.name;
+        Lock::Snapshot
+            .release(&self.api(), source, &self.snapshot.name_any())
+            .await
+    }
+
     /// Fails the snapshot for `why`, once; nothing else is touched.
     async fn fail(&mut self, why: String) -> Result<Action> {
+        self.release().await?;
         self.status.phase = Some(SnapshotPhase::Failed);
         self.status.ready_to_use = Some(false);
         self.status.error = Some(error(&why));
@@ -170,6 +197,24 @@ impl Pass {
             );
             return Ok(Action::requeue(RECHECK));
         };
+        // One writer at a time: no snapshot while a restore writes the VM, one snapshot at a
+        // time; then the VM is held (not started) until the capture is done.
+        let me = self.snapshot.name_any();
+        let busy = match (Lock::Restore.holder(&vm), Lock::Snapshot.holder(&vm)) {
+            (Some(r), _) => Some(format!("VirtualMachineRestore {r:?} is writing it")),
+            (None, Some(s)) if s != me => {
+                Some(format!("VirtualMachineSnapshot {s:?} is capturing it"))
+            }
+            _ => None,
+        };
+        if let Some(why) = busy {
+            let m = format!("Source VirtualMachine {source:?} is locked: {why}");
+            set_progress(&mut self.status.conditions, false, "Source locked", &m);
+            return Ok(Action::requeue(RECHECK));
+        }
+        if Lock::Snapshot.holder(&vm).is_none() {
+            Lock::Snapshot.take(&self.api(), source, &me).await?;
+        }
         let backups = match self.backups(&vm).await? {
             Ok(b) => b,
             Err(why) => return self.fail(why).await,
@@ -426,6 +471,7 @@ impl Pass {
             }
             return Ok(Action::requeue(RECHECK));
         }
+        self.release().await?;
         self.status.phase = Some(SnapshotPhase::Succeeded);
         self.status.ready_to_use = Some(true);
         self.status.creation_time = content_status.creation_time;

@@ -17,9 +17,87 @@ pub mod clone;
 pub mod restore;
 
 use api::snapshot::SnapshotError;
-use api::Condition;
+use api::{Condition, VirtualMachine};
 use controller_runtime::set_condition;
-use kube::api::{ApiResource, GroupVersionKind};
+use kube::api::{Api, ApiResource, GroupVersionKind, Patch, PatchParams};
+use kube::ResourceExt;
+use serde_json::json;
+
+use crate::context::Result;
+
+/// KubeVirt's locks on a VM while a snapshot reads it or a restore writes it (its
+/// `status.snapshotInProgress` / `status.restoreInProgress`, naming the holder). The VM
+/// controller starts no VMI while either is held.
+#[derive(Clone, Copy, Debug)]
+pub enum Lock {
+    Snapshot,
+    Restore,
+}
+
+impl Lock {
+    fn field(self) -> &'static str {
+        match self {
+            Lock::Snapshot => "snapshotInProgress",
+            Lock::Restore => "restoreInProgress",
+        }
+    }
+
+    /// Who holds this lock on `vm`, if anyone.
+    pub fn holder(self, vm: &VirtualMachine) -> Option<&str> {
+        let s = vm.status.as_ref()?;
+        match self {
+            Lock::Snapshot => s.snapshot_in_progress.as_deref(),
+            Lock::Restore => s.restore_in_progress.as_deref(),
+        }
+    }
+
+    /// Takes the lock on `vm` for `holder`.
+    pub async fn take(self, vms: &Api<VirtualMachine>, vm: &str, holder: &str) -> Result<()> {
+        let p = json!({"status": {self.field(): holder}});
+        vms.patch_status(vm, &PatchParams::default(), &Patch::Merge(&p))
+            .await?;
+        Ok(())
+    }
+
+    /// Lets go of the lock on `vm` if `holder` has it (a VM that is gone holds nothing).
+    pub async fn release(self, vms: &Api<VirtualMachine>, vm: &str, holder: &str) -> Result<()> {
+        let Some(current) = vms.get_opt(vm).await? else {
+            return Ok(());
+        };
+        if self.holder(&current) != Some(holder) {
+            return Ok(());
+        }
+        let p = json!({"status": {self.field(): null}});
+        match vms
+            .patch_status(vm, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// Adds (`present`) or removes `finalizer` on `obj`, if it is not so already; true if it wrote
+/// (the pass then ends: the write wakes the next one).
+pub async fn protect<K>(api: &Api<K>, obj: &K, finalizer: &str, present: bool) -> Result<bool>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    if controller_runtime::has_finalizer(obj, finalizer) == present {
+        return Ok(false);
+    }
+    let p = controller_runtime::finalizer_patch(obj, finalizer, present);
+    match api
+        .patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&p))
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
 
 /// The CSI VolumeSnapshotClasses (cluster-scoped; their `driver` is a provisioner's name).
 pub fn volume_snapshot_classes() -> ApiResource {

@@ -22,7 +22,7 @@ use api::snapshot::{
     TargetReadinessPolicy, VirtualMachineRestore, VirtualMachineRestoreStatus,
     VirtualMachineSnapshot, VirtualMachineSnapshotContent, VolumeBackup, VolumeOwnershipPolicy,
     VolumeRestore, VolumeRestorePolicy, VolumeSnapshot, ANNOTATION_LAST_RESTORE,
-    ANNOTATION_RESTORE_NAME, DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS,
+    ANNOTATION_RESTORE_NAME, DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS, RESTORE_FINALIZER,
 };
 use api::{PvcSource, RunStrategy, VirtualMachine, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReference};
@@ -31,7 +31,7 @@ use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
-use super::{set_done, set_failed, set_progress};
+use super::{protect, set_done, set_failed, set_progress, Lock};
 use crate::context::{Context, Error, Result};
 use controller_runtime::write_status;
 
@@ -95,10 +95,21 @@ pub async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -
         status,
     };
     let action = match pass.stage() {
-        Stage::Settled => return Ok(Action::await_change()),
+        Stage::Settled => {
+            // Done, failed or being deleted: the VM let go, the object free to go.
+            pass.release().await?;
+            let api = pass.api::<VirtualMachineRestore>();
+            protect(&api, pass.restore.as_ref(), RESTORE_FINALIZER, false).await?;
+            return Ok(Action::await_change());
+        }
+        Stage::Checking
+            if protect(&pass.api(), pass.restore.as_ref(), RESTORE_FINALIZER, true).await? =>
+        {
+            return Ok(Action::await_change());
+        }
         Stage::Checking => match pass.check().await? {
             Ok(plan) => pass.carry_out(plan).await?,
-            Err(Hold::Refused(why)) => pass.fail(why).await,
+            Err(Hold::Refused(why)) => pass.fail(why).await?,
             Err(Hold::Waiting(reason, m)) => {
                 set_progress(&mut pass.status.conditions, false, reason, &m);
                 Action::requeue(RECHECK)
@@ -145,7 +156,16 @@ impl Pass {
         )
     }
 
-    async fn fail(&mut self, why: String) -> Action {
+    /// Lets go of the target VM (if this restore holds it).
+    async fn release(&self) -> Result<()> {
+        let target = &self.restore.spec.target.name;
+        Lock::Restore
+            .release(&self.api(), target, &self.restore.name_any())
+            .await
+    }
+
+    async fn fail(&mut self, why: String) -> Result<Action> {
+        self.release().await?;
         set_failed(&mut self.status.conditions, &why);
         let r = self.restore.clone();
         self.ctx
@@ -157,7 +177,7 @@ impl Pass {
                 why,
             )
             .await;
-        Action::await_change()
+        Ok(Action::await_change())
     }
 
     /// Everything judged: what to write, or why not (now or ever).
@@ -272,6 +292,25 @@ impl Pass {
         }
         if vm.annotations().get(ANNOTATION_LAST_RESTORE) == Some(&self.mark()) {
             return Ok(Ok(())); // Already written by this restore.
+        }
+        // Held while it is judged and written, so it cannot start in between; not while a
+        // snapshot reads it.
+        let me = self.restore.name_any();
+        if let Some(s) = Lock::Snapshot.holder(vm) {
+            return Ok(Err(Hold::Waiting(
+                "Waiting for target to be ready",
+                format!("VirtualMachine {target:?} is locked: VirtualMachineSnapshot {s:?} is capturing it"),
+            )));
+        }
+        match Lock::Restore.holder(vm) {
+            None => Lock::Restore.take(&self.api(), &target, &me).await?,
+            Some(r) if r != me => {
+                return Ok(Err(Hold::Waiting(
+                    "Waiting for target to be ready",
+                    format!("VirtualMachine {target:?} is locked: VirtualMachineRestore {r:?} is writing it"),
+                )))
+            }
+            Some(_) => {}
         }
         let running = self
             .api::<VirtualMachineInstance>()
@@ -509,6 +548,7 @@ impl Pass {
         {
             self.give_claims(&plan.claims, &vm).await?;
         }
+        self.release().await?;
         self.status.complete = Some(true);
         self.status.restore_time = Some(controller_runtime::time::now_rfc3339());
         set_done(&mut self.status.conditions);
@@ -572,13 +612,15 @@ impl Pass {
     }
 
     /// Creates the target VM, or replaces the existing one's spec (conflicts retry the pass).
-    async fn write_vm(&self, vm: VirtualMachine, exists: bool) -> Result<VirtualMachine> {
+    async fn write_vm(&self, mut vm: VirtualMachine, exists: bool) -> Result<VirtualMachine> {
         let vms = self.api::<VirtualMachine>();
         if exists {
             if let Some(current) = vms.get_opt(&vm.name_any()).await? {
                 if current.annotations().get(ANNOTATION_LAST_RESTORE) == Some(&self.mark()) {
                     return Ok(current);
                 }
+                // Its status (the lock) has changed since it was judged; its spec cannot have.
+                vm.metadata.resource_version = current.metadata.resource_version;
             }
             return Ok(vms
                 .replace(&vm.name_any(), &PostParams::default(), &vm)
