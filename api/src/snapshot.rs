@@ -216,6 +216,12 @@ pub struct VolumeBackup {
     pub persistent_volume_claim: BackedUpClaim,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume_snapshot_name: Option<String>,
+    /// microvirt's, where the claim's storage has no VolumeSnapshotClass: the DataVolume (and
+    /// claim, of the same name) holding a full copy of the volume made while the VM was
+    /// stopped. `volumeSnapshotName` is then empty, so KubeVirt's own restore refuses the
+    /// backup instead of misreading it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_claim_name: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]

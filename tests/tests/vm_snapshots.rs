@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use api::cdi::{DataVolume, DataVolumePhase};
 use api::clone::{ClonePhase, VirtualMachineClone};
 use api::snapshot::{
     SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
@@ -70,7 +71,13 @@ fn write_disk(node: &ImportNode, claim: &str, data: &[u8]) {
 }
 
 fn disk(node: &ImportNode, claim: &str) -> Vec<u8> {
-    std::fs::read(node.claim_dir(NS, claim).join("disk.img")).unwrap()
+    let d = std::fs::read(node.claim_dir(NS, claim).join("disk.img")).unwrap();
+    // Compared whole; a mismatch shows a short prefix, not megabytes of image.
+    if d.len() > 64 {
+        let head = String::from_utf8_lossy(&d[..32]).into_owned();
+        return format!("<{} bytes starting {head:?}>", d.len()).into_bytes();
+    }
+    d
 }
 
 /// A VM with a root disk on `claim`, a cloud-init disk, and `extra` volumes (YAML list items).
@@ -300,17 +307,18 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
     storage(&c, "csi", "csi.example.com", true).await;
     storage(&c, "plain", "nfs.example.com", false).await;
 
-    // A claim whose class has no VolumeSnapshotClass, and a hostDisk: Failed, every volume's
-    // reason named, nothing made.
+    // A running VM's claim whose class has no VolumeSnapshotClass (a copy would not be
+    // point-in-time), and a hostDisk: Failed, every volume's reason named, nothing made.
     claim(&c, &node, "a-root", "plain", b"a").await;
     let a = vm(
         &c,
         "a",
-        "Halted",
+        "Always",
         "a-root",
         "      - name: scratch\n        hostDisk: {path: /var/lib/a.img, type: DiskOrCreate, capacity: 1Gi}",
     )
     .await;
+    eventually("VMI a", T, || async { c.vmi("a").await }).await;
     snapshot(&c, "of-a", "VirtualMachine", "a").await;
     let s = snapshot_ends(&c, "of-a", SnapshotPhase::Failed).await;
     let why = s.status.unwrap().error.unwrap().message.unwrap();
@@ -318,6 +326,7 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
         why.contains(r#"volume "root""#)
             && why.contains(r#""plain""#)
             && why.contains("no VolumeSnapshotClass")
+            && why.contains("not be point-in-time while the VM runs")
             && why.contains(r#"volume "scratch""#)
             && why.contains("hostDisk"),
         "{why}"
@@ -944,7 +953,14 @@ async fn snapshots_and_restores_hold_the_vm_while_they_work() {
     );
 
     // A restore deleted while it waits for the running VM to stop lets go of it on its way.
-    restore(&c, "waits", "l", "held", "  targetReadinessPolicy: WaitEventually").await;
+    restore(
+        &c,
+        "waits",
+        "l",
+        "held",
+        "  targetReadinessPolicy: WaitEventually",
+    )
+    .await;
     eventually("the restore holds the running VM", T, || async {
         let st = vms.get("l").await.unwrap().status?;
         (st.restore_in_progress.as_deref() == Some("waits")).then_some(())
@@ -981,6 +997,100 @@ async fn snapshots_and_restores_hold_the_vm_while_they_work() {
     snapshot_ends(&c, "fails", SnapshotPhase::Failed).await;
     let st = vms.get("l").await.unwrap().status.unwrap();
     assert_eq!(st.snapshot_in_progress, None);
+    node.stop().await;
+    let _ = std::fs::remove_dir_all(&work);
+}
+
+/// Storage without CSI snapshots: a stopped VM's claim is captured as a full copy (a DataVolume
+/// cloning it, held by the content), restored and cloned through DataVolumes the VM makes and
+/// waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_without_csi_snapshots_are_copied_while_the_vm_is_stopped() {
+    let work = std::env::temp_dir().join(format!("mv-vmsnap-copy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let c = Cluster::start().await;
+    let _controller = c.replica(test_config(), None);
+    let node = ImportNode::start(&c, &work);
+    storage(&c, "plain", "nfs.example.com", false).await;
+    claim(&c, &node, "p-root", "plain", b"version 1").await;
+    vm(&c, "p", "Halted", "p-root", "").await;
+
+    snapshot(&c, "copied", "VirtualMachine", "p").await;
+    let s = snapshot_ends(&c, "copied", SnapshotPhase::Succeeded).await;
+    let st = s.status.unwrap();
+    assert_eq!(st.ready_to_use, Some(true));
+    let content = c
+        .api::<VirtualMachineSnapshotContent>()
+        .get(st.virtual_machine_snapshot_content_name.as_deref().unwrap())
+        .await
+        .unwrap();
+    let backup = &content.spec.volume_backups[0];
+    assert_eq!(backup.volume_snapshot_name, None);
+    let copy = backup.copy_claim_name.clone().expect("a copy");
+    let dv = c.api::<DataVolume>().get(&copy).await.unwrap();
+    assert_eq!(dv.owner_references()[0].uid, content.uid().unwrap());
+    assert_eq!(disk(&node, &copy), b"version 1");
+    assert!(c
+        .api::<VolumeSnapshot>()
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+
+    // Restored onto the VM after its disk changed: a DataVolume template cloning the copy,
+    // the VM's volume on it; the copy and the changed claim untouched.
+    write_disk(&node, "p-root", b"version 2");
+    restore(&c, "back", "p", "copied", "").await;
+    let r = restore_ends(&c, "back").await.expect("restore completes");
+    let restored = r.status.as_ref().unwrap().restores[0].clone();
+    let name = restored.persistent_volume_claim_name.clone();
+    assert_eq!(restored.data_volume_name.as_deref(), Some(name.as_str()));
+    let p = c.api::<VirtualMachine>().get("p").await.unwrap();
+    let root = &p.spec.template.spec.as_ref().unwrap().volumes[0];
+    assert_eq!(root.data_volume.as_ref().unwrap().name, name);
+    assert!(root.persistent_volume_claim.is_none());
+    eventually("the restored DataVolume copied", T, || async {
+        let dv = c.api::<DataVolume>().get_opt(&name).await.unwrap()?;
+        (dv.status?.phase? == DataVolumePhase::Succeeded).then_some(())
+    })
+    .await;
+    assert_eq!(disk(&node, &name), b"version 1");
+    assert_eq!(disk(&node, "p-root"), b"version 2");
+    assert_eq!(disk(&node, &copy), b"version 1");
+
+    // Cloned: the clone waits for its DataVolume, then lets its restore go.
+    clone_of(
+        &c,
+        "from-copy",
+        "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: copied}",
+    )
+    .await;
+    let done = clone_ends(&c, "from-copy", ClonePhase::Succeeded).await;
+    let vm_name = done.status.unwrap().target_name.unwrap();
+    let cloned = c.api::<VirtualMachine>().get(&vm_name).await.unwrap();
+    let dv_name = cloned.spec.template.spec.as_ref().unwrap().volumes[0]
+        .data_volume
+        .clone()
+        .unwrap()
+        .name;
+    assert_eq!(disk(&node, &dv_name), b"version 1");
+
+    // InPlace cannot be served for a copy: refused, the VM unchanged.
+    restore(
+        &c,
+        "in-place",
+        "p",
+        "copied",
+        "  volumeRestorePolicy: InPlace",
+    )
+    .await;
+    let why = restore_ends(&c, "in-place").await.unwrap_err();
+    assert!(why.contains("InPlace is not served"), "{why}");
+    assert_eq!(
+        c.api::<VirtualMachine>().get("p").await.unwrap().spec,
+        p.spec
+    );
     node.stop().await;
     let _ = std::fs::remove_dir_all(&work);
 }

@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::cdi::{ClaimSource, DataVolume, DataVolumePhase, DataVolumeSource, DataVolumeSpec};
 use api::snapshot::{
     capture_of, check_vm_reference, content_name, volume_snapshot_name, BackedUpClaim,
     DeletionPolicy, Indication, SnapshotPhase, SnapshotSource, SnapshotVolumesLists, SnapshottedVm,
@@ -26,7 +27,7 @@ use api::snapshot::{
     SNAPSHOT_FINALIZER,
 };
 use api::{VirtualMachine, VirtualMachineInstance};
-use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, PersistentVolumeClaimSpec};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DynamicObject, ObjectMeta, PostParams};
 use kube::runtime::controller::Action;
@@ -215,11 +216,16 @@ impl Pass {
         if Lock::Snapshot.holder(&vm).is_none() {
             Lock::Snapshot.take(&self.api(), source, &me).await?;
         }
-        let backups = match self.backups(&vm).await? {
+        let running = self
+            .api::<VirtualMachineInstance>()
+            .get_opt(source)
+            .await?
+            .is_some();
+        let backups = match self.backups(&vm, running).await? {
             Ok(b) => b,
             Err(why) => return self.fail(why).await,
         };
-        self.indicate(&vm).await?;
+        self.indicate(running);
         self.status.source_uid = vm.uid();
         let content = self.content(&vm, backups);
         let name = content.name_any();
@@ -246,6 +252,7 @@ impl Pass {
     async fn backups(
         &mut self,
         vm: &VirtualMachine,
+        running: bool,
     ) -> Result<std::result::Result<Vec<VolumeBackup>, String>> {
         let volumes = vm
             .spec
@@ -262,13 +269,15 @@ impl Pass {
                 VolumeCapture::Uncapturable(why) => {
                     problems.push(format!("volume {:?}: {why}", v.name))
                 }
-                VolumeCapture::Claim(claim) => match self.claim_backup(&v.name, &claim).await? {
-                    Ok(b) => {
-                        lists.included_volumes.push(v.name.clone());
-                        backups.push(b);
+                VolumeCapture::Claim(claim) => {
+                    match self.claim_backup(&v.name, &claim, running).await? {
+                        Ok(b) => {
+                            lists.included_volumes.push(v.name.clone());
+                            backups.push(b);
+                        }
+                        Err(why) => problems.push(format!("volume {:?}: {why}", v.name)),
                     }
-                    Err(why) => problems.push(format!("volume {:?}: {why}", v.name)),
-                },
+                }
             }
         }
         self.status.snapshot_volumes = Some(lists);
@@ -283,11 +292,14 @@ impl Pass {
         }
     }
 
-    /// The backup of claim `claim` (volume `volume`), or why no CSI snapshot can be taken of it.
+    /// The backup of claim `claim` (volume `volume`): a CSI snapshot where its storage class
+    /// has a VolumeSnapshotClass, else a full copy — which is point-in-time only while the VM
+    /// is stopped (and held), so a running VM's such claim is refused.
     async fn claim_backup(
         &self,
         volume: &str,
         claim: &str,
+        running: bool,
     ) -> Result<std::result::Result<VolumeBackup, String>> {
         let Some(pvc) = self.api::<PersistentVolumeClaim>().get_opt(claim).await? else {
             return Ok(Err(format!("claim {claim:?} does not exist")));
@@ -296,14 +308,21 @@ impl Pass {
             return Ok(Err(format!("claim {claim:?} is not bound to a volume yet")));
         }
         let spec = pvc.spec.clone().unwrap_or_default();
-        let Some(class) = spec.storage_class_name.clone() else {
-            return Ok(Err(format!(
-                "claim {claim:?} has no storage class, so no VolumeSnapshotClass applies to it"
-            )));
+        let no_csi_snapshot = match spec.storage_class_name.clone() {
+            None => Some("it has no storage class, so no VolumeSnapshotClass applies to it".into()),
+            Some(class) => self.snapshot_class_for(&class).await?.err(),
         };
-        if let Err(why) = self.snapshot_class_for(&class).await? {
-            return Ok(Err(format!("claim {claim:?}: {why}")));
+        if let (Some(why), true) = (&no_csi_snapshot, running) {
+            return Ok(Err(format!(
+                "claim {claim:?}: {why}; the copy made instead would not be point-in-time while \
+                 the VM runs: stop the VM first, or give the storage a VolumeSnapshotClass"
+            )));
         }
+        let name = volume_snapshot_name(&self.uid(), volume);
+        let (volume_snapshot_name, copy_claim_name) = match no_csi_snapshot {
+            None => (Some(name), None),
+            Some(_) => (None, Some(name)),
+        };
         let keep = |m: &Option<BTreeMap<String, String>>| m.clone().filter(|m| !m.is_empty());
         Ok(Ok(VolumeBackup {
             volume_name: volume.into(),
@@ -317,7 +336,8 @@ impl Pass {
                 },
                 spec,
             },
-            volume_snapshot_name: Some(volume_snapshot_name(&self.uid(), volume)),
+            volume_snapshot_name,
+            copy_claim_name,
         }))
     }
 
@@ -364,13 +384,9 @@ impl Pass {
     }
 
     /// KubeVirt's indications: a running VM is captured online, without a guest agent.
-    async fn indicate(&mut self, vm: &VirtualMachine) -> Result<()> {
-        let vmi = self
-            .api::<VirtualMachineInstance>()
-            .get_opt(&vm.name_any())
-            .await?;
+    fn indicate(&mut self, running: bool) {
         let mut ind = Vec::new();
-        if vmi.is_some() {
+        if running {
             ind.push(SourceIndication {
                 indication: Indication::Online,
                 message: "Snapshot was taken while the VM was running".into(),
@@ -382,7 +398,6 @@ impl Pass {
         }
         self.status.indications = ind.iter().map(|i| i.indication).collect();
         self.status.source_indications = ind;
-        Ok(())
     }
 
     /// The content: the VM as it is, its backups; controlled by the snapshot unless Retained.
@@ -422,6 +437,10 @@ impl Pass {
         let volume_snapshots = self.api::<VolumeSnapshot>();
         let mut statuses = Vec::new();
         for b in &content.spec.volume_backups {
+            if let Some(name) = &b.copy_claim_name {
+                statuses.push(self.copy(&content, b, name).await?);
+                continue;
+            }
             let Some(name) = b.volume_snapshot_name.clone() else {
                 continue;
             };
@@ -480,6 +499,55 @@ impl Pass {
         Ok(Action::await_change())
     }
 
+    /// The copy of backup `b` (a DataVolume cloning the claim, controlled by the content),
+    /// made if it is not yet, and how far it is.
+    async fn copy(
+        &self,
+        content: &VirtualMachineSnapshotContent,
+        b: &VolumeBackup,
+        name: &str,
+    ) -> Result<VolumeSnapshotStatus> {
+        let dvs = self.api::<DataVolume>();
+        let dv = match dvs.get_opt(name).await? {
+            Some(dv) => dv,
+            None => {
+                let claim = &b.persistent_volume_claim;
+                let mut dv = copy_of(
+                    name,
+                    claim.metadata.name.as_deref().unwrap_or_default(),
+                    &claim.spec,
+                );
+                dv.metadata.namespace = Some(self.ns.clone());
+                dv.metadata.labels = Some(BTreeMap::from([(
+                    LABEL_SNAPSHOT.to_string(),
+                    self.snapshot.name_any(),
+                )]));
+                dv.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
+                match dvs.create(&PostParams::default(), &dv).await {
+                    Ok(dv) => dv,
+                    Err(kube::Error::Api(e)) if e.code == 409 => dvs.get(name).await?,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        };
+        let status = dv.status.unwrap_or_default();
+        let error = (status.phase == Some(DataVolumePhase::Failed)).then(|| {
+            let why = status
+                .conditions
+                .iter()
+                .find_map(|c| c.message.clone().filter(|m| !m.is_empty()))
+                .unwrap_or_else(|| "the copy failed".into());
+            error(&format!("copy {name:?} of the claim: {why}"))
+        });
+        let done = status.phase == Some(DataVolumePhase::Succeeded);
+        Ok(VolumeSnapshotStatus {
+            volume_snapshot_name: name.to_string(),
+            creation_time: done.then(controller_runtime::time::now_rfc3339),
+            ready_to_use: Some(done),
+            error,
+        })
+    }
+
     fn volume_snapshot(
         &self,
         content: &VirtualMachineSnapshotContent,
@@ -504,4 +572,30 @@ impl Pass {
         vs.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
         vs
     }
+}
+
+/// A DataVolume `name` that clones claim `claim` (of shape `spec`) through CDI's host-assisted
+/// copy: the same size, class, access and volume modes.
+pub fn copy_of(name: &str, claim: &str, spec: &PersistentVolumeClaimSpec) -> DataVolume {
+    // No size: CDI then takes the source's, so the copy is the image as it is, not grown.
+    let storage = PersistentVolumeClaimSpec {
+        access_modes: spec.access_modes.clone(),
+        storage_class_name: spec.storage_class_name.clone(),
+        volume_mode: spec.volume_mode.clone(),
+        ..Default::default()
+    };
+    DataVolume::new(
+        name,
+        DataVolumeSpec {
+            source: Some(DataVolumeSource {
+                pvc: Some(ClaimSource {
+                    namespace: None,
+                    name: claim.to_string(),
+                }),
+                ..Default::default()
+            }),
+            storage: Some(storage),
+            ..Default::default()
+        },
+    )
 }

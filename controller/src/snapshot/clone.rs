@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::cdi::{DataVolume, DataVolumePhase};
 use api::clone::{
     identity_patches, source_of, target_name_of, temporary_restore_name, temporary_snapshot_name,
     ClonePhase, CloneSource, VirtualMachineClone, VirtualMachineCloneStatus,
@@ -347,10 +348,24 @@ impl Pass {
         if status.complete != Some(true) {
             return Ok(Ok(Action::requeue(RECHECK)));
         }
-        // The claims are made from the snapshot's VolumeSnapshots: the snapshot stays until
-        // the storage has filled them.
+        // The claims are made from the snapshot's VolumeSnapshots or copies: the snapshot
+        // stays until the storage (or the DataVolume's clone) has filled them.
         let claims = self.api::<PersistentVolumeClaim>();
+        let dvs = self.api::<DataVolume>();
         for r in &status.restores {
+            if let Some(dv) = &r.data_volume_name {
+                let phase = dvs.get_opt(dv).await?.and_then(|d| d.status?.phase);
+                if phase != Some(DataVolumePhase::Succeeded) {
+                    return Ok(Err(Hold::Waiting(
+                        "RestoreInProgress",
+                        format!(
+                            "waiting for DataVolume {dv:?} of volume {:?} to copy",
+                            r.volume_name
+                        ),
+                    )));
+                }
+                continue;
+            }
             let bound = claims
                 .get_opt(&r.persistent_volume_claim_name)
                 .await?

@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::cdi::{DataVolume, DataVolumePhase};
 use api::snapshot::{
     check_vm_reference, parse_json_patch, restored_claim_name, SnapshottedVm,
     TargetReadinessPolicy, VirtualMachineRestore, VirtualMachineRestoreStatus,
@@ -29,7 +30,7 @@ use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReferenc
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::{protect, set_done, set_failed, set_progress, Lock};
 use crate::context::{Context, Error, Result};
@@ -254,7 +255,22 @@ impl Pass {
         // may have been written by anyone able to edit contents).
         source.metadata.uid = status.source_uid.clone();
         let snapshots = self.api::<VolumeSnapshot>();
+        let copies = self.api::<DataVolume>();
         for b in &content.spec.volume_backups {
+            if let Some(copy) = &b.copy_claim_name {
+                let phase = copies
+                    .get_opt(copy)
+                    .await?
+                    .and_then(|dv| dv.status)
+                    .and_then(|s| s.phase);
+                if phase != Some(DataVolumePhase::Succeeded) {
+                    return refuse(format!(
+                        "the copy {copy:?} of volume {:?} is missing or not complete",
+                        b.volume_name
+                    ));
+                }
+                continue;
+            }
             let vs_name = b.volume_snapshot_name.clone().unwrap_or_default();
             let ready = snapshots
                 .get_opt(&vs_name)
@@ -402,6 +418,15 @@ impl Pass {
                 &original,
                 &spec.volume_restore_overrides,
             );
+            if b.copy_claim_name.is_some() && policy == VolumeRestorePolicy::InPlace {
+                return Ok(Err(Hold::Refused(format!(
+                    "volume {:?} was captured as a copy (its storage has no \
+                     VolumeSnapshotClass), which is restored as a new DataVolume: \
+                     spec.volumeRestorePolicy InPlace is not served for it; use RandomizeNames \
+                     or PrefixTargetName",
+                    b.volume_name
+                ))));
+            }
             let mut replaces = false;
             if let Some(c) = claims.get_opt(&name).await? {
                 let ours =
@@ -444,12 +469,20 @@ impl Pass {
                 if let Some(dv) = v.data_volume.take() {
                     replaced_dvs.push(dv.name);
                 }
-                let read_only = v.persistent_volume_claim.as_ref().and_then(|p| p.read_only);
-                v.persistent_volume_claim = Some(PvcSource {
-                    claim_name: c.name.clone(),
-                    read_only,
-                    hotpluggable: None,
-                });
+                let read_only = v.persistent_volume_claim.take().and_then(|p| p.read_only);
+                if c.backup.copy_claim_name.is_some() {
+                    // A copy is cloned by a DataVolume the VM makes and waits for.
+                    v.data_volume = Some(api::DataVolumeSource {
+                        name: c.name.clone(),
+                        hotpluggable: None,
+                    });
+                } else {
+                    v.persistent_volume_claim = Some(PvcSource {
+                        claim_name: c.name.clone(),
+                        read_only,
+                        hotpluggable: None,
+                    });
+                }
             }
         }
         // A template would make (or import into) the claim the snapshot replaced.
@@ -458,6 +491,14 @@ impl Pass {
                 let n = t["metadata"]["name"].as_str().unwrap_or_default();
                 !replaced_dvs.iter().any(|d| d == n)
             });
+        }
+        for c in claims {
+            if let Some(copy) = &c.backup.copy_claim_name {
+                let template = self.copy_template(c, copy)?;
+                spec.data_volume_templates
+                    .get_or_insert_with(Vec::new)
+                    .push(template);
+            }
         }
         let mut vm = match existing {
             Some(e) => {
@@ -486,6 +527,16 @@ impl Pass {
         vm.annotations_mut()
             .insert(ANNOTATION_RESTORE_NAME.into(), self.restore.name_any());
         self.patched(vm)
+    }
+
+    /// The DataVolume template that clones copy `copy` into claim plan `c`'s name.
+    fn copy_template(&self, c: &ClaimPlan, copy: &str) -> std::result::Result<Value, String> {
+        let dv = super::capture::copy_of(&c.name, copy, &c.backup.persistent_volume_claim.spec);
+        let (labels, annotations) = self.claim_metadata(c);
+        Ok(json!({
+            "metadata": {"name": c.name, "labels": labels, "annotations": annotations},
+            "spec": serde_json::to_value(&dv.spec).map_err(|e| e.to_string())?,
+        }))
     }
 
     /// `vm` with `spec.patches` applied (each a JSON patch), still a valid VirtualMachine.
@@ -528,7 +579,7 @@ impl Pass {
                 volume_name: c.backup.volume_name.clone(),
                 persistent_volume_claim_name: c.name.clone(),
                 volume_snapshot_name: c.backup.volume_snapshot_name.clone().unwrap_or_default(),
-                data_volume_name: None,
+                data_volume_name: c.backup.copy_claim_name.as_ref().map(|_| c.name.clone()),
             })
             .collect();
         let mut waiting = false;
@@ -566,7 +617,7 @@ impl Pass {
             }
             return Ok(false);
         }
-        if claims.get_opt(&c.name).await?.is_some() {
+        if c.backup.copy_claim_name.is_some() || claims.get_opt(&c.name).await?.is_some() {
             return Ok(true);
         }
         let backup = &c.backup.persistent_volume_claim;
@@ -578,21 +629,7 @@ impl Pass {
             name: c.backup.volume_snapshot_name.clone().unwrap_or_default(),
         });
         spec.data_source_ref = None;
-        let o = self
-            .restore
-            .spec
-            .volume_restore_overrides
-            .iter()
-            .find(|o| o.volume_name == c.backup.volume_name);
-        let mut labels = backup.metadata.labels.clone().unwrap_or_default();
-        let mut annotations: BTreeMap<String, String> =
-            backup.metadata.annotations.clone().unwrap_or_default();
-        annotations.retain(|k, _| !k.starts_with("pv.kubernetes.io/"));
-        if let Some(o) = o {
-            labels.extend(o.labels.clone());
-            annotations.extend(o.annotations.clone());
-        }
-        annotations.insert(ANNOTATION_RESTORE_NAME.into(), self.restore.name_any());
+        let (labels, annotations) = self.claim_metadata(c);
         let claim = PersistentVolumeClaim {
             metadata: ObjectMeta {
                 name: Some(c.name.clone()),
@@ -609,6 +646,31 @@ impl Pass {
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(true),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// The labels and annotations of restored claim `c`: the captured claim's, the override's,
+    /// and the restore's name.
+    fn claim_metadata(
+        &self,
+        c: &ClaimPlan,
+    ) -> (BTreeMap<String, String>, BTreeMap<String, String>) {
+        let backup = &c.backup.persistent_volume_claim;
+        let o = self
+            .restore
+            .spec
+            .volume_restore_overrides
+            .iter()
+            .find(|o| o.volume_name == c.backup.volume_name);
+        let mut labels = backup.metadata.labels.clone().unwrap_or_default();
+        let mut annotations: BTreeMap<String, String> =
+            backup.metadata.annotations.clone().unwrap_or_default();
+        annotations.retain(|k, _| !k.starts_with("pv.kubernetes.io/"));
+        if let Some(o) = o {
+            labels.extend(o.labels.clone());
+            annotations.extend(o.annotations.clone());
+        }
+        annotations.insert(ANNOTATION_RESTORE_NAME.into(), self.restore.name_any());
+        (labels, annotations)
     }
 
     /// Creates the target VM, or replaces the existing one's spec (conflicts retry the pass).
@@ -639,7 +701,8 @@ impl Pass {
             return Ok(());
         };
         let api = self.api::<PersistentVolumeClaim>();
-        for c in claims {
+        // A copy's claim belongs to its DataVolume, which the VM's template controls.
+        for c in claims.iter().filter(|c| c.backup.copy_claim_name.is_none()) {
             let Some(claim) = api.get_opt(&c.name).await? else {
                 continue;
             };
