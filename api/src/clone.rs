@@ -242,25 +242,8 @@ pub fn identity_patches(
     spec: &VirtualMachineCloneSpec,
     source: &SnapshottedVm,
 ) -> Result<Vec<String>, String> {
-    check_filters(&spec.label_filters, "spec.labelFilters")?;
-    check_filters(&spec.annotation_filters, "spec.annotationFilters")?;
+    validate_clone(spec)?;
     let template_filters = spec.template.clone().unwrap_or_default();
-    check_filters(
-        &template_filters.label_filters,
-        "spec.template.labelFilters",
-    )?;
-    check_filters(
-        &template_filters.annotation_filters,
-        "spec.template.annotationFilters",
-    )?;
-    if spec.volume_name_policy == Some(VolumeRestorePolicy::InPlace) {
-        return Err(
-            "spec.volumeNamePolicy: InPlace would take the source's claims; accepted: \
-                    RandomizeNames, PrefixTargetName"
-                .into(),
-        );
-    }
-
     let mut ops: Vec<Value> = Vec::new();
     let dropped = |map: Option<&BTreeMap<String, String>>, filters: &[String], at: &str| {
         map.into_iter()
@@ -299,7 +282,7 @@ pub fn identity_patches(
 
     let vmi = source.spec.template.spec.clone().unwrap_or_default();
     let interfaces = &vmi.domain.devices.interfaces;
-    for (name, mac) in &spec.new_mac_addresses {
+    for name in spec.new_mac_addresses.keys() {
         if !interfaces.iter().any(|i| &i.name == name) {
             let known: Vec<&str> = interfaces.iter().map(|i| i.name.as_str()).collect();
             return Err(format!(
@@ -307,7 +290,6 @@ pub fn identity_patches(
                  (its interfaces: {known:?})"
             ));
         }
-        check_mac(mac).map_err(|why| format!("spec.newMacAddresses[{name}]: {why}"))?;
     }
     for (i, iface) in interfaces.iter().enumerate() {
         let path = format!("/spec/template/spec/domain/devices/interfaces/{i}/macAddress");
@@ -339,12 +321,38 @@ pub fn identity_patches(
     }
 
     let mut patches: Vec<String> = ops.iter().map(Value::to_string).collect();
-    for (i, p) in spec.patches.iter().enumerate() {
-        crate::snapshot::parse_json_patch(p)
-            .map_err(|e| format!("spec.patches[{i}]: not a JSON patch (RFC 6902): {e}"))?;
-        patches.push(p.clone());
-    }
+    patches.extend(spec.patches.iter().cloned());
     Ok(patches)
+}
+
+/// Everything a clone's spec says that can be judged without its source (the admission
+/// webhook's check, and the controller's before it writes anything): the source and target
+/// kinds, the filters, the MAC addresses, the patches, the claim naming.
+pub fn validate_clone(spec: &VirtualMachineCloneSpec) -> Result<(), String> {
+    source_of(spec)?;
+    if let Some(t) = &spec.target {
+        crate::snapshot::check_vm_reference(t, "spec.target")?;
+    }
+    check_filters(&spec.label_filters, "spec.labelFilters")?;
+    check_filters(&spec.annotation_filters, "spec.annotationFilters")?;
+    let template = spec.template.clone().unwrap_or_default();
+    check_filters(&template.label_filters, "spec.template.labelFilters")?;
+    check_filters(
+        &template.annotation_filters,
+        "spec.template.annotationFilters",
+    )?;
+    for (name, mac) in &spec.new_mac_addresses {
+        check_mac(mac).map_err(|why| format!("spec.newMacAddresses[{name}]: {why}"))?;
+    }
+    crate::snapshot::check_patches(&spec.patches)?;
+    if spec.volume_name_policy == Some(VolumeRestorePolicy::InPlace) {
+        return Err(
+            "spec.volumeNamePolicy: InPlace would take the source's claims; accepted: \
+             RandomizeNames, PrefixTargetName"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

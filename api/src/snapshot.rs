@@ -35,6 +35,49 @@ pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
     ANNOTATION_LAST_RESTORE,
 ];
 
+/// Every entry of `spec.patches` a JSON patch.
+pub fn check_patches(patches: &[String]) -> Result<(), String> {
+    for (i, p) in patches.iter().enumerate() {
+        parse_json_patch(p)
+            .map_err(|e| format!("spec.patches[{i}]: not a JSON patch (RFC 6902): {e}"))?;
+    }
+    Ok(())
+}
+
+/// What a VirtualMachineSnapshot's spec says that can be judged alone (the admission webhook's
+/// check): a VM as its source, a readable `failureDeadline`.
+pub fn validate_snapshot(spec: &VirtualMachineSnapshotSpec) -> Result<(), String> {
+    check_vm_reference(&spec.source, "spec.source")?;
+    if let Some(d) = &spec.failure_deadline {
+        if crate::duration::parse_duration(d).is_none() {
+            return Err(format!(
+                "spec.failureDeadline: {d:?} is not a duration (e.g. 5m, 1h30m)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What a VirtualMachineRestore's spec says that can be judged alone: a VM as its target, a
+/// snapshot named, JSON patches, one override per volume.
+pub fn validate_restore(spec: &VirtualMachineRestoreSpec) -> Result<(), String> {
+    check_vm_reference(&spec.target, "spec.target")?;
+    if spec.virtual_machine_snapshot_name.is_empty() {
+        return Err("spec.virtualMachineSnapshotName: is required".into());
+    }
+    check_patches(&spec.patches)?;
+    let mut seen = std::collections::BTreeSet::new();
+    for (i, o) in spec.volume_restore_overrides.iter().enumerate() {
+        if !seen.insert(o.volume_name.as_str()) {
+            return Err(format!(
+                "spec.volumeRestoreOverrides[{i}].volumeName: volume {:?} has another override",
+                o.volume_name
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// One entry of a restore's (or clone's) `patches`: a JSON patch (RFC 6902), either a list of
 /// operations or, as KubeVirt's examples write it, one operation alone.
 pub fn parse_json_patch(p: &str) -> Result<json_patch::Patch, serde_json::Error> {

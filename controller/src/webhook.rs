@@ -139,6 +139,21 @@ pub fn validate_object(
         "VirtualMachineInstanceMigration" => {
             api::validation::validate_migration(&decode(obj, kind)?)
         }
+        "VirtualMachineSnapshot" => {
+            let s: api::snapshot::VirtualMachineSnapshot = decode(obj, kind)?;
+            api::snapshot::validate_snapshot(&s.spec)?;
+            return Ok(warnings);
+        }
+        "VirtualMachineRestore" => {
+            let r: api::snapshot::VirtualMachineRestore = decode(obj, kind)?;
+            api::snapshot::validate_restore(&r.spec)?;
+            return Ok(warnings);
+        }
+        "VirtualMachineClone" => {
+            let c: api::clone::VirtualMachineClone = decode(obj, kind)?;
+            api::clone::validate_clone(&c.spec)?;
+            return Ok(warnings);
+        }
         _ => return Ok(warnings),
     };
     checked.map_err(|e| e.to_string())?;
@@ -186,6 +201,21 @@ pub async fn admit_migration(client: &Client, obj: &DynamicObject) -> Result<(),
     Ok(())
 }
 
+/// KubeVirt's snapshots, restores and clones are requests: their spec cannot change once made.
+fn unchanged_spec(kind: &str, old: &DynamicObject, new: &DynamicObject) -> Result<(), String> {
+    let immutable = matches!(
+        kind,
+        "VirtualMachineSnapshot" | "VirtualMachineRestore" | "VirtualMachineClone"
+    );
+    if immutable && old.data.get("spec") != new.data.get("spec") {
+        return Err(format!(
+            "spec: a {kind}'s spec cannot be changed after it is created; delete it and create \
+             another"
+        ));
+    }
+    Ok(())
+}
+
 async fn validate(
     State(state): State<Arc<WebhookState>>,
     Json(review): Review,
@@ -206,6 +236,11 @@ async fn validation(
             &state.host_disks(),
             &state.settings.current().network,
         );
+        if let (Ok(_), Some(old), Operation::Update) = (&verdict, &req.old_object, &req.operation) {
+            if let Err(e) = unchanged_spec(&req.kind.kind, old, obj) {
+                verdict = Err(e);
+            }
+        }
         if let (Ok(_), Some(client), "VirtualMachineInstanceMigration", Operation::Create) = (
             &verdict,
             &state.client,

@@ -1094,3 +1094,118 @@ async fn claims_without_csi_snapshots_are_copied_while_the_vm_is_stopped() {
     node.stop().await;
     let _ = std::fs::remove_dir_all(&work);
 }
+
+/// With virt-controller's webhook registered from `deploy/webhook.yaml`, a snapshot, restore or
+/// clone that can be judged bad on its own is refused when it is created (422, the field named),
+/// and none can have its spec changed once created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_refused_at_admission_and_specs_are_fixed() {
+    use api::migratability::EvictionStrategy;
+    let c = Cluster::start().await;
+    let webhook =
+        tests::admission::start_webhook(Some(c.client.clone()), EvictionStrategy::None).await;
+    webhook.register(&c.api).await;
+    let create = |yaml: String| {
+        let client = c.client.clone();
+        async move {
+            let obj: DynamicObject = serde_yaml::from_str(&yaml).unwrap();
+            let gvk = kube::api::GroupVersionKind::try_from(obj.types.as_ref().unwrap()).unwrap();
+            let (ar, _) = kube::discovery::pinned_kind(&client, &gvk).await.unwrap();
+            let api = Api::<DynamicObject>::namespaced_with(client, NS, &ar);
+            match api.create(&PostParams::default(), &obj).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) => Err((e.code, e.message)),
+                Err(e) => panic!("{e}"),
+            }
+        }
+    };
+    let refused = |r: Result<(), (u16, String)>, field: &str| {
+        let (code, message) = r.expect_err("refused");
+        assert_eq!(code, 422, "{message}");
+        assert!(message.contains(field), "{field}: {message}");
+    };
+    let snap = |source: &str, extra: &str| {
+        format!("apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {{name: s}}\nspec:\n  source: {source}\n{extra}")
+    };
+    refused(
+        create(snap("{apiGroup: kubevirt.io, kind: Pod, name: x}", "")).await,
+        "spec.source.kind: must be VirtualMachine",
+    );
+    refused(
+        create(snap(
+            "{apiGroup: kubevirt.io, kind: VirtualMachine, name: x}",
+            "  failureDeadline: soon",
+        ))
+        .await,
+        "spec.failureDeadline",
+    );
+    let restore = |extra: &str| {
+        format!("apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineRestore\nmetadata: {{name: r}}\nspec:\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: x}}\n{extra}")
+    };
+    refused(
+        create(restore(
+            "  virtualMachineSnapshotName: s\n  patches: ['nope']",
+        ))
+        .await,
+        "spec.patches[0]",
+    );
+    refused(
+        create(restore("  virtualMachineSnapshotName: ''")).await,
+        "spec.virtualMachineSnapshotName",
+    );
+    let clone = |extra: &str| {
+        format!("apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: k}}\nspec:\n  source: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: x}}\n{extra}")
+    };
+    refused(
+        create(clone("  newMacAddresses: {default: zz}")).await,
+        "spec.newMacAddresses[default]",
+    );
+    refused(
+        create(clone("  labelFilters: ['!']")).await,
+        "spec.labelFilters[0]",
+    );
+    refused(
+        create(clone(
+            "  target: {apiGroup: kubevirt.io, kind: VirtualMachineInstance, name: y}",
+        ))
+        .await,
+        "spec.target.kind",
+    );
+
+    // Good ones are admitted; their spec is then fixed (metadata is not).
+    create(snap(
+        "{apiGroup: kubevirt.io, kind: VirtualMachine, name: x}",
+        "",
+    ))
+    .await
+    .unwrap();
+    create(clone("")).await.unwrap();
+    let snapshots = c.api::<VirtualMachineSnapshot>();
+    let mut s = snapshots.get("s").await.unwrap();
+    s.spec.source.name = "other".into();
+    let err = snapshots
+        .replace("s", &PostParams::default(), &s)
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("cannot be changed after it is created"),
+        "{err}"
+    );
+    let p = json!({"metadata": {"labels": {"kept": "yes"}}});
+    snapshots
+        .patch("s", &Default::default(), &kube::api::Patch::Merge(&p))
+        .await
+        .unwrap();
+    let clones = c.api::<VirtualMachineClone>();
+    let p = json!({"spec": {"newMacAddresses": {"default": "02:00:00:00:00:05"}}});
+    let err = clones
+        .patch("k", &Default::default(), &kube::api::Patch::Merge(&p))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("cannot be changed after it is created"),
+        "{err}"
+    );
+}

@@ -24,7 +24,7 @@ use std::time::Duration;
 use api::cdi::{DataVolume, DataVolumePhase};
 use api::clone::{
     identity_patches, source_of, target_name_of, temporary_restore_name, temporary_snapshot_name,
-    ClonePhase, CloneSource, VirtualMachineClone, VirtualMachineCloneStatus,
+    validate_clone, ClonePhase, CloneSource, VirtualMachineClone, VirtualMachineCloneStatus,
 };
 use api::snapshot::{
     SnapshotPhase, SnapshottedVm, VirtualMachineRestore, VirtualMachineRestoreSpec,
@@ -148,6 +148,10 @@ impl Pass {
 
     /// The source and target judged; the source VM's snapshot started.
     async fn start(&mut self) -> Result<Step> {
+        // Everything judged that can be before the snapshot is taken.
+        if let Err(why) = validate_clone(&self.clone.spec) {
+            return Ok(Err(Hold::Refused(why)));
+        }
         let source = match source_of(&self.clone.spec) {
             Ok(s) => s,
             Err(why) => return Ok(Err(Hold::Refused(why))),
