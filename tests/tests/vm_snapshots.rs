@@ -22,7 +22,31 @@ use serde_json::json;
 use tests::cluster::{eventually, test_config, Cluster, NS};
 use tests::storage::ImportNode;
 
-const T: Duration = Duration::from_secs(30);
+// Generous: seven tests share two cores, each with its own API server and controller.
+const T: Duration = Duration::from_secs(60);
+
+/// An API server with virt-controller and a storage node keeping its claims under a fresh
+/// directory named after `tag`.
+async fn site(
+    tag: &str,
+) -> (
+    Cluster,
+    tests::cluster::Replica,
+    ImportNode,
+    std::path::PathBuf,
+) {
+    let work = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&work);
+    let c = Cluster::start().await;
+    let controller = c.replica(test_config(), None);
+    let node = ImportNode::start(&c, &work);
+    (c, controller, node, work)
+}
+
+async fn finish(node: ImportNode, work: &std::path::Path) {
+    node.stop().await;
+    let _ = std::fs::remove_dir_all(work);
+}
 
 /// Storage class `name` of provisioner `driver`, with a VolumeSnapshotClass for it if `csi`.
 async fn storage(c: &Cluster, name: &str, driver: &str, csi: bool) {
@@ -180,11 +204,7 @@ async fn bound_claim(c: &Cluster, name: &str) -> PersistentVolumeClaim {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_captures_the_claims_and_restores_bring_them_back() {
-    let work = std::env::temp_dir().join(format!("mv-vmsnap-ok-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmsnap-ok").await;
     storage(&c, "csi", "csi.example.com", true).await;
     claim(&c, &node, "db-root", "csi", b"version 1").await;
     let db = vm(&c, "db", "Halted", "db-root", "").await;
@@ -293,17 +313,12 @@ async fn a_snapshot_captures_the_claims_and_restores_bring_them_back() {
     assert_eq!(root_claim(&db_now), "db-root");
     bound_claim(&c, "db-root").await;
     assert_eq!(disk(&node, "db-root"), b"version 1");
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothing() {
-    let work = std::env::temp_dir().join(format!("mv-vmsnap-bad-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmsnap-bad").await;
     storage(&c, "csi", "csi.example.com", true).await;
     storage(&c, "plain", "nfs.example.com", false).await;
 
@@ -476,8 +491,7 @@ async fn bad_snapshots_and_restores_are_refused_with_the_reason_and_change_nothi
         .unwrap()
         .is_none());
     assert_eq!(disk(&node, "b-root"), b"b");
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -565,11 +579,7 @@ fn guest_mac(vm: &VirtualMachine) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clones_get_their_own_identity_and_disks_and_leave_the_source_alone() {
-    let work = std::env::temp_dir().join(format!("mv-vmclone-ok-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmclone-ok").await;
     storage(&c, "csi", "csi.example.com", true).await;
     claim(&c, &node, "db-root", "csi", b"version 1").await;
     let db = vm_with_identity(&c, "db", "db-root").await;
@@ -708,17 +718,12 @@ async fn clones_get_their_own_identity_and_disks_and_leave_the_source_alone() {
         .join(&vs_name)
         .join("disk.img");
     assert_eq!(std::fs::read(kept).unwrap(), b"version 1");
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_clones_are_refused_with_the_reason_and_change_nothing() {
-    let work = std::env::temp_dir().join(format!("mv-vmclone-bad-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmclone-bad").await;
     storage(&c, "csi", "csi.example.com", true).await;
     claim(&c, &node, "db-root", "csi", b"db").await;
     let db = vm_with_identity(&c, "db", "db-root").await;
@@ -858,19 +863,14 @@ async fn bad_clones_are_refused_with_the_reason_and_change_nothing() {
         "only db: {:?}",
         vms.items.iter().map(|v| v.name_any()).collect::<Vec<_>>()
     );
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 /// KubeVirt's locks: a VM held by a restore is neither captured nor started until the restore
 /// lets go; a snapshot holds its VM while it captures it and always lets go (done or failed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_and_restores_hold_the_vm_while_they_work() {
-    let work = std::env::temp_dir().join(format!("mv-vmsnap-lock-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmsnap-lock").await;
     storage(&c, "csi", "csi.example.com", true).await;
     claim(&c, &node, "l-root", "csi", b"l").await;
     vm(&c, "l", "Halted", "l-root", "").await;
@@ -997,8 +997,7 @@ async fn snapshots_and_restores_hold_the_vm_while_they_work() {
     snapshot_ends(&c, "fails", SnapshotPhase::Failed).await;
     let st = vms.get("l").await.unwrap().status.unwrap();
     assert_eq!(st.snapshot_in_progress, None);
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 /// Storage without CSI snapshots: a stopped VM's claim is captured as a full copy (a DataVolume
@@ -1006,11 +1005,7 @@ async fn snapshots_and_restores_hold_the_vm_while_they_work() {
 /// waits for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_without_csi_snapshots_are_copied_while_the_vm_is_stopped() {
-    let work = std::env::temp_dir().join(format!("mv-vmsnap-copy-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&work);
-    let c = Cluster::start().await;
-    let _controller = c.replica(test_config(), None);
-    let node = ImportNode::start(&c, &work);
+    let (c, _controller, node, work) = site("mv-vmsnap-copy").await;
     storage(&c, "plain", "nfs.example.com", false).await;
     claim(&c, &node, "p-root", "plain", b"version 1").await;
     vm(&c, "p", "Halted", "p-root", "").await;
@@ -1091,8 +1086,7 @@ async fn claims_without_csi_snapshots_are_copied_while_the_vm_is_stopped() {
         c.api::<VirtualMachine>().get("p").await.unwrap().spec,
         p.spec
     );
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    finish(node, &work).await;
 }
 
 /// With virt-controller's webhook registered from `deploy/webhook.yaml`, a snapshot, restore or
