@@ -359,6 +359,85 @@ fn nic_keeps_echoing_across_restore() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// Clones of one running snapshot: restored with a MAC of its own, the NIC's config space holds
+/// it and the guest is told through the config change interrupt (it reads the MAC again,
+/// announces `PROBE MAC`, and answers from it); restored without one, the copy keeps the
+/// snapshot's MAC and is told nothing.
+#[test]
+fn a_clone_restored_with_its_own_mac_is_told_of_it() {
+    use vmm::config::{MacAddr, NetConfig, TapSource};
+    const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+    const CLONE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x77];
+    require_kvm();
+    let ns = NetNs::new("snapmac");
+    ns.exec(&["ip", "tuntap", "add", "mvsnap1", "mode", "tap", "vnet_hdr"]);
+    ns.exec(&["sysctl", "-q", "-w", "net.ipv6.conf.mvsnap1.disable_ipv6=1"]);
+    ns.exec(&["ip", "link", "set", "mvsnap1", "up"]);
+    let ns_name = ns.name.clone();
+    let dir = scratch("mac");
+    let d = dir.clone();
+    std::thread::spawn(move || {
+        let dir = d;
+        let ns = NetNs { name: ns_name };
+        ns.enter();
+        std::mem::forget(ns);
+        let wire = PacketSocket::bind("mvsnap1");
+        let console = Console::default();
+        let mut config = probe_config("net", 1, 64, &console);
+        config.nets = vec![NetConfig {
+            tap: TapSource::Name("mvsnap1".into()),
+            mac: None,
+        }];
+        let vm = Vm::build(&config).unwrap();
+        let mac = vm.nets()[0].lock().unwrap().mac();
+        let t = Duration::from_secs(60);
+        let peer = |guest: [u8; 6]| ProbeNetPeer {
+            wire: &wire,
+            guest,
+            me: HOST_MAC,
+        };
+        peer(mac.0).greetings(t);
+        peer(mac.0).ping(0, t);
+        snapshot_and_drop(vm, &dir);
+
+        // The clone with its own MAC.
+        let console = Console::default();
+        let mut c = config.clone();
+        c.serial.output = console.output();
+        c.nets[0].mac = Some(MacAddr(CLONE_MAC));
+        let vm = Vm::restore(&c, &SnapshotPaths::in_dir(&dir)).expect("restore");
+        assert_eq!(vm.nets()[0].lock().unwrap().mac(), MacAddr(CLONE_MAC));
+        let pong = peer(CLONE_MAC).ping(1, t);
+        assert_eq!(pong[6..12], CLONE_MAC, "the clone answers from its new MAC");
+        peer(CLONE_MAC).done();
+        let run = run_to_end(vm, &console, t);
+        assert!(
+            run.console.contains("PROBE MAC 02:00:00:00:00:77\n"),
+            "the guest was not told:\n{}",
+            run.console
+        );
+        let r = expect_probe_ok(&run, "net");
+        assert_eq!(r.field("mac"), Some("02:00:00:00:00:77"));
+
+        // Another copy of the same snapshot, no MAC given: the snapshot's, nothing announced.
+        let console = Console::default();
+        let mut c = config.clone();
+        c.serial.output = console.output();
+        let vm = Vm::restore(&c, &SnapshotPaths::in_dir(&dir)).expect("restore");
+        assert_eq!(vm.nets()[0].lock().unwrap().mac(), mac);
+        let pong = peer(mac.0).ping(1, t);
+        assert_eq!(pong[6..12], mac.0);
+        peer(mac.0).done();
+        let run = run_to_end(vm, &console, t);
+        assert!(!run.console.contains("PROBE MAC"), "{}", run.console);
+        expect_probe_ok(&run, "net");
+    })
+    .join()
+    .unwrap();
+    drop(ns);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// Each bad input is refused with one clear error before anything starts.
 #[test]
 fn bad_snapshots_are_refused_with_a_clear_error() {

@@ -416,7 +416,8 @@ impl Vm {
         } else {
             file
         };
-        let vm = Self::restore_paused(config, state, ram, true)?;
+        let mut vm = Self::restore_paused(config, state, ram, true)?;
+        vm.announce_config_changes();
         // A snapshot may be restored many times, each copy a machine of its own: it gets a
         // generation ID of its own before it runs (a migration, one machine moving, keeps it).
         match vm.announce_new_generation() {

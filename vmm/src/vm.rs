@@ -577,6 +577,20 @@ impl Vm {
             .announce_new_generation(self.ram.memory(), interrupt)
     }
 
+    /// Tells the guest of every device restored with a config space other than the
+    /// snapshot's (once, after the interrupt controllers are restored, so the interrupt is
+    /// not lost).
+    pub fn announce_config_changes(&mut self) {
+        for e in self.devices.virtio.iter_mut().filter(|e| e.config_changed) {
+            e.transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .config_changed();
+            e.config_changed = false;
+            tracing::debug!(device = %e.id, "config change announced");
+        }
+    }
+
     /// The generation ID in guest memory now.
     pub fn generation(&self) -> Option<crate::devices::ged::GenerationId> {
         crate::devices::ged::generation(self.ram.memory())

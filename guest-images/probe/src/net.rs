@@ -133,7 +133,42 @@ pub fn run(cmdline: &str) -> ! {
     }
 }
 
-fn run_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
+/// virtio-mmio's InterruptStatus and InterruptACK registers, its config change bit and its
+/// ConfigGeneration register.
+const INTERRUPT_STATUS: u64 = 0x060;
+const INTERRUPT_ACK: u64 = 0x064;
+const INT_CONFIG_CHANGE: u32 = 2;
+const CONFIG_GENERATION: u64 = 0x0fc;
+
+/// After a config change interrupt (a restored clone given a MAC of its own), the MAC read
+/// again — consistently, as the generation says — and announced as `PROBE MAC <mac>`.
+fn follow_config(dev: &Device, mac: &mut [u8; 6]) {
+    if dev.read(INTERRUPT_STATUS) & INT_CONFIG_CHANGE == 0 {
+        return;
+    }
+    dev.write(INTERRUPT_ACK, INT_CONFIG_CHANGE);
+    loop {
+        let generation = dev.read(CONFIG_GENERATION);
+        for (i, m) in mac.iter_mut().enumerate() {
+            *m = dev.config_u8(i as u64);
+        }
+        if dev.read(CONFIG_GENERATION) == generation {
+            break;
+        }
+    }
+    let _ = writeln!(
+        crate::hw::Serial,
+        "PROBE MAC {:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
+        mac[0],
+        mac[1],
+        mac[2],
+        mac[3],
+        mac[4],
+        mac[5]
+    );
+}
+
+fn run_on(mut nic: Nic, mut mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
     let mut frame = [0u8; 1514];
     for (i, &size) in SIZES.iter().enumerate() {
         let mut tag = Line::new();
@@ -148,6 +183,7 @@ fn run_on(mut nic: Nic, mac: [u8; 6], link: u8) -> Result<Line, &'static str> {
             .rx
             .wait_used(WAIT_SPINS)
             .ok_or("no DONE frame from the host")?;
+        follow_config(&nic.dev, &mut mac);
         let i = nic.head_buf[head as usize % QUEUE_SIZE as usize] as usize;
         let b = unsafe { core::slice::from_raw_parts(rx_buf(i), BUF) };
         let len = (len as usize).min(BUF);

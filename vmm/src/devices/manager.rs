@@ -261,6 +261,9 @@ pub struct VirtioEntry {
     pub slot: VirtioSlot,
     pub transport: Arc<Mutex<MmioTransport>>,
     pub kind: VirtioKind,
+    /// Restored with a config space other than the snapshot's (a clone's new MAC): the guest
+    /// is to be told once the machine is whole (`Vm::announce_config_changes`).
+    pub config_changed: bool,
 }
 
 pub enum VirtioKind {
@@ -685,6 +688,7 @@ impl VirtioPlacer<'_> {
             slot,
             transport,
             kind: kind(device),
+            config_changed: false,
         });
         Ok(())
     }
@@ -751,11 +755,15 @@ impl VirtioPlacer<'_> {
             TapSource::Name(n) => Some(n.clone()),
             TapSource::Fd(_) => None,
         };
-        let mac = match saved.map(|d| &d.kind) {
-            Some(VirtioKindState::Net { mac, .. }) => *mac,
-            _ => ncfg
-                .mac
-                .unwrap_or_else(|| derived_mac(&format!("{}/{id}", tap.name))),
+        // Restored, the NIC keeps the snapshot's MAC unless the configuration names another:
+        // a clone's own identity, announced to the guest as a config change.
+        let (mac, changed) = match (saved.map(|d| &d.kind), ncfg.mac) {
+            (Some(VirtioKindState::Net { mac, .. }), Some(new)) if new != *mac => (new, true),
+            (Some(VirtioKindState::Net { mac, .. }), _) => (*mac, false),
+            (_, given) => (
+                given.unwrap_or_else(|| derived_mac(&format!("{}/{id}", tap.name))),
+                false,
+            ),
         };
         let args = NetArgs {
             id: id.clone(),
@@ -769,7 +777,11 @@ impl VirtioPlacer<'_> {
         self.attach(dm, id, net, saved, |device| VirtioKind::Net {
             device,
             tap: tap_name,
-        })
+        })?;
+        if let Some(entry) = dm.virtio.last_mut() {
+            entry.config_changed = changed;
+        }
+        Ok(())
     }
 }
 

@@ -37,6 +37,14 @@ pub struct MmioTransport {
 }
 
 impl MmioTransport {
+    /// The device's config space changed under the guest (a restored clone's new MAC): a new
+    /// config generation and the config change interrupt (virtio 1.x §4.2.2), so a driver
+    /// reads it again.
+    pub fn config_changed(&mut self) {
+        self.config_generation = self.config_generation.wrapping_add(1);
+        self.interrupt.signal(super::INT_CONFIG_CHANGE);
+    }
+
     pub fn new(
         device: Arc<Mutex<dyn VirtioDevice>>,
         mem: GuestMemory,
