@@ -1,12 +1,16 @@
 //! The VirtualMachineSnapshot reconciler: a `match` on where the snapshot stands.
 //!
-//! 1. `Planning`: the source VM is read and every volume judged (`api::snapshot::capture_of`):
-//!    a claim must be bound and its storage class must have a VolumeSnapshotClass for its
-//!    provisioner (a CSI snapshot can be taken of it); a volume made from the spec (container
-//!    disks, cloud-init, …) is listed as excluded; anything else fails the snapshot before
-//!    anything is written. The content is then made: the VM as it is and one backup per claim.
-//! 2. `Capturing`: a VolumeSnapshot per backup (controlled by the content), followed until the
-//!    snapshotter says each is ready — or reports an error, which fails the snapshot.
+//! 1. `Planning`: the source VM is read and held (`status.snapshotInProgress`: no VMI starts
+//!    until the capture is done; a VM a restore holds is waited for), then every volume judged
+//!    (`api::snapshot::capture_of`): a claim must be bound; where its storage class has a
+//!    VolumeSnapshotClass for its provisioner a CSI snapshot is taken, otherwise a full copy —
+//!    refused while the VM runs, as it would not be point-in-time; a volume made from the spec
+//!    (container disks, cloud-init, …) is listed as excluded; anything else fails the snapshot
+//!    before anything is written. The content is then made: the VM as it is and one backup per
+//!    claim.
+//! 2. `Capturing`: a VolumeSnapshot (or a copying DataVolume) per backup, controlled by the
+//!    content, followed until each is ready — or reports an error, which fails the snapshot.
+//!    Done or failed, the VM is let go.
 //! 3. `Done`: phase Succeeded, `readyToUse`.
 //!
 //! A running VM is captured crash-consistently (indications `Online`, `NoGuestAgent`): microvirt
