@@ -71,13 +71,16 @@ pub struct DataVolumeSource {
     pub registry: Option<RegistrySource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pvc: Option<ClaimSource>,
+    /// A CSI VolumeSnapshot of the same namespace: the claim is provisioned from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<ClaimSource>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_object")]
     pub upload: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "preserved_object")]
     pub blank: Option<Value>,
-    /// The kinds microvirt does not import (gcs, imageio, vddk, snapshot), kept as written.
+    /// The kinds microvirt does not import (gcs, imageio, vddk), kept as written.
     #[serde(flatten)]
     pub extra: Extra,
 }

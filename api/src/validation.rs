@@ -220,7 +220,35 @@ pub fn pool_vm(pool: &VirtualMachinePool, ordinal: u32) -> VirtualMachine {
     vm.metadata.namespace = pool.metadata.namespace.clone();
     vm.metadata.labels = meta.labels;
     vm.metadata.annotations = meta.annotations;
+    index_data_volumes(&mut vm, ordinal);
     vm
+}
+
+/// As KubeVirt's pool does: each VM's DataVolumes named `<template name>-<ordinal>`, and its
+/// volumes pointed at them, so every member gets disks of its own from one template.
+fn index_data_volumes(vm: &mut VirtualMachine, ordinal: u32) {
+    let Some(templates) = vm.spec.data_volume_templates.as_mut() else {
+        return;
+    };
+    let mut renamed = Vec::new();
+    for t in templates.iter_mut() {
+        let Some(name) = t.pointer("/metadata/name").and_then(|n| n.as_str()) else {
+            continue;
+        };
+        let indexed = format!("{name}-{ordinal}");
+        renamed.push((name.to_string(), indexed.clone()));
+        t["metadata"]["name"] = indexed.into();
+    }
+    let Some(spec) = vm.spec.template.spec.as_mut() else {
+        return;
+    };
+    for v in spec.volumes.iter_mut() {
+        if let Some(dv) = v.data_volume.as_mut() {
+            if let Some((_, indexed)) = renamed.iter().find(|(n, _)| *n == dv.name) {
+                dv.name = indexed.clone();
+            }
+        }
+    }
 }
 
 /// KubeVirt's checks of a pool: replicas, the selector selects the template, and the VMs it

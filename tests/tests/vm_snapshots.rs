@@ -1203,3 +1203,134 @@ async fn bad_requests_are_refused_at_admission_and_specs_are_fixed() {
         "{err}"
     );
 }
+
+/// CDI's `source.snapshot`: a DataVolume provisioned from a VolumeSnapshot (no importer), and a
+/// VirtualMachinePool whose template's DataVolume comes from one: each member's DataVolume is
+/// indexed (`root-<ordinal>`, as KubeVirt's pool names them) and holds its own copy of the
+/// snapshot's disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_volumes_and_pools_start_from_a_volume_snapshot() {
+    use api::VirtualMachinePool;
+    let (c, _controller, node, work) = site("mv-vmsnap-pool").await;
+    storage(&c, "csi", "csi.example.com", true).await;
+    claim(&c, &node, "golden-root", "csi", b"golden").await;
+    vm(&c, "golden", "Halted", "golden-root", "").await;
+    snapshot(&c, "golden", "VirtualMachine", "golden").await;
+    let s = snapshot_ends(&c, "golden", SnapshotPhase::Succeeded).await;
+    let content = c
+        .api::<VirtualMachineSnapshotContent>()
+        .get(
+            s.status
+                .unwrap()
+                .virtual_machine_snapshot_content_name
+                .as_deref()
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let vs = content.spec.volume_backups[0]
+        .volume_snapshot_name
+        .clone()
+        .unwrap();
+    let dv_done = |name: String| {
+        let c = c.clone_handle();
+        async move {
+            eventually(&format!("DataVolume {name} Succeeded"), T, || async {
+                let dv = c.api::<DataVolume>().get_opt(&name).await.unwrap()?;
+                (dv.status?.phase? == DataVolumePhase::Succeeded).then_some(())
+            })
+            .await
+        }
+    };
+
+    c.apply_yaml::<DataVolume>(&format!(
+        "apiVersion: cdi.kubevirt.io/v1beta1\nkind: DataVolume\nmetadata: {{name: one}}\nspec:\n  source: {{snapshot: {{name: {vs}}}}}\n  storage: {{storageClassName: csi}}"
+    ))
+    .await;
+    dv_done("one".into()).await;
+    let pvc = c.api::<PersistentVolumeClaim>().get("one").await.unwrap();
+    let source = pvc.spec.unwrap().data_source.unwrap();
+    assert_eq!(
+        (source.kind.as_str(), source.name.as_str()),
+        ("VolumeSnapshot", vs.as_str())
+    );
+    assert_eq!(disk(&node, "one"), b"golden");
+    let pods = c
+        .api::<k8s_openapi::api::core::v1::Pod>()
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert!(pods.items.is_empty(), "no importer runs for a snapshot");
+
+    c.apply_yaml::<VirtualMachinePool>(&format!(
+        r#"
+apiVersion: pool.kubevirt.io/v1beta1
+kind: VirtualMachinePool
+metadata: {{name: sandbox}}
+spec:
+  replicas: 3
+  selector: {{matchLabels: {{kubevirt.io/vmpool: sandbox}}}}
+  virtualMachineTemplate:
+    metadata: {{labels: {{kubevirt.io/vmpool: sandbox}}}}
+    spec:
+      runStrategy: Halted
+      dataVolumeTemplates:
+      - metadata: {{name: root}}
+        spec:
+          source: {{snapshot: {{name: {vs}}}}}
+          storage: {{storageClassName: csi}}
+      template:
+        metadata: {{labels: {{kubevirt.io/vmpool: sandbox}}}}
+        spec:
+          domain:
+            memory: {{guest: 64Mi}}
+            devices:
+              disks: [{{name: root, disk: {{bus: virtio}}}}]
+          volumes:
+          - {{name: root, dataVolume: {{name: root}}}}
+"#
+    ))
+    .await;
+    for n in 0..3 {
+        let vm = eventually(&format!("VM sandbox-{n}"), T, || async {
+            c.api::<VirtualMachine>()
+                .get_opt(&format!("sandbox-{n}"))
+                .await
+                .unwrap()
+        })
+        .await;
+        let volume = &vm.spec.template.spec.as_ref().unwrap().volumes[0];
+        assert_eq!(
+            volume.data_volume.as_ref().unwrap().name,
+            format!("root-{n}")
+        );
+        dv_done(format!("root-{n}")).await;
+        assert_eq!(disk(&node, &format!("root-{n}")), b"golden");
+    }
+    write_disk(&node, "root-0", b"written by sandbox-0");
+    assert_eq!(disk(&node, "root-1"), b"golden");
+    assert_eq!(disk(&node, "golden-root"), b"golden");
+
+    // A snapshot that does not exist: the DataVolume fails naming the field.
+    c.apply_yaml::<DataVolume>(
+        "apiVersion: cdi.kubevirt.io/v1beta1\nkind: DataVolume\nmetadata: {name: nothing}\nspec:\n  source: {snapshot: {name: ghost}}\n  storage: {storageClassName: csi, resources: {requests: {storage: 64Mi}}}",
+    )
+    .await;
+    let why = eventually("DataVolume nothing Failed", T, || async {
+        let dv = c.api::<DataVolume>().get("nothing").await.unwrap();
+        let st = dv.status?;
+        (st.phase? == DataVolumePhase::Failed).then(|| {
+            st.conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .and_then(|c| c.message.clone())
+                .unwrap_or_default()
+        })
+    })
+    .await;
+    assert!(
+        why.contains("spec.source.snapshot.name") && why.contains("ghost"),
+        "{why}"
+    );
+    finish(node, &work).await;
+}

@@ -29,6 +29,9 @@ pub enum Flow {
     Clone,
     /// The Pod waits for `virtctl image-upload`: UploadScheduled, then UploadReady while it runs.
     Upload,
+    /// No Pod: the storage fills the claim from its `dataSource` (a VolumeSnapshot);
+    /// CloneScheduled, then Succeeded once the claim is bound.
+    Provision,
 }
 
 impl Flow {
@@ -46,6 +49,10 @@ impl Flow {
             Flow::Upload => (
                 DataVolumePhase::UploadScheduled,
                 DataVolumePhase::UploadReady,
+            ),
+            Flow::Provision => (
+                DataVolumePhase::CloneScheduled,
+                DataVolumePhase::CloneInProgress,
             ),
         }
     }
@@ -169,6 +176,9 @@ pub fn assess(o: &Observed) -> Assessment {
         return Assessment { status, pod };
     }
     let (scheduled, _) = o.flow.phases();
+    if o.flow == Flow::Provision {
+        return provisioned(status, o);
+    }
     let Some(pod) = o.pod else {
         status.phase = Some(if o.claim.is_some() {
             scheduled
@@ -188,6 +198,53 @@ pub fn assess(o: &Observed) -> Assessment {
         };
     };
     from_pod(status, o, pod)
+}
+
+/// A claim the storage provisions from its data source: done once it is bound.
+fn provisioned(mut status: DataVolumeStatus, o: &Observed) -> Assessment {
+    let bound = o.claim.and_then(|c| c.status.as_ref()?.phase.as_deref()) == Some("Bound");
+    let (scheduled, _) = o.flow.phases();
+    let (phase, progress, reason, message) = match (o.claim, bound) {
+        (_, true) => (
+            DataVolumePhase::Succeeded,
+            "100.0%",
+            "Completed",
+            "Provisioned from the snapshot",
+        ),
+        (Some(_), false) => (
+            scheduled,
+            "N/A",
+            "Pending",
+            "Waiting for the storage to provision the claim from the snapshot",
+        ),
+        (None, _) => (DataVolumePhase::Pending, "N/A", "", ""),
+    };
+    status.phase = Some(phase);
+    status.progress = Some(progress.into());
+    set_condition(
+        &mut status.conditions,
+        "Running",
+        false,
+        reason,
+        message,
+        o.now,
+    );
+    set_condition(
+        &mut status.conditions,
+        "Ready",
+        bound,
+        reason,
+        message,
+        o.now,
+    );
+    Assessment {
+        status,
+        pod: if o.pod.is_some() {
+            PodAction::Delete
+        } else {
+            PodAction::Keep
+        },
+    }
 }
 
 /// `Bound` mirrors the claim.
@@ -232,7 +289,7 @@ fn from_pod(mut status: DataVolumeStatus, o: &Observed, pod: &Pod) -> Assessment
         let done = match o.flow {
             Flow::Clone => "Clone Complete",
             Flow::Upload => "Upload Complete",
-            Flow::Import => "Import Complete",
+            Flow::Import | Flow::Provision => "Import Complete",
         };
         set_condition(
             &mut status.conditions,
@@ -368,6 +425,31 @@ mod tests {
         assert_eq!(a.status.phase, Some(DataVolumePhase::ImportScheduled));
         assert_eq!(cond(&a.status, "Bound"), ("False", Some("Pending")));
         assert_eq!(a.status.progress.as_deref(), Some("N/A"));
+    }
+
+    #[test]
+    fn a_claim_from_a_snapshot_needs_no_pod_and_is_done_once_bound() {
+        let provision = |claim: Option<&PersistentVolumeClaim>| {
+            assess(&Observed {
+                flow: Flow::Provision,
+                ..observe(None, claim, None)
+            })
+        };
+        let a = provision(None);
+        assert_eq!(
+            (a.pod, a.status.phase),
+            (PodAction::Keep, Some(DataVolumePhase::Pending))
+        );
+        let pending = claim("Pending");
+        let a = provision(Some(&pending));
+        assert_eq!(a.pod, PodAction::Keep);
+        assert_eq!(a.status.phase, Some(DataVolumePhase::CloneScheduled));
+        assert_eq!(cond(&a.status, "Ready"), ("False", Some("Pending")));
+        let bound = claim("Bound");
+        let a = provision(Some(&bound));
+        assert_eq!(a.status.phase, Some(DataVolumePhase::Succeeded));
+        assert_eq!(a.status.progress.as_deref(), Some("100.0%"));
+        assert_eq!(cond(&a.status, "Ready"), ("True", Some("Completed")));
     }
 
     #[test]

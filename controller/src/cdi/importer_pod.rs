@@ -55,6 +55,9 @@ pub enum ImportSource<'a> {
     Clone(&'a ClaimSource),
     /// Bytes `virtctl image-upload` sends through the upload proxy.
     Upload,
+    /// A CSI VolumeSnapshot of the same namespace: the storage provisions the claim from it,
+    /// no importer runs.
+    Snapshot(&'a ClaimSource),
 }
 
 impl ImportSource<'_> {
@@ -67,6 +70,7 @@ impl ImportSource<'_> {
             ImportSource::Blank => "blank",
             ImportSource::Clone(_) => "pvc",
             ImportSource::Upload => "upload",
+            ImportSource::Snapshot(_) => "snapshot",
         }
     }
 
@@ -75,12 +79,14 @@ impl ImportSource<'_> {
         match self {
             ImportSource::Clone(_) => super::assess::Flow::Clone,
             ImportSource::Upload => super::assess::Flow::Upload,
+            ImportSource::Snapshot(_) => super::assess::Flow::Provision,
             _ => super::assess::Flow::Import,
         }
     }
 }
 
-const SERVED: &str = "accepted: http, s3, registry, blank, upload, pvc (same namespace)";
+const SERVED: &str =
+    "accepted: http, s3, registry, blank, upload, pvc or snapshot (same namespace)";
 
 /// The DataVolume's one source, or why it cannot be imported here.
 pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
@@ -127,6 +133,10 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
     if s.upload.is_some() {
         found.push(ImportSource::Upload);
         kinds.push("upload".into());
+    }
+    if let Some(c) = &s.snapshot {
+        found.push(ImportSource::Snapshot(c));
+        kinds.push("snapshot".into());
     }
     kinds.extend(s.extra.keys().cloned());
     if kinds.len() != 1 {
@@ -185,6 +195,18 @@ pub fn source_of(dv: &DataVolume) -> Result<ImportSource<'_>, SpecError> {
                 ),
             )),
             _ if c.name.is_empty() => Err(SpecError::new("spec.source.pvc.name", "is required")),
+            _ => Ok(one),
+        },
+        ImportSource::Snapshot(c) => match c.namespace.as_deref() {
+            Some(ns) if Some(ns) != dv.namespace().as_deref() => Err(SpecError::new(
+                "spec.source.snapshot.namespace",
+                &format!(
+                    "a claim is provisioned from a VolumeSnapshot of its own namespace only (not {ns})"
+                ),
+            )),
+            _ if c.name.is_empty() => {
+                Err(SpecError::new("spec.source.snapshot.name", "is required"))
+            }
             _ => Ok(one),
         },
         _ => Ok(one),
@@ -339,7 +361,8 @@ impl Wiring {
                     ));
                 }
             }
-            ImportSource::Blank => {}
+            // No importer runs for a snapshot (the flow never asks for a Pod).
+            ImportSource::Blank | ImportSource::Snapshot(_) => {}
             ImportSource::Upload => {
                 // The claim and namespace a token must name; the key to check it with.
                 self.env.push(EnvVar {
@@ -642,6 +665,16 @@ mod tests {
                 "{source: {pvc: {namespace: other, name: x}}}",
                 "spec.source.pvc.namespace",
                 "another namespace",
+            ),
+            (
+                "{source: {snapshot: {namespace: other, name: x}}}",
+                "spec.source.snapshot.namespace",
+                "its own namespace",
+            ),
+            (
+                "{source: {snapshot: {name: ''}}}",
+                "spec.source.snapshot.name",
+                "required",
             ),
             (
                 "{contentType: archive, source: {blank: {}}}",

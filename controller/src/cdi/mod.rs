@@ -349,13 +349,53 @@ async fn claim_plan(
         source_block = sspec.volume_mode.as_deref() == Some("Block");
         grow = !default_clone_size(&mut spec_dv, &sspec);
     }
+    let mut data_source = None;
+    if let ImportSource::Snapshot(c) = src {
+        let snapshots: Api<api::snapshot::VolumeSnapshot> =
+            Api::namespaced(client.clone(), &dv.namespace().unwrap_or_default());
+        let found = match snapshots.get_opt(&c.name).await {
+            Ok(found) => found,
+            // No CSI snapshot kinds served: there is nothing to provision from.
+            Err(kube::Error::Api(e)) if e.code == 404 => None,
+            Err(e) => return Err(e.into()),
+        };
+        let Some(vs) = found else {
+            return Ok(Err(SpecError::new(
+                "spec.source.snapshot.name",
+                &format!(
+                    "VolumeSnapshot {} not found in namespace {}",
+                    c.name,
+                    dv.namespace().unwrap_or_default()
+                ),
+            )));
+        };
+        // No size given: the snapshot's restore size.
+        if let Some(size) = vs.status.and_then(|s| s.restore_size) {
+            let sized = k8s_openapi::api::core::v1::PersistentVolumeClaimSpec {
+                resources: Some(k8s_openapi::api::core::v1::VolumeResourceRequirements {
+                    requests: Some([("storage".to_string(), size)].into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            default_clone_size(&mut spec_dv, &sized);
+        }
+        data_source = Some(k8s_openapi::api::core::v1::TypedLocalObjectReference {
+            api_group: Some("snapshot.storage.k8s.io".into()),
+            kind: "VolumeSnapshot".into(),
+            name: c.name.clone(),
+        });
+    }
     let default_class = default_virt_class(client).await;
     Ok(
-        claim::claim_spec(&spec_dv, default_class.as_deref()).map(|(spec, shape)| ClaimPlan {
-            spec,
-            shape,
-            source_block,
-            grow,
+        claim::claim_spec(&spec_dv, default_class.as_deref()).map(|(mut spec, shape)| {
+            spec.data_source = data_source;
+            ClaimPlan {
+                spec,
+                shape,
+                source_block,
+                grow,
+            }
         }),
     )
 }
