@@ -296,15 +296,36 @@ fn disk_being_written_holds_exactly_what_the_guest_wrote() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A network namespace holding an up TAP `tap` (vnet_hdr, no IPv6 chatter).
+fn netns_with_tap(tag: &str, tap: &str) -> NetNs {
+    let ns = NetNs::new(tag);
+    ns.exec(&["ip", "tuntap", "add", tap, "mode", "tap", "vnet_hdr"]);
+    ns.exec(&[
+        "sysctl",
+        "-q",
+        "-w",
+        &format!("net.ipv6.conf.{tap}.disable_ipv6=1"),
+    ]);
+    ns.exec(&["ip", "link", "set", tap, "up"]);
+    ns
+}
+
+/// The probe's `net` test on TAP `tap`, its MAC derived (none given), and its console.
+fn net_probe(tap: &str) -> (Console, VmConfig) {
+    let console = Console::default();
+    let mut config = probe_config("net", 1, 64, &console);
+    config.nets = vec![vmm::config::NetConfig {
+        tap: vmm::config::TapSource::Name(tap.into()),
+        mac: None,
+    }];
+    (console, config)
+}
+
 #[test]
 fn nic_keeps_echoing_across_restore() {
-    use vmm::config::{NetConfig, TapSource};
     const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
     require_kvm();
-    let ns = NetNs::new("snapnet");
-    ns.exec(&["ip", "tuntap", "add", "mvsnap0", "mode", "tap", "vnet_hdr"]);
-    ns.exec(&["sysctl", "-q", "-w", "net.ipv6.conf.mvsnap0.disable_ipv6=1"]);
-    ns.exec(&["ip", "link", "set", "mvsnap0", "up"]);
+    let ns = netns_with_tap("snapnet", "mvsnap0");
     let ns_name = ns.name.clone();
     let dir = scratch("net");
     let d = dir.clone();
@@ -314,13 +335,8 @@ fn nic_keeps_echoing_across_restore() {
         ns.enter();
         std::mem::forget(ns);
         let wire = PacketSocket::bind("mvsnap0");
-        let console = Console::default();
-        let mut config = probe_config("net", 1, 64, &console);
+        let (_console, config) = net_probe("mvsnap0");
         // No MAC given: the derived one must be the same after the restore.
-        config.nets = vec![NetConfig {
-            tap: TapSource::Name("mvsnap0".into()),
-            mac: None,
-        }];
         let vm = Vm::build(&config).unwrap();
         let mac = vm.nets()[0].lock().unwrap().mac();
         let t = Duration::from_secs(60);
@@ -365,14 +381,11 @@ fn nic_keeps_echoing_across_restore() {
 /// snapshot's MAC and is told nothing.
 #[test]
 fn a_clone_restored_with_its_own_mac_is_told_of_it() {
-    use vmm::config::{MacAddr, NetConfig, TapSource};
+    use vmm::config::MacAddr;
     const HOST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
     const CLONE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x77];
     require_kvm();
-    let ns = NetNs::new("snapmac");
-    ns.exec(&["ip", "tuntap", "add", "mvsnap1", "mode", "tap", "vnet_hdr"]);
-    ns.exec(&["sysctl", "-q", "-w", "net.ipv6.conf.mvsnap1.disable_ipv6=1"]);
-    ns.exec(&["ip", "link", "set", "mvsnap1", "up"]);
+    let ns = netns_with_tap("snapmac", "mvsnap1");
     let ns_name = ns.name.clone();
     let dir = scratch("mac");
     let d = dir.clone();
@@ -382,12 +395,7 @@ fn a_clone_restored_with_its_own_mac_is_told_of_it() {
         ns.enter();
         std::mem::forget(ns);
         let wire = PacketSocket::bind("mvsnap1");
-        let console = Console::default();
-        let mut config = probe_config("net", 1, 64, &console);
-        config.nets = vec![NetConfig {
-            tap: TapSource::Name("mvsnap1".into()),
-            mac: None,
-        }];
+        let (_console, config) = net_probe("mvsnap1");
         let vm = Vm::build(&config).unwrap();
         let mac = vm.nets()[0].lock().unwrap().mac();
         let t = Duration::from_secs(60);
