@@ -327,9 +327,9 @@ pub fn identity_patches(
 
 /// Everything a clone's spec says that can be judged without its source (the admission
 /// webhook's check, and the controller's before it writes anything): the source and target
-/// kinds, the filters, the MAC addresses, the patches, the claim naming.
-pub fn validate_clone(spec: &VirtualMachineCloneSpec) -> Result<(), String> {
-    source_of(spec)?;
+/// kinds, the filters, the MAC addresses, the patches, the claim naming. Valid, its source.
+pub fn validate_clone(spec: &VirtualMachineCloneSpec) -> Result<CloneSource, String> {
+    let source = source_of(spec)?;
     if let Some(t) = &spec.target {
         crate::snapshot::check_vm_reference(t, "spec.target")?;
     }
@@ -352,7 +352,7 @@ pub fn validate_clone(spec: &VirtualMachineCloneSpec) -> Result<(), String> {
                 .into(),
         );
     }
-    Ok(())
+    Ok(source)
 }
 
 #[cfg(test)]

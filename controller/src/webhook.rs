@@ -151,7 +151,7 @@ pub fn validate_object(
         }
         "VirtualMachineClone" => {
             let c: api::clone::VirtualMachineClone = decode(obj, kind)?;
-            api::clone::validate_clone(&c.spec)?;
+            api::clone::validate_clone(&c.spec)?; // its source is judged, not needed here
             return Ok(warnings);
         }
         _ => return Ok(warnings),

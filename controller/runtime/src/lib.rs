@@ -26,7 +26,7 @@ pub use backoff::RetryBackoff;
 pub use conditions::{remove_condition, set_condition};
 pub use events::EventSink;
 pub use objects::{
-    controlled_by, controller_ref, delete_if_present, finalizer_patch, has_finalizer, is_conflict,
-    is_not_found, write_labels, write_status,
+    controlled_by, controller_ref, create_if_absent, delete_if_present, finalizer_patch,
+    has_finalizer, is_conflict, is_not_found, write_labels, write_status,
 };
 pub use settings::LiveSettings;

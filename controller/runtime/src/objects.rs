@@ -99,6 +99,18 @@ where
         .await
 }
 
+/// Creates an object; one of that name made before (by an earlier pass) is fine.
+pub async fn create_if_absent<K>(api: &Api<K>, obj: &K) -> Result<(), kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), obj).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_conflict(&e) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Deletes an object; one that is already gone is fine.
 pub async fn delete_if_present<K>(
     api: &Api<K>,

@@ -39,7 +39,7 @@ use kube::{Resource, ResourceExt};
 
 use super::{error, protect, set_done, set_failed, set_progress, volume_snapshot_classes, Lock};
 use crate::context::{Context, Error, Result};
-use controller_runtime::{controller_ref, write_status};
+use controller_runtime::{controller_ref, create_if_absent, has_finalizer, write_status};
 
 pub const CONTROLLER: &str = "vmsnapshot-controller";
 
@@ -78,10 +78,13 @@ pub async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>)
     };
     let action = match pass.stage().await? {
         Stage::Settled => {
-            // Done, failed or being deleted: the VM let go, the object free to go.
-            pass.release().await?;
-            let api = pass.api::<VirtualMachineSnapshot>();
-            protect(&api, pass.snapshot.as_ref(), SNAPSHOT_FINALIZER, false).await?;
+            // Done, failed or being deleted: the VM let go, the object free to go. Without the
+            // finalizer that was done already (the lock is taken only while it is on).
+            if has_finalizer(pass.snapshot.as_ref(), SNAPSHOT_FINALIZER) {
+                pass.release().await?;
+                let api = pass.api::<VirtualMachineSnapshot>();
+                protect(&api, pass.snapshot.as_ref(), SNAPSHOT_FINALIZER, false).await?;
+            }
             return Ok(Action::await_change());
         }
         Stage::Planning
@@ -233,15 +236,7 @@ impl Pass {
         self.status.source_uid = vm.uid();
         let content = self.content(&vm, backups);
         let name = content.name_any();
-        match self
-            .api::<VirtualMachineSnapshotContent>()
-            .create(&PostParams::default(), &content)
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(e.into()),
-        }
+        create_if_absent(&self.api(), &content).await?;
         self.status.virtual_machine_snapshot_content_name = Some(name);
         set_progress(
             &mut self.status.conditions,

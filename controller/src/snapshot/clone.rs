@@ -32,13 +32,13 @@ use api::snapshot::{
 };
 use api::VirtualMachine;
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReference};
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 
 use super::{set_done, set_progress};
 use crate::context::{Context, Error, Result};
-use controller_runtime::{controller_ref, write_status};
+use controller_runtime::{controller_ref, create_if_absent, delete_if_present, write_status};
 
 pub const CONTROLLER: &str = "vmclone-controller";
 
@@ -149,10 +149,7 @@ impl Pass {
     /// The source and target judged; the source VM's snapshot started.
     async fn start(&mut self) -> Result<Step> {
         // Everything judged that can be before the snapshot is taken.
-        if let Err(why) = validate_clone(&self.clone.spec) {
-            return Ok(Err(Hold::Refused(why)));
-        }
-        let source = match source_of(&self.clone.spec) {
+        let source = match validate_clone(&self.clone.spec) {
             Ok(s) => s,
             Err(why) => return Ok(Err(Hold::Refused(why))),
         };
@@ -187,7 +184,7 @@ impl Pass {
                 snapshot.metadata.namespace = Some(self.ns.clone());
                 snapshot.metadata.owner_references =
                     controller_ref(self.clone.as_ref()).map(|r| vec![r]);
-                create(&self.api(), &snapshot).await?;
+                create_if_absent(&self.api(), &snapshot).await?;
                 self.status.snapshot_name = Some(name.clone());
                 self.progress(
                     ClonePhase::SnapshotInProgress,
@@ -282,7 +279,7 @@ impl Pass {
         );
         restore.metadata.namespace = Some(self.ns.clone());
         restore.metadata.owner_references = controller_ref(self.clone.as_ref()).map(|r| vec![r]);
-        create(&self.api(), &restore).await?;
+        create_if_absent(&self.api(), &restore).await?;
         Ok(Ok(self.restoring_into(target, restore_name, name)))
     }
 
@@ -405,12 +402,12 @@ impl Pass {
     async fn clean_up(&self) -> Result<()> {
         let dp = DeleteParams::background();
         if let Some(r) = &self.status.restore_name {
-            ignore_missing(self.api::<VirtualMachineRestore>().delete(r, &dp).await)?;
+            delete_if_present(&self.api::<VirtualMachineRestore>(), r, &dp).await?;
         }
         if let (Ok(CloneSource::Vm(_)), Some(s)) =
             (source_of(&self.clone.spec), &self.status.snapshot_name)
         {
-            ignore_missing(self.api::<VirtualMachineSnapshot>().delete(s, &dp).await)?;
+            delete_if_present(&self.api::<VirtualMachineSnapshot>(), s, &dp).await?;
         }
         Ok(())
     }
@@ -423,25 +420,5 @@ impl Pass {
             .event(self.clone.as_ref(), true, "CloneFailed", "Clone", why)
             .await;
         Ok(Action::await_change())
-    }
-}
-
-/// Creates `obj`, or finds it made by an earlier pass.
-async fn create<K>(api: &Api<K>, obj: &K) -> Result<()>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
-{
-    match api.create(&PostParams::default(), obj).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn ignore_missing<T>(r: std::result::Result<T, kube::Error>) -> Result<()> {
-    match r {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        Err(e) => Err(e.into()),
     }
 }

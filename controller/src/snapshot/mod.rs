@@ -72,9 +72,8 @@ impl Lock {
             .patch_status(vm, &PatchParams::default(), &Patch::Merge(&p))
             .await
         {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(e) if !controller_runtime::is_not_found(&e) => Err(e.into()),
+            _ => Ok(()),
         }
     }
 }
@@ -93,9 +92,8 @@ where
         .patch(&obj.name_any(), &PatchParams::default(), &Patch::Merge(&p))
         .await
     {
-        Ok(_) => Ok(true),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(true),
-        Err(e) => Err(e.into()),
+        Err(e) if !controller_runtime::is_not_found(&e) => Err(e.into()),
+        _ => Ok(true),
     }
 }
 

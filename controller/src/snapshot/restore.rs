@@ -34,7 +34,7 @@ use serde_json::{json, Value};
 
 use super::{protect, set_done, set_failed, set_progress, Lock};
 use crate::context::{Context, Error, Result};
-use controller_runtime::write_status;
+use controller_runtime::{create_if_absent, delete_if_present, has_finalizer, write_status};
 
 pub const CONTROLLER: &str = "vmrestore-controller";
 
@@ -97,10 +97,13 @@ pub async fn reconcile(restore: Arc<VirtualMachineRestore>, ctx: Arc<Context>) -
     };
     let action = match pass.stage() {
         Stage::Settled => {
-            // Done, failed or being deleted: the VM let go, the object free to go.
-            pass.release().await?;
-            let api = pass.api::<VirtualMachineRestore>();
-            protect(&api, pass.restore.as_ref(), RESTORE_FINALIZER, false).await?;
+            // Done, failed or being deleted: the VM let go, the object free to go. Without the
+            // finalizer that was done already (the lock is taken only while it is on).
+            if has_finalizer(pass.restore.as_ref(), RESTORE_FINALIZER) {
+                pass.release().await?;
+                let api = pass.api::<VirtualMachineRestore>();
+                protect(&api, pass.restore.as_ref(), RESTORE_FINALIZER, false).await?;
+            }
             return Ok(Action::await_change());
         }
         Stage::Checking
@@ -610,11 +613,7 @@ impl Pass {
     async fn make_claim(&self, c: &ClaimPlan) -> Result<bool> {
         let claims = self.api::<PersistentVolumeClaim>();
         if c.replaces {
-            match claims.delete(&c.name, &DeleteParams::default()).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => return Err(e.into()),
-            }
+            delete_if_present(&claims, &c.name, &DeleteParams::default()).await?;
             return Ok(false);
         }
         if c.backup.copy_claim_name.is_some() || claims.get_opt(&c.name).await?.is_some() {
@@ -641,11 +640,8 @@ impl Pass {
             spec: Some(spec),
             status: None,
         };
-        match claims.create(&PostParams::default(), &claim).await {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(e)) if e.code == 409 => Ok(true),
-            Err(e) => Err(e.into()),
-        }
+        create_if_absent(&claims, &claim).await?;
+        Ok(true)
     }
 
     /// The labels and annotations of restored claim `c`: the captured claim's, the override's,
