@@ -33,7 +33,38 @@ pub const RESTORE_FINALIZER: &str = "snapshot.kubevirt.io/vmrestore-protection";
 pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
     "kubectl.kubernetes.io/last-applied-configuration",
     ANNOTATION_LAST_RESTORE,
+    ANNOTATION_START_FROM_STATE,
 ];
+
+/// microvirt's extension to KubeVirt's snapshots, in one place: a VM's guest memory and machine
+/// state, kept in a claim of its own (the cluster's `vmStateStorageClass`) as the launcher's
+/// snapshot files ([`MACHINE_STATE_FILES`]).
+///
+/// On a VirtualMachineSnapshotContent, this annotation names that claim. An annotation, so a
+/// KubeVirt client reading the content ignores it safely: KubeVirt's own restore boots the VM
+/// from the captured disks, as it always does.
+pub const ANNOTATION_STATE_CLAIM: &str = "snapshot.microvirt.io/machine-state-claim";
+/// On a VirtualMachine (and so on the VMs a VirtualMachinePool makes from its template), or on
+/// a VMI (and so on a VMI ReplicaSet's template): the next VMI starts from the machine state in
+/// the named claim, resuming the guest where it was captured, instead of booting. On a VM it
+/// is taken once: the VM controller moves it onto the VMI it creates, since a later start
+/// would resume memory older than the disks by then.
+pub const ANNOTATION_START_FROM_STATE: &str = "snapshot.microvirt.io/start-from-state";
+/// The two files of a machine state, as the launcher writes and reads them in its claim's
+/// directory: the state (vCPUs, devices) and the guest's memory.
+pub const MACHINE_STATE_FILES: [&str; 2] = ["state", "memory"];
+
+/// The claim a snapshot's machine state is kept in.
+pub fn state_claim_name(snapshot_uid: &str) -> String {
+    format!("vmstate-{snapshot_uid}")
+}
+
+/// The claim `annotations` say the VMI starts from, if any.
+pub fn start_from_state(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
+    annotations?
+        .get(ANNOTATION_START_FROM_STATE)
+        .map(String::as_str)
+}
 
 /// Every entry of `spec.patches` a JSON patch.
 pub fn check_patches(patches: &[String]) -> Result<(), String> {

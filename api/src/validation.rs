@@ -163,6 +163,10 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
         None => e.add("spec.template.spec", "is required"),
     }
     e.fields(vm_findings(vm));
+    start_from_state(&vm.metadata, "metadata", &mut e);
+    if let Some(m) = &vm.spec.template.metadata {
+        start_from_state(m, "spec.template.metadata", &mut e);
+    }
     finish("VirtualMachine", &object_name(&vm.metadata), e)
 }
 
@@ -170,7 +174,23 @@ pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError>
     let mut e = Errors(Vec::new());
     validate_spec(&vmi.spec, "spec", &mut e);
     e.fields(vmi_findings(vmi));
+    start_from_state(&vmi.metadata, "metadata", &mut e);
     finish("VirtualMachineInstance", &object_name(&vmi.metadata), e)
+}
+
+/// The claim `snapshot.microvirt.io/start-from-state` names must be a claim's name: the Pod
+/// mounts it and the launcher reads its files beneath the volumes directory.
+fn start_from_state(meta: &ObjectMeta, base: &str, e: &mut Errors) {
+    if let Some(claim) = crate::snapshot::start_from_state(meta.annotations.as_ref()) {
+        dns_subdomain(
+            e,
+            format!(
+                "{base}.annotations[{}]",
+                crate::snapshot::ANNOTATION_START_FROM_STATE
+            ),
+            claim,
+        );
+    }
 }
 
 pub fn validate_vmirs(rs: &VirtualMachineInstanceReplicaSet) -> Result<(), ValidationError> {

@@ -218,7 +218,10 @@ fn paths_that_leave_their_directory_are_refused_by_field() {
     let v = vmi(r#"
 apiVersion: kubevirt.io/v1
 kind: VirtualMachineInstance
-metadata: {name: escape, namespace: ns}
+metadata:
+  name: escape
+  namespace: ns
+  annotations: {snapshot.microvirt.io/start-from-state: ../../other-tenant/vmstate-1}
 spec:
   domain:
     memory: {guest: 64Mi}
@@ -242,6 +245,7 @@ spec:
         "spec.volumes[2].dataVolume.name: \"a/b\" is not a valid name",
         "spec.volumes[3].hostDisk.path: \"/var/lib/hostdisks/../../../etc/x.img\" has a \"..\" component",
         "spec.volumes[4].name: \"..\" is not a valid name",
+        "metadata.annotations[snapshot.microvirt.io/start-from-state]: \"../../other-tenant/vmstate-1\" is not a valid name",
     ]);
 }
 

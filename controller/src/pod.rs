@@ -25,6 +25,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
+/// The Pod's volume of the claim a VMI starts from (`snapshot.microvirt.io/start-from-state`).
+const MACHINE_STATE_VOLUME: &str = "machine-state";
+
 pub const OVERHEAD_FIXED: u64 = 24 << 20;
 pub const OVERHEAD_PER_VCPU: u64 = 1 << 20;
 
@@ -183,6 +186,9 @@ pub fn render(vmi: &VirtualMachineInstance, cfg: &PodConfig) -> Result<Pod, Rend
     let mut storage = Storage::new();
     for (i, v) in spec.volumes.iter().enumerate() {
         storage.add(vmi, cfg, i, v)?;
+    }
+    if let Some(claim) = api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()) {
+        storage.add_machine_state(claim);
     }
     if let Some(c) = kernel_boot_container(spec) {
         storage.init_containers.push(c);
@@ -664,6 +670,24 @@ impl Storage {
     }
 
     /// A hostDisk: its directory from the node, where the policy allows it.
+    /// The claim a VMI starting from a machine state reads it from: read-only (one snapshot's
+    /// claim serves every VM started from it; each maps the memory file privately), where the
+    /// launcher looks for claims.
+    fn add_machine_state(&mut self, claim: &str) {
+        self.volumes.push(Volume {
+            name: MACHINE_STATE_VOLUME.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.into(),
+                read_only: Some(true),
+            }),
+            ..Default::default()
+        });
+        self.mounts.push(mount_ro(
+            MACHINE_STATE_VOLUME,
+            &format!("{VOLUMES}/{claim}"),
+        ));
+    }
+
     fn add_host_disk(
         &mut self,
         vmi: &VirtualMachineInstance,
@@ -908,6 +932,35 @@ mod tests {
             mib_quantity(memory_overhead(1 << 30, 1)),
             "guest RAM is not ordinary memory"
         );
+    }
+
+    #[test]
+    fn a_vmi_starting_from_a_machine_state_mounts_its_claim_read_only() {
+        let pod = render_json(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "web", "namespace": "default", "uid": "u-1",
+                         "annotations": {"snapshot.microvirt.io/start-from-state": "vmstate-s1"}},
+            "spec": {"domain": {"memory": {"guest": "64Mi"}, "devices": {}}},
+        }));
+        let spec = pod.spec.unwrap();
+        let volume = spec
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == MACHINE_STATE_VOLUME)
+            .unwrap();
+        let claim = volume.persistent_volume_claim.unwrap();
+        assert_eq!(claim.claim_name, "vmstate-s1");
+        assert_eq!(claim.read_only, Some(true));
+        let mount = spec.containers[0]
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.name == MACHINE_STATE_VOLUME)
+            .unwrap();
+        assert_eq!(mount.mount_path, format!("{VOLUMES}/vmstate-s1"));
+        assert_eq!(mount.read_only, Some(true));
     }
 
     #[test]

@@ -17,6 +17,11 @@ struct Launcher {
 
 impl Launcher {
     fn start(tag: &str) -> Launcher {
+        Launcher::start_with_volumes(tag, None)
+    }
+
+    /// `start`, its claims (`--volume-dir`) in `volumes` (else in its own directory).
+    fn start_with_volumes(tag: &str, volumes: Option<&Path>) -> Launcher {
         tests::require_kvm();
         let dir = tests::probe_workdir(&format!("mv-daemon-{tag}"));
         let socket = dir.join("launcher.sock");
@@ -27,6 +32,8 @@ impl Launcher {
             .arg(dir.join("images"))
             .arg("--state-dir")
             .arg(dir.join("state"))
+            .arg("--volume-dir")
+            .arg(volumes.map_or_else(|| dir.join("volumes"), Path::to_path_buf))
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -147,6 +154,24 @@ fn read_until(console: &mut impl Read, seen: &mut String, needle: &str) {
         assert!(
             Instant::now() < deadline,
             "no {needle:?} on the console; got:\n{seen}"
+        );
+        if let Ok(n) = console.read(&mut buf) {
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+}
+
+/// Reads until the whole line that starts with `needle` is on the console, so a verdict's words
+/// (OK or the failure) are there to check, whichever they are.
+fn read_line_of(console: &mut impl Read, seen: &mut String, needle: &str) {
+    read_until(console, seen, needle);
+    let at = seen.find(needle).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut buf = [0u8; 512];
+    while !seen[at..].contains('\n') {
+        assert!(
+            Instant::now() < deadline,
+            "{needle:?} never ended its line:\n{seen}"
         );
         if let Ok(n) = console.read(&mut buf) {
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
@@ -834,4 +859,104 @@ fn a_soft_reboot_restarts_the_guest_in_the_same_launcher() {
         c.call(Request::SoftReboot),
         Response::Error { message } if message.starts_with("the VM has ended")
     ));
+}
+
+/// The extension KubeVirt's snapshots get from microvirt, at the launcher: a VMI annotated
+/// `snapshot.microvirt.io/start-from-state: CLAIM` resumes the machine state in that claim's
+/// directory instead of booting — two launchers from one state, each its own machine (its own
+/// generation ID), the guest going on where it was; a claim without a state, or one whose
+/// state does not fit the VMI, fails the Sync with the annotation named and starts nothing.
+#[test]
+fn a_vmi_annotated_with_a_machine_state_resumes_it_instead_of_booting() {
+    let source = Launcher::start("state-source");
+    let volumes = tests::probe_workdir("mv-daemon-state-claims");
+    let claim = volumes.join("vmstate-1");
+    std::fs::create_dir_all(&claim).unwrap();
+    let (mut c, _events, mut con) = source.sync_watched(probe_vmi("dirty probe.passes=30", 30));
+    let mut seen = String::new();
+    read_until(&mut con.inp, &mut seen, "PROBE PROGRESS dirty pass=3");
+    let answer = loop {
+        match c.call(Request::Snapshot {
+            memory_path: claim.join("memory").display().to_string(),
+            state_path: claim.join("state").display().to_string(),
+            stop: true,
+        }) {
+            Response::Event(_) => continue,
+            other => break other,
+        }
+    };
+    let Response::Snapshot(report) = answer else {
+        panic!("snapshot: {answer:?}")
+    };
+    assert!(report.memory_bytes >= 64 << 20, "{report:?}");
+    let first_id = seen
+        .lines()
+        .find_map(|l| l.strip_prefix("PROBE GENID "))
+        .expect("the probe announces its generation ID")
+        .to_string();
+    drop(source);
+
+    let annotated = |claim: &str| {
+        let mut vmi = probe_vmi("dirty probe.passes=30", 30);
+        vmi.metadata.annotations = Some(
+            [(
+                api::snapshot::ANNOTATION_START_FROM_STATE.to_string(),
+                claim.to_string(),
+            )]
+            .into(),
+        );
+        vmi
+    };
+    let mut ids = Vec::new();
+    let mut launchers = Vec::new();
+    for i in 0..2 {
+        let l = Launcher::start_with_volumes(&format!("state-copy-{i}"), Some(&volumes));
+        let (_c, _e, mut con) = l.sync_watched(annotated("vmstate-1"));
+        let mut seen = String::new();
+        read_line_of(&mut con.inp, &mut seen, "PROBE RESULT dirty");
+        assert!(
+            !seen.contains("microvirt probe guest: hello"),
+            "the guest booted instead of resuming:\n{seen}"
+        );
+        assert!(seen.contains("PROBE RESULT dirty OK"), "{seen}");
+        let id = seen
+            .lines()
+            .find_map(|l| l.strip_prefix("PROBE GENID "))
+            .unwrap_or_else(|| panic!("no new generation announced:\n{seen}"))
+            .to_string();
+        ids.push(id);
+        launchers.push(l);
+    }
+    assert_ne!(ids[0], first_id);
+    assert_ne!(ids[1], first_id);
+    assert_ne!(ids[0], ids[1]);
+
+    // No state in the claim; a state that does not fit the VMI (another vCPU count).
+    let l = Launcher::start_with_volumes("state-bad", Some(&volumes));
+    let mut c = l.client();
+    std::fs::create_dir_all(volumes.join("empty")).unwrap();
+    let Response::Error { message } = c.call(Request::Sync {
+        vmi: Box::new(annotated("empty")),
+    }) else {
+        panic!("a claim without a state was taken")
+    };
+    assert!(
+        message.contains("snapshot.microvirt.io/start-from-state")
+            && message.contains("holds no machine state"),
+        "{message}"
+    );
+    let mut other = annotated("vmstate-1");
+    other.spec.domain.cpu.as_mut().unwrap().cores = Some(1);
+    let Response::Error { message } = c.call(Request::Sync {
+        vmi: Box::new(other),
+    }) else {
+        panic!("a state of another shape was taken")
+    };
+    assert!(
+        message.contains("cannot start from the machine state in claim \"vmstate-1\""),
+        "{message}"
+    );
+    assert_eq!(c.status().state, VmState::NoVm);
+    drop(launchers);
+    let _ = std::fs::remove_dir_all(volumes);
 }

@@ -639,17 +639,61 @@ impl Daemon {
             // Sync is idempotent: the VM exists (or existed).
             _ => return Ok(()),
         }
+        let state = self.machine_state_of(&vmi)?;
         let p = self.prepare(vmi)?;
-        match Vm::build(&p.config) {
+        let built = match &state {
+            None => Vm::build(&p.config),
+            Some((_, paths)) => Vm::restore(&p.config, paths),
+        };
+        match built {
             Ok(vm) => {
                 self.install(Arc::new(vm), p.origin);
                 Ok(())
             }
             Err(e) => {
                 p.discard();
-                Err(e.to_string())
+                Err(match state {
+                    None => e.to_string(),
+                    Some((claim, _)) => format!(
+                        "metadata.annotations[{}]: cannot start from the machine state in claim {claim:?}: {e}",
+                        api::snapshot::ANNOTATION_START_FROM_STATE
+                    ),
+                })
             }
         }
+    }
+
+    /// The snapshot files a VMI starts from (`snapshot.microvirt.io/start-from-state`): in
+    /// the named claim's directory, which the Pod mounts where the launcher finds claims, and
+    /// which must not lead out of it.
+    fn machine_state_of(
+        &self,
+        vmi: &VirtualMachineInstance,
+    ) -> Result<Option<(String, vmm::SnapshotPaths)>, String> {
+        let Some(claim) = api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()) else {
+            return Ok(None);
+        };
+        let field = format!(
+            "metadata.annotations[{}]",
+            api::snapshot::ANNOTATION_START_FROM_STATE
+        );
+        if claim.is_empty() || claim.contains('/') || claim == "." || claim == ".." {
+            return Err(format!("{field}: {claim:?} is not a claim's name"));
+        }
+        let root = &self.env.volume_dir;
+        let dir = crate::beneath::resolve(root, &root.join(claim), "volume directory")
+            .map_err(|e| format!("{field}: the claim's directory: {e}"))?;
+        let [state, memory] = api::snapshot::MACHINE_STATE_FILES.map(|f| {
+            crate::beneath::resolve(root, &dir.join(f), "volume directory")
+                .map_err(|e| format!("{field}: claim {claim:?} holds no machine state: {e}"))
+        });
+        Ok(Some((
+            claim.to_string(),
+            vmm::SnapshotPaths {
+                state: state?,
+                memory: memory?,
+            },
+        )))
     }
 
     /// The target side of a live migration: listens on `listen` for one source and, once the
