@@ -164,8 +164,17 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
     }
     e.fields(vm_findings(vm));
     start_from_state(&vm.metadata, "metadata", &mut e);
-    if let Some(m) = &vm.spec.template.metadata {
-        start_from_state(m, "spec.template.metadata", &mut e);
+    let template = vm.spec.template.metadata.as_ref();
+    if crate::snapshot::start_from_state(template.and_then(|m| m.annotations.as_ref())).is_some() {
+        // On the template every start would resume the same memory, older than the disks
+        // after the first run.
+        e.add(
+            format!(
+                "spec.template.metadata.annotations[{}]",
+                crate::snapshot::ANNOTATION_START_FROM_STATE
+            ),
+            "is taken once, from the VirtualMachine's own metadata.annotations (a VirtualMachinePool's spec.virtualMachineTemplate.metadata); not accepted on the VMI template",
+        );
     }
     finish("VirtualMachine", &object_name(&vm.metadata), e)
 }

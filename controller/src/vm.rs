@@ -203,6 +203,13 @@ pub fn vmi_for(
     vmi.metadata.namespace = vm.metadata.namespace.clone();
     vmi.metadata.labels = Some(labels);
     vmi.metadata.annotations = tmeta.annotations;
+    // A VM restored from (or made to start from) a machine state resumes it in this VMI.
+    if let Some(claim) = api::snapshot::start_from_state(vm.metadata.annotations.as_ref()) {
+        vmi.annotations_mut().insert(
+            api::snapshot::ANNOTATION_START_FROM_STATE.into(),
+            claim.into(),
+        );
+    }
     vmi.metadata.owner_references = controller_runtime::controller_ref(vm).map(|r| vec![r]);
     Ok(vmi)
 }
@@ -302,6 +309,11 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
             return pass.write(Action::await_change()).await;
         }
     };
+    if let Some(v) = &vmi {
+        if pass.state_taken(v) {
+            return pass.take_start_from_state().await;
+        }
+    }
     pass.count_start_failure(vmi.as_ref()).await;
     // Start/stop requests: a Stop is done once its VMI is gone (or it names another VMI).
     let vmi_uid = vmi.as_ref().and_then(|v| v.uid());
@@ -339,6 +351,21 @@ impl Pass<'_> {
             .patch(&self.name, &PatchParams::default(), &Patch::Merge(p))
             .await?;
         Ok(Action::await_change())
+    }
+
+    /// Whether the VM's start-from-state annotation has been carried onto its VMI: the state
+    /// is taken once, since a later start would resume memory older than the disks by then.
+    fn state_taken(&self, vmi: &VirtualMachineInstance) -> bool {
+        let on_vm = api::snapshot::start_from_state(self.vm.metadata.annotations.as_ref());
+        on_vm.is_some()
+            && on_vm == api::snapshot::start_from_state(vmi.metadata.annotations.as_ref())
+    }
+
+    async fn take_start_from_state(&self) -> Result<Action> {
+        self.patch(&serde_json::json!({"metadata": {"annotations": {
+            api::snapshot::ANNOTATION_START_FROM_STATE: null
+        }}}))
+        .await
     }
 
     async fn set_finalizer(&self, present: bool) -> Result<Action> {

@@ -1077,3 +1077,198 @@ async fn migrate(
     .await;
     (phase, launcher)
 }
+
+/// A VM for the sandbox tests: the probe with `args`, 64 MiB, on the Pod network.
+fn sandbox_vm(args: &str) -> serde_json::Value {
+    serde_json::json!({
+        "runStrategy": "Always",
+        "template": {"spec": {
+            "domain": {
+                "memory": {"guest": "64Mi"},
+                "devices": {"interfaces": [{"name": "default", "masquerade": {}}]},
+                "firmware": {"kernelBoot": {
+                    "container": {"image": "microvirt/probe:latest", "kernelPath": "/probe"},
+                    "kernelArgs": format!("console=ttyS0 {args}"),
+                }},
+            },
+            "networks": [{"name": "default", "pod": {}}],
+        }},
+    })
+}
+
+/// The guest's console of the launcher in `pod_uid`, as virt-handler reaches it.
+async fn console_of(
+    pods_dir: &Path,
+    pod_uid: &str,
+) -> tokio::io::BufReader<tokio::net::unix::OwnedReadHalf> {
+    use api::protocol::{Request, Response};
+    let mut c = handler::launcher::LauncherClient::connect(
+        &handler::launcher::socket_path(pods_dir, pod_uid),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(c.call(&Request::Console).await.unwrap(), Response::Ok);
+    c.into_stream().0
+}
+
+/// Reads the console until the whole line holding `needle` is there; returns all read.
+async fn console_line(
+    console: &mut tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    needle: &str,
+    seen: &mut String,
+) {
+    use tokio::io::AsyncReadExt;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let mut buf = [0u8; 1024];
+    loop {
+        if let Some(at) = seen.find(needle) {
+            if seen[at..].contains('\n') {
+                return;
+            }
+        }
+        let n = tokio::time::timeout_at(deadline, console.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no {needle:?} line on the console; got:\n{seen}"))
+            .unwrap();
+        assert!(n > 0, "the console closed before {needle:?}; got:\n{seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+}
+
+/// Sandboxes from one machine state, through the API (microvirt's extension to KubeVirt's
+/// snapshots): a running guest's machine state is saved into a claim; a VirtualMachinePool
+/// whose VM template is annotated `snapshot.microvirt.io/start-from-state: <claim>` makes
+/// VMs whose launcher Pods mount that claim and resume it — every member goes on with the
+/// saved guest's run (its template's kernel arguments name another probe test, which a
+/// booted guest would run) — and each VM takes the annotation once, onto its VMI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_starts_from_one_machine_state_without_booting() {
+    use api::protocol::{Request, Response};
+    use api::{VirtualMachine, VirtualMachinePool};
+    use kube::api::{DeleteParams, PostParams};
+    const MEMBERS: usize = 4;
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-pool-state");
+    let pods_dir = work.join("pods");
+    let claim = work.join("volumes").join("vmstate-source");
+    std::fs::create_dir_all(&claim).unwrap();
+    tests::chown_to_pod_user(&claim);
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
+    let _handler = start_handler(&cluster, &pods_dir, &work);
+    let vms = cluster.api::<VirtualMachine>();
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let source: VirtualMachine = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "source"},
+        "spec": sandbox_vm("probe.test=dirty probe.passes=40"),
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &source).await.unwrap();
+    let pod = launcher_pod_of(&cluster, "source").await;
+    let uid = pod.metadata.uid.clone().unwrap();
+    eventually("the source Running", Duration::from_secs(90), || async {
+        let v = vmis.get_opt("source").await.unwrap()?;
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+    let mut console = console_of(&pods_dir, &uid).await;
+    let mut seen = String::new();
+    console_line(&mut console, "PROBE PROGRESS dirty pass=3", &mut seen).await;
+    // The capture: the launcher saves the machine into the claim and stops.
+    let mut c = handler::launcher::LauncherClient::connect(
+        &handler::launcher::socket_path(&pods_dir, &uid),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let mut answer = c
+        .call(&Request::Snapshot {
+            memory_path: claim.join("memory").display().to_string(),
+            state_path: claim.join("state").display().to_string(),
+            stop: true,
+        })
+        .await
+        .unwrap();
+    while let Response::Event(_) = answer {
+        answer = c.next_answer().await.unwrap();
+    }
+    assert!(matches!(answer, Response::Snapshot(_)), "{answer:?}");
+    vms.delete("source", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    let mut member = sandbox_vm("probe.test=keyboard");
+    member["template"]["metadata"] =
+        serde_json::json!({"labels": {"kubevirt.io/vmpool": "sandboxes"}});
+    let pool: VirtualMachinePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "pool.kubevirt.io/v1beta1", "kind": "VirtualMachinePool",
+        "metadata": {"name": "sandboxes"},
+        "spec": {
+            "replicas": MEMBERS,
+            "selector": {"matchLabels": {"kubevirt.io/vmpool": "sandboxes"}},
+            "virtualMachineTemplate": {
+                "metadata": {
+                    "labels": {"kubevirt.io/vmpool": "sandboxes"},
+                    "annotations": {api::snapshot::ANNOTATION_START_FROM_STATE: "vmstate-source"},
+                },
+                "spec": member,
+            },
+        },
+    }))
+    .unwrap();
+    cluster
+        .api::<VirtualMachinePool>()
+        .create(&PostParams::default(), &pool)
+        .await
+        .unwrap();
+    let names: Vec<String> = (0..MEMBERS).map(|i| format!("sandboxes-{i}")).collect();
+    for name in &names {
+        let pod = launcher_pod_of(&cluster, name).await;
+        let uid = pod.metadata.uid.clone().unwrap();
+        let vmi = eventually(
+            &format!("{name} Running"),
+            Duration::from_secs(90),
+            || async {
+                let v = vmis.get_opt(name).await.unwrap()?;
+                (v.status.as_ref()?.phase == Some(VmiPhase::Running)).then_some(v)
+            },
+        )
+        .await;
+        assert_eq!(
+            api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
+            Some("vmstate-source")
+        );
+        let mut console = console_of(&pods_dir, &uid).await;
+        let mut seen = String::new();
+        console_line(&mut console, "PROBE RESULT", &mut seen).await;
+        assert!(
+            seen.contains("PROBE RESULT dirty OK"),
+            "{name} did not resume:\n{seen}"
+        );
+        assert!(
+            !seen.contains("microvirt probe guest: hello"),
+            "{name} booted:\n{seen}"
+        );
+    }
+    // Taken once: no VM keeps the annotation for its next start.
+    eventually(
+        "the annotation taken off every VM",
+        Duration::from_secs(30),
+        || async {
+            let list = vms.list(&Default::default()).await.unwrap().items;
+            let left = list
+                .iter()
+                .filter(|v| {
+                    api::snapshot::start_from_state(v.metadata.annotations.as_ref()).is_some()
+                })
+                .count();
+            (list.len() == MEMBERS && left == 0).then_some(())
+        },
+    )
+    .await;
+    kubelet.finish().await;
+    let _ = std::fs::remove_dir_all(work);
+}

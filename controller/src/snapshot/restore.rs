@@ -11,7 +11,10 @@
 //!    the claims owned by the VM (`volumeOwnershipPolicy: Vm`).
 //! 3. `Settled`: `complete`, or a `Failure` condition.
 //!
-//! KubeVirt's restore does the same; like KubeVirt it leaves a VM it stopped stopped.
+//! KubeVirt's restore does the same; like KubeVirt it leaves a VM it stopped stopped. Beyond
+//! KubeVirt: a snapshot whose content names a machine-state claim
+//! ([`api::snapshot::ANNOTATION_STATE_CLAIM`]) restores a VM annotated to start from that
+//! state, so its next start resumes the guest where it was captured instead of booting.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,7 +26,8 @@ use api::snapshot::{
     TargetReadinessPolicy, VirtualMachineRestore, VirtualMachineRestoreStatus,
     VirtualMachineSnapshot, VirtualMachineSnapshotContent, VolumeBackup, VolumeOwnershipPolicy,
     VolumeRestore, VolumeRestorePolicy, VolumeSnapshot, ANNOTATION_LAST_RESTORE,
-    ANNOTATION_RESTORE_NAME, DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS, RESTORE_FINALIZER,
+    ANNOTATION_RESTORE_NAME, ANNOTATION_START_FROM_STATE, ANNOTATION_STATE_CLAIM,
+    DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS, RESTORE_FINALIZER,
 };
 use api::{PvcSource, RunStrategy, VirtualMachine, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReference};
@@ -69,6 +73,14 @@ struct ClaimPlan {
     name: String,
     /// A claim of that name exists and is to be replaced (`InPlace`).
     replaces: bool,
+}
+
+/// What a ready snapshot holds, as a restore reads it.
+struct Captured {
+    content: VirtualMachineSnapshotContent,
+    source: SnapshottedVm,
+    /// The claim holding the guest's memory and machine state, for a snapshot of a running VM.
+    state_claim: Option<String>,
 }
 
 /// What a restore writes, once judged.
@@ -190,7 +202,11 @@ impl Pass {
         if let Err(why) = check_vm_reference(&spec.target, "spec.target") {
             return Ok(Err(Hold::Refused(why)));
         }
-        let (content, source) = match self.snapshot().await? {
+        let Captured {
+            content,
+            source,
+            state_claim,
+        } = match self.snapshot().await? {
             Ok(found) => found,
             Err(hold) => return Ok(Err(hold)),
         };
@@ -205,7 +221,7 @@ impl Pass {
             Ok(c) => c,
             Err(hold) => return Ok(Err(hold)),
         };
-        let vm = match self.target_vm(&source, existing.as_ref(), &claims) {
+        let vm = match self.target_vm(&source, existing.as_ref(), &claims, state_claim) {
             Ok(vm) => vm,
             Err(why) => return Ok(Err(Hold::Refused(why))),
         };
@@ -216,8 +232,9 @@ impl Pass {
         }))
     }
 
-    /// The snapshot's content and the VM it holds, if the snapshot is ready to use.
-    async fn snapshot(&self) -> Result<Judged<(VirtualMachineSnapshotContent, SnapshottedVm)>> {
+    /// The snapshot's content, the VM it holds and its machine-state claim, if the snapshot is
+    /// ready to use.
+    async fn snapshot(&self) -> Result<Judged<Captured>> {
         let name = &self.restore.spec.virtual_machine_snapshot_name;
         let refuse = |m: String| Ok(Err(Hold::Refused(m)));
         let Some(snapshot) = self.api::<VirtualMachineSnapshot>().get_opt(name).await? else {
@@ -287,7 +304,47 @@ impl Pass {
                 ));
             }
         }
-        Ok(Ok((content, source)))
+        let state_claim = match self.state_claim(&snapshot, &content).await? {
+            Ok(c) => c,
+            Err(hold) => return Ok(Err(hold)),
+        };
+        Ok(Ok(Captured {
+            content,
+            source,
+            state_claim,
+        }))
+    }
+
+    /// The machine-state claim the content names, if any: it must be the one its snapshot's
+    /// capture makes (so an edited content cannot point a restore at another claim) and exist.
+    async fn state_claim(
+        &self,
+        snapshot: &VirtualMachineSnapshot,
+        content: &VirtualMachineSnapshotContent,
+    ) -> Result<Judged<Option<String>>> {
+        let Some(named) = content.annotations().get(ANNOTATION_STATE_CLAIM) else {
+            return Ok(Ok(None));
+        };
+        let expected = api::snapshot::state_claim_name(&snapshot.uid().unwrap_or_default());
+        if *named != expected {
+            return Ok(Err(Hold::Refused(format!(
+                "VirtualMachineSnapshotContent {:?}: metadata.annotations[{ANNOTATION_STATE_CLAIM}] \
+                 names claim {named:?}, not its snapshot's machine-state claim {expected:?}",
+                content.name_any()
+            ))));
+        }
+        let claim = self.api::<PersistentVolumeClaim>().get_opt(named).await?;
+        let bound = claim
+            .and_then(|c| c.status)
+            .and_then(|s| s.phase)
+            .is_some_and(|p| p == "Bound");
+        if !bound {
+            return Ok(Err(Hold::Refused(format!(
+                "the machine-state claim {named:?} of snapshot {:?} is missing or not bound",
+                snapshot.name_any()
+            ))));
+        }
+        Ok(Ok(Some(expected)))
     }
 
     /// Whether the target may be written now: it must be the snapshot's source VM (or not
@@ -461,6 +518,7 @@ impl Pass {
         source: &SnapshottedVm,
         existing: Option<&VirtualMachine>,
         claims: &[ClaimPlan],
+        state_claim: Option<String>,
     ) -> std::result::Result<VirtualMachine, String> {
         let mut spec = source.spec.clone();
         let mut replaced_dvs = Vec::new();
@@ -529,6 +587,14 @@ impl Pass {
             .insert(ANNOTATION_LAST_RESTORE.into(), self.mark());
         vm.annotations_mut()
             .insert(ANNOTATION_RESTORE_NAME.into(), self.restore.name_any());
+        match state_claim {
+            // The disks restored are the ones captured with this memory, so the guest's next
+            // start resumes it; the VM controller takes the annotation once.
+            Some(claim) => vm
+                .annotations_mut()
+                .insert(ANNOTATION_START_FROM_STATE.into(), claim),
+            None => vm.annotations_mut().remove(ANNOTATION_START_FROM_STATE),
+        };
         self.patched(vm)
     }
 

@@ -107,7 +107,11 @@ pub fn spawn_launcher(
         .arg(work.join("images"))
         .arg("--state-dir")
         .arg(work.join("state"))
+        // Where the kubelet mounts the Pod's claims: here every claim is a directory of it.
+        .arg("--volume-dir")
+        .arg(work.join("volumes"))
         .env("RUST_LOG", "error");
+    std::fs::create_dir_all(work.join("volumes")).unwrap();
     // As the rendered Pod runs it: its non-root user, no capabilities, its own /dev/kvm.
     tests::chown_to_pod_user(&work.join("state"));
     let unprivileged = tests::as_pod_user(&launcher, work);
