@@ -228,6 +228,9 @@ pub struct ClusterSettings {
     pub eviction_strategy: crate::migratability::EvictionStrategy,
     pub feature_gates: std::collections::BTreeSet<String>,
     pub network: crate::validation::NetworkDefaults,
+    /// The storage class a running VM's machine state is captured into, for snapshots that
+    /// keep it (KubeVirt's `vmStateStorageClass`); None: snapshots hold disks only.
+    pub vm_state_storage_class: Option<String>,
 }
 
 impl Default for ClusterSettings {
@@ -247,6 +250,7 @@ impl Default for ClusterSettings {
             eviction_strategy: Default::default(),
             feature_gates: Default::default(),
             network: Default::default(),
+            vm_state_storage_class: None,
         }
     }
 }
@@ -323,6 +327,9 @@ impl ClusterSettings {
                 s.network.permit_bridge_on_pod_network = p;
             }
         }
+        if let Some(class) = &config.vm_state_storage_class {
+            s.vm_state_storage_class = Some(class.clone()).filter(|c| !c.is_empty());
+        }
         if let Some(d) = &config.developer_configuration {
             s.feature_gates.extend(d.feature_gates.iter().cloned());
             for g in &d.disabled_feature_gates {
@@ -359,6 +366,7 @@ pub const HONOURED_CONFIGURATION: &[&str] = &[
     "spec.configuration.network.permitBridgeInterfaceOnPodNetwork",
     "spec.configuration.developerConfiguration.featureGates",
     "spec.configuration.developerConfiguration.disabledFeatureGates",
+    "spec.configuration.vmStateStorageClass",
 ];
 
 #[cfg(test)]

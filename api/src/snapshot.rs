@@ -59,6 +59,38 @@ pub fn state_claim_name(snapshot_uid: &str) -> String {
     format!("vmstate-{snapshot_uid}")
 }
 
+/// How a running VM's machine state gets into its claim, between virt-controller and
+/// virt-handler (the way KubeVirt's memory dump reaches a claim):
+/// 1. the controller makes the claim and an attachment Pod on the VMI's node that mounts it
+///    (labelled [`LABEL_STATE_ATTACHMENT`]), and annotates the VMI
+///    [`ANNOTATION_CAPTURE_STATE`] with the claim's name;
+/// 2. virt-handler has the launcher save the machine, paused, into its sockets directory,
+///    copies the files into the claim as the attachment Pod's volume shows it on the node, and
+///    sets the VMI's [`CONDITION_STATE_CAPTURED`] (True, or False with the reason);
+/// 3. the controller cuts the disks' VolumeSnapshots while the guest is still paused — so
+///    disks and memory are of one instant — then takes the annotation off;
+/// 4. virt-handler resumes the guest and drops the condition.
+pub const ANNOTATION_CAPTURE_STATE: &str = "snapshot.microvirt.io/capture-machine-state";
+/// The VMI condition virt-handler reports a capture with; its reason names the claim.
+pub const CONDITION_STATE_CAPTURED: &str = "MachineStateCaptured";
+/// On the attachment Pod that mounts a machine-state claim on the VMI's node: the claim.
+pub const LABEL_STATE_ATTACHMENT: &str = "snapshot.microvirt.io/machine-state-claim";
+/// The files the launcher saves a machine into, in its own sockets directory, before
+/// virt-handler moves them into the claim ([`MACHINE_STATE_FILES`] there, in that order).
+pub const LAUNCHER_STATE_FILES: [&str; 2] = ["machine-state.state", "machine-state.memory"];
+
+/// The attachment Pod of machine-state claim `claim`.
+pub fn state_attachment_name(claim: &str) -> String {
+    format!("{claim}-attach")
+}
+
+/// The claim the VMI is asked to capture its machine state into, if any.
+pub fn capture_state(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
+    annotations?
+        .get(ANNOTATION_CAPTURE_STATE)
+        .map(String::as_str)
+}
+
 /// The claim `annotations` say the VMI starts from, if any.
 pub fn start_from_state(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
     annotations?

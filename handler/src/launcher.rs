@@ -34,13 +34,17 @@ pub fn check_pod_uid(uid: &str) -> Result<(), String> {
     }
 }
 
-/// Opens the socket file at `path` as an `O_PATH` descriptor without following any symbolic
-/// link and without leaving `root`, the kubelet's pods directory (`openat2` with
-/// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). The directories below a Pod's are writable by the
-/// Pod's user: a `launcher.sock` that is a link to the node's container runtime socket, or a
-/// directory swapped for a link to another Pod's, must not be what the root node agent talks
-/// to. Connecting through `/proc/self/fd/N` of this descriptor reaches exactly that inode.
-fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+/// Opens `path` below `root` with `flags` (and `mode` for a file it creates), refusing every
+/// symbolic link on the way and any path that leaves `root` (`openat2` with
+/// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`): what is below a Pod's
+/// directory is the tenant's to arrange, and the root node agent must reach only what the
+/// path names.
+pub fn open_beneath(
+    root: &Path,
+    path: &Path,
+    flags: i32,
+    mode: u32,
+) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     use std::os::unix::ffi::OsStrExt;
     let rel = path.strip_prefix(root).map_err(|_| {
@@ -54,9 +58,12 @@ fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd:
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     // SAFETY: open_how is plain data; zeroed is a valid value.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    // No O_NOFOLLOW: with it O_PATH would open a final link itself; RESOLVE_NO_SYMLINKS
-    // refuses it instead (ELOOP), like every link before it.
-    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.mode = if flags & libc::O_CREAT != 0 {
+        mode as u64
+    } else {
+        0
+    };
     how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
     // SAFETY: openat2 reads `how` (its size given) and the NUL-terminated `rel`.
     let fd = unsafe {
@@ -73,13 +80,29 @@ fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd:
         return Err(match e.raw_os_error() {
             Some(libc::ELOOP) | Some(libc::EXDEV) => std::io::Error::new(
                 e.kind(),
-                "a symbolic link (or a path leaving the pods directory) is on the way to it; refused",
+                format!(
+                    "{}: a symbolic link (or a path leaving {}) is on the way to it; refused",
+                    path.display(),
+                    root.display()
+                ),
             ),
             _ => e,
         });
     }
     // SAFETY: openat2 returned a new descriptor that we now own.
-    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Opens the socket file at `path` as an `O_PATH` descriptor without following any symbolic
+/// link and without leaving `root`, the kubelet's pods directory (`openat2` with
+/// `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`). The directories below a Pod's are writable by the
+/// Pod's user: a `launcher.sock` that is a link to the node's container runtime socket, or a
+/// directory swapped for a link to another Pod's, must not be what the root node agent talks
+/// to. Connecting through `/proc/self/fd/N` of this descriptor reaches exactly that inode.
+fn open_socket_beneath(root: &Path, path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    // No O_NOFOLLOW: with it O_PATH would open a final link itself; RESOLVE_NO_SYMLINKS
+    // refuses it instead (ELOOP), like every link before it.
+    let fd = open_beneath(root, path, libc::O_PATH, 0)?;
     let meta = std::fs::metadata(format!(
         "/proc/self/fd/{}",
         std::os::fd::AsRawFd::as_raw_fd(&fd)

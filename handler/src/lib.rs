@@ -8,6 +8,7 @@ pub mod context;
 pub mod deviceplugin;
 pub mod launcher;
 pub mod legs;
+pub mod machine_state;
 pub mod metrics;
 pub mod migration;
 pub mod migration_proxy;

@@ -119,9 +119,10 @@ pub async fn reconcile(
     {
         return Ok(Action::await_change());
     }
-    let Some(pod_uid) = launcher_pod(&status, node) else {
+    let Some(pod_uid) = launcher_pod(&status, node).map(str::to_string) else {
         return Ok(Action::requeue(ctx.config.resync));
     };
+    let pod_uid = pod_uid.as_str();
     let socket = socket_path(&ctx.config.pods_dir, pod_uid);
     if !socket.exists() {
         // The launcher container has not created its socket yet.
@@ -164,6 +165,11 @@ pub async fn reconcile(
                 return Ok(Action::await_change());
             }
         }
+    }
+    let mut status = status;
+    if !migrating && matches!(report.state, VmState::Running | VmState::Paused) {
+        crate::machine_state::leg(&ctx, &vmi, &mut launcher, pod_uid, &mut status).await?;
+        report = launcher.status().await?;
     }
     publish(&ctx, &vmi, &api, &status, report, &launcher).await
 }

@@ -663,6 +663,62 @@ struct TestKubelet {
     task: Option<tokio::task::JoinHandle<Vec<EndedLauncher>>>,
 }
 
+/// What the kubelet does with a Pod that only mounts a claim (the attachment Pod of a
+/// machine-state capture): the claim's directory (`<work>/volumes/<claim>`, where the storage
+/// node provisions it) bind-mounted where the kubelet mounts a CSI volume, and the Pod Running;
+/// on deletion, unmounted and the deletion finished.
+async fn attach(
+    cluster: &Cluster,
+    attached: &mut std::collections::BTreeMap<String, PathBuf>,
+    pod: &k8s_openapi::api::core::v1::Pod,
+    claim: &str,
+    node: &str,
+    pods_dir: &Path,
+    work: &Path,
+) {
+    use kube::ResourceExt;
+    let (name, uid) = (pod.name_any(), pod.uid().unwrap());
+    if pod.metadata.deletion_timestamp.is_some() {
+        if let Some(mount) = attached.remove(&uid) {
+            let status = std::process::Command::new("umount").arg(&mount).status();
+            assert!(status.unwrap().success(), "umount {}", mount.display());
+        }
+        let _ = cluster
+            .api::<k8s_openapi::api::core::v1::Pod>()
+            .delete(
+                &name,
+                &kube::api::DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                },
+            )
+            .await;
+        return;
+    }
+    let source = work.join("volumes").join(claim);
+    if attached.contains_key(&uid) || !source.is_dir() {
+        return;
+    }
+    let mount = pods_dir
+        .join(&uid)
+        .join("volumes/kubernetes.io~csi")
+        .join(format!("pvc-{claim}"))
+        .join("mount");
+    std::fs::create_dir_all(&mount).unwrap();
+    let status = std::process::Command::new("mount")
+        .arg("--bind")
+        .arg(&source)
+        .arg(&mount)
+        .status();
+    assert!(
+        status.unwrap().success(),
+        "mount --bind {}",
+        source.display()
+    );
+    attached.insert(uid, mount);
+    cluster.kubelet_run(&name, node).await;
+}
+
 /// A launcher the test kubelet saw end: its Pod, exit code and stderr.
 type EndedLauncher = (String, Option<i32>, String);
 
@@ -685,6 +741,8 @@ impl TestKubelet {
                 (Proc, tests::NetNs, tests::NetNs, PathBuf),
             > = Default::default();
             let mut ended = Vec::new();
+            // Attachment Pod UID → where its claim is mounted.
+            let mut attached: std::collections::BTreeMap<String, PathBuf> = Default::default();
             let mut n = 0;
             while !s.load(std::sync::atomic::Ordering::SeqCst) {
                 for p in pods.list(&Default::default()).await.unwrap().items {
@@ -693,6 +751,12 @@ impl TestKubelet {
                         p.metadata.uid.clone().unwrap(),
                     );
                     let deleting = p.metadata.deletion_timestamp.is_some();
+                    if let Some(claim) =
+                        kube::ResourceExt::labels(&p).get(api::snapshot::LABEL_STATE_ATTACHMENT)
+                    {
+                        attach(&cluster, &mut attached, &p, claim, &node, &pods_dir, &work).await;
+                        continue;
+                    }
                     if let Some((mut l, pod_ns, node_ns, log)) =
                         (deleting).then(|| running.remove(&uid)).flatten()
                     {
@@ -745,6 +809,9 @@ impl TestKubelet {
                     running.insert(uid, (l, pod_ns, node_ns, log));
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            for mount in attached.values() {
+                let _ = std::process::Command::new("umount").arg(mount).status();
             }
             ended
         });
@@ -1270,5 +1337,159 @@ async fn a_pool_starts_from_one_machine_state_without_booting() {
     )
     .await;
     kubelet.finish().await;
+    let _ = std::fs::remove_dir_all(work);
+}
+
+/// A VirtualMachineSnapshot of a running VM keeps its memory and machine state (microvirt's
+/// extension, with the cluster's `vmStateStorageClass` set): virt-controller makes the state
+/// claim and an attachment Pod on the VMI's node, virt-handler has the launcher save the
+/// machine and moves it into the claim, the disks are cut while the guest is paused, and the
+/// guest goes on to finish its run. A VirtualMachineRestore of the snapshot into a new VM
+/// resumes the saved guest — which finishes the same run, though the restore's patch gives
+/// the VM the kernel arguments of another probe test, which a booted guest would run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_a_running_vm_restores_to_a_guest_that_resumes() {
+    use api::snapshot::{
+        SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
+    };
+    use api::VirtualMachine;
+    use kube::api::PostParams;
+    use kube::ResourceExt;
+    tests::require_kvm();
+    let work = tests::probe_workdir("mv-handler-state-capture");
+    let pods_dir = work.join("pods");
+    // The storage node provisions claims under `storage/<namespace>/<claim>`; the launchers
+    // see this namespace's claims as their volumes.
+    let storage = work.join("storage");
+    std::fs::create_dir_all(storage.join("default")).unwrap();
+    std::os::unix::fs::symlink(storage.join("default"), work.join("volumes")).unwrap();
+    let cluster = Cluster::start().await;
+    let _controller = cluster.replica(test_config(), None);
+    let node = tests::storage::ImportNode::start(&cluster, &storage);
+    let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
+    let _handler = start_handler(&cluster, &pods_dir, &work);
+    let kv: api::kubevirt::KubeVirt = serde_yaml::from_str(
+        "apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: microvirt}\nspec:\n  configuration: {vmStateStorageClass: local}\n",
+    )
+    .unwrap();
+    kube::Api::<api::kubevirt::KubeVirt>::namespaced(cluster.client.clone(), "microvirt")
+        .create(&PostParams::default(), &kv)
+        .await
+        .unwrap();
+    let vms = cluster.api::<VirtualMachine>();
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let source: VirtualMachine = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "source"},
+        "spec": sandbox_vm("probe.test=dirty probe.passes=40"),
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &source).await.unwrap();
+    let pod = launcher_pod_of(&cluster, "source").await;
+    let uid = pod.metadata.uid.clone().unwrap();
+    eventually("the source Running", Duration::from_secs(90), || async {
+        let v = vmis.get_opt("source").await.unwrap()?;
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+    let mut console = console_of(&pods_dir, &uid).await;
+    let mut seen = String::new();
+    console_line(&mut console, "PROBE PROGRESS dirty pass=3", &mut seen).await;
+
+    let snapshots = cluster.api::<VirtualMachineSnapshot>();
+    let snapshot: VirtualMachineSnapshot = serde_yaml::from_str(
+        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {name: snap}\nspec:\n  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: source}\n",
+    )
+    .unwrap();
+    snapshots
+        .create(&PostParams::default(), &snapshot)
+        .await
+        .unwrap();
+    let done = eventually(
+        "the snapshot Succeeded",
+        Duration::from_secs(90),
+        || async {
+            let s = snapshots.get("snap").await.unwrap();
+            let st = s.status.clone()?;
+            if st.phase == Some(SnapshotPhase::Failed) {
+                panic!("the snapshot failed: {:?}", st.error);
+            }
+            (st.phase == Some(SnapshotPhase::Succeeded)).then_some(s)
+        },
+    )
+    .await;
+    let claim = api::snapshot::state_claim_name(&done.uid().unwrap());
+    let content = cluster
+        .api::<VirtualMachineSnapshotContent>()
+        .get(
+            done.status
+                .as_ref()
+                .unwrap()
+                .virtual_machine_snapshot_content_name
+                .as_deref()
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        content
+            .annotations()
+            .get(api::snapshot::ANNOTATION_STATE_CLAIM),
+        Some(&claim)
+    );
+    let saved = storage.join("default").join(&claim);
+    assert!(std::fs::metadata(saved.join("memory")).unwrap().len() >= 64 << 20);
+    assert!(saved.join("state").is_file());
+    // The source goes on where it was paused, to the end of its run; its request and the
+    // attachment Pod are gone.
+    console_line(&mut console, "PROBE RESULT", &mut seen).await;
+    assert!(seen.contains("PROBE RESULT dirty OK"), "{seen}");
+    let vmi = vmis.get("source").await.unwrap();
+    assert_eq!(
+        api::snapshot::capture_state(vmi.metadata.annotations.as_ref()),
+        None
+    );
+    eventually(
+        "the attachment Pod gone",
+        Duration::from_secs(30),
+        || async {
+            let pods = cluster.api::<k8s_openapi::api::core::v1::Pod>();
+            let name = api::snapshot::state_attachment_name(&claim);
+            pods.get_opt(&name).await.unwrap().is_none().then_some(())
+        },
+    )
+    .await;
+
+    let restore: VirtualMachineRestore = serde_yaml::from_str(&format!(
+        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineRestore\nmetadata: {{name: back}}\nspec:\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: restored}}\n  virtualMachineSnapshotName: snap\n  patches: [{:?}]\n",
+        r#"[{"op": "replace", "path": "/spec/template/spec/domain/firmware/kernelBoot/kernelArgs", "value": "console=ttyS0 probe.test=keyboard"}]"#
+    ))
+    .unwrap();
+    cluster
+        .api::<VirtualMachineRestore>()
+        .create(&PostParams::default(), &restore)
+        .await
+        .unwrap();
+    let pod = launcher_pod_of(&cluster, "restored").await;
+    let uid = pod.metadata.uid.clone().unwrap();
+    eventually(
+        "the restored VM Running",
+        Duration::from_secs(90),
+        || async {
+            let v = vmis.get_opt("restored").await.unwrap()?;
+            (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+        },
+    )
+    .await;
+    let mut console = console_of(&pods_dir, &uid).await;
+    let mut seen = String::new();
+    console_line(&mut console, "PROBE RESULT", &mut seen).await;
+    assert!(
+        seen.contains("PROBE RESULT dirty OK"),
+        "the restored VM did not resume:\n{seen}"
+    );
+    assert!(!seen.contains("microvirt probe guest: hello"), "{seen}");
+    kubelet.finish().await;
+    node.stop().await;
     let _ = std::fs::remove_dir_all(work);
 }

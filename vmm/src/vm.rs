@@ -394,7 +394,7 @@ impl Vm {
         // restored from the old one maps its inode, which must never change under it. The
         // seal in both makes a pair that a crash between the renames would mix refuse to
         // restore instead of running one snapshot's vCPUs on another's RAM.
-        let tmp = paths.memory.with_extension("tmp");
+        let tmp = crate::persist::temporary_of(&paths.memory);
         let mem = self.ram.write_file(&tmp, &seal, &mut |done, total| {
             progress(SnapshotProgress::Memory { done, total })
         })?;

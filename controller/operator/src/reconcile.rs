@@ -492,7 +492,6 @@ mod tests {
             not_honoured(&kv),
             [
                 "spec.configuration.migrations.disableTLS",
-                "spec.configuration.vmStateStorageClass",
                 "feature gate Snapshot"
             ]
         );

@@ -14,7 +14,12 @@
 //! 3. `Done`: phase Succeeded, `readyToUse`.
 //!
 //! A running VM is captured crash-consistently (indications `Online`, `NoGuestAgent`): microvirt
-//! has no guest agent to freeze the guest's filesystems with.
+//! has no guest agent to freeze the guest's filesystems with. Beyond KubeVirt, where the cluster
+//! names a `vmStateStorageClass`, a running VM's memory and machine state are captured too, into
+//! a claim the content names ([`api::snapshot::ANNOTATION_STATE_CLAIM`]), by virt-handler on the
+//! VMI's node (the protocol is at [`api::snapshot::ANNOTATION_CAPTURE_STATE`]); the disks'
+//! VolumeSnapshots are cut while that guest is still paused, so a restore resumes memory and
+//! disks of one instant.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -27,19 +32,22 @@ use api::snapshot::{
     SourceIndication, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
     VirtualMachineSnapshotContentSpec, VirtualMachineSnapshotContentStatus,
     VirtualMachineSnapshotStatus, VolumeBackup, VolumeCapture, VolumeSnapshot,
-    VolumeSnapshotSource, VolumeSnapshotSpec, VolumeSnapshotStatus, LABEL_SNAPSHOT,
+    VolumeSnapshotSource, VolumeSnapshotSpec, VolumeSnapshotStatus, ANNOTATION_CAPTURE_STATE,
+    ANNOTATION_STATE_CLAIM, CONDITION_STATE_CAPTURED, LABEL_SNAPSHOT, LABEL_STATE_ATTACHMENT,
     SNAPSHOT_FINALIZER,
 };
 use api::{VirtualMachine, VirtualMachineInstance};
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, PersistentVolumeClaimSpec};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, PersistentVolumeClaimSpec, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{Api, DynamicObject, ObjectMeta, PostParams};
+use kube::api::{Api, DynamicObject, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 
 use super::{error, protect, set_done, set_failed, set_progress, volume_snapshot_classes, Lock};
 use crate::context::{Context, Error, Result};
-use controller_runtime::{controller_ref, create_if_absent, has_finalizer, write_status};
+use controller_runtime::{
+    controller_ref, create_if_absent, delete_if_present, has_finalizer, write_status,
+};
 
 pub const CONTROLLER: &str = "vmsnapshot-controller";
 
@@ -81,6 +89,7 @@ pub async fn reconcile(snapshot: Arc<VirtualMachineSnapshot>, ctx: Arc<Context>)
             // Done, failed or being deleted: the VM let go, the object free to go. Without the
             // finalizer that was done already (the lock is taken only while it is on).
             if has_finalizer(pass.snapshot.as_ref(), SNAPSHOT_FINALIZER) {
+                pass.release_guest().await?;
                 pass.release().await?;
                 let api = pass.api::<VirtualMachineSnapshot>();
                 protect(&api, pass.snapshot.as_ref(), SNAPSHOT_FINALIZER, false).await?;
@@ -149,6 +158,7 @@ impl Pass {
 
     /// Fails the snapshot for `why`, once; nothing else is touched.
     async fn fail(&mut self, why: String) -> Result<Action> {
+        self.release_guest().await?;
         self.release().await?;
         self.status.phase = Some(SnapshotPhase::Failed);
         self.status.ready_to_use = Some(false);
@@ -223,18 +233,25 @@ impl Pass {
         if Lock::Snapshot.holder(&vm).is_none() {
             Lock::Snapshot.take(&self.api(), source, &me).await?;
         }
-        let running = self
-            .api::<VirtualMachineInstance>()
-            .get_opt(source)
-            .await?
-            .is_some();
+        let vmi = self.api::<VirtualMachineInstance>().get_opt(source).await?;
+        let running = vmi.is_some();
         let backups = match self.backups(&vm, running).await? {
             Ok(b) => b,
             Err(why) => return self.fail(why).await,
         };
         self.indicate(running);
         self.status.source_uid = vm.uid();
-        let content = self.content(&vm, backups);
+        let mut content = self.content(&vm, backups);
+        let guest_runs = vmi
+            .and_then(|v| v.status)
+            .and_then(|s| s.phase)
+            .is_some_and(|p| p == api::VmiPhase::Running);
+        if guest_runs && self.ctx.settings().vm_state_storage_class.is_some() {
+            let claim = api::snapshot::state_claim_name(&self.uid());
+            content
+                .annotations_mut()
+                .insert(ANNOTATION_STATE_CLAIM.into(), claim);
+        }
         let name = content.name_any();
         create_if_absent(&self.api(), &content).await?;
         self.status.virtual_machine_snapshot_content_name = Some(name);
@@ -433,6 +450,28 @@ impl Pass {
     }
 
     async fn capture(&mut self, content: VirtualMachineSnapshotContent) -> Result<Action> {
+        let state_claim = content.annotations().get(ANNOTATION_STATE_CLAIM).cloned();
+        if let Some(claim) = &state_claim {
+            match self.machine_state(&content, claim).await? {
+                StateCapture::Captured => {}
+                StateCapture::Failed(why) => return self.fail(why).await,
+                StateCapture::Waiting(why) => {
+                    if let Ok(true) = self.past_deadline() {
+                        let m = format!(
+                            "the snapshot did not complete within its failureDeadline: {why}"
+                        );
+                        return self.fail(m).await;
+                    }
+                    set_progress(
+                        &mut self.status.conditions,
+                        true,
+                        "Operation in progress",
+                        &why,
+                    );
+                    return Ok(Action::requeue(RECHECK));
+                }
+            }
+        }
         let volume_snapshots = self.api::<VolumeSnapshot>();
         let mut statuses = Vec::new();
         for b in &content.spec.volume_backups {
@@ -457,6 +496,10 @@ impl Pass {
                 ready_to_use: s.ready_to_use,
                 error: s.error,
             });
+        }
+        if state_claim.is_some() {
+            // Every disk is cut (a CSI snapshot is taken when it is made): the guest goes on.
+            self.release_guest().await?;
         }
         let failed = statuses.iter().find_map(|s| {
             s.error
@@ -496,6 +539,135 @@ impl Pass {
         self.status.error = None;
         set_done(&mut self.status.conditions);
         Ok(Action::await_change())
+    }
+
+    /// The running guest's machine state into claim `claim`: the claim and its attachment Pod
+    /// on the VMI's node made, the VMI asked, virt-handler's report read.
+    async fn machine_state(
+        &self,
+        content: &VirtualMachineSnapshotContent,
+        claim: &str,
+    ) -> Result<StateCapture> {
+        let source = &self.snapshot.spec.source.name;
+        let vmi = self.api::<VirtualMachineInstance>().get_opt(source).await?;
+        let status = vmi
+            .as_ref()
+            .and_then(|v| v.status.clone())
+            .unwrap_or_default();
+        let (Some(vmi), Some(node)) = (
+            vmi.filter(|_| status.phase == Some(api::VmiPhase::Running)),
+            status.node_name.clone(),
+        ) else {
+            return Ok(StateCapture::Failed(format!(
+                "VirtualMachine {source:?} stopped before its machine state was captured"
+            )));
+        };
+        let about = format!("claim {claim:?}");
+        if let Some(c) = status.conditions.iter().find(|c| {
+            c.type_ == CONDITION_STATE_CAPTURED
+                && c.message.as_deref().is_some_and(|m| m.starts_with(&about))
+        }) {
+            let message = c.message.clone().unwrap_or_default();
+            return Ok(match c.status.as_str() {
+                "True" => StateCapture::Captured,
+                _ => StateCapture::Failed(format!("capturing the machine state: {message}")),
+            });
+        }
+        let Some(class) = self.ctx.settings().vm_state_storage_class.clone() else {
+            return Ok(StateCapture::Failed(
+                "spec.configuration.vmStateStorageClass was removed from the KubeVirt CR while \
+                 the machine state was being captured"
+                    .into(),
+            ));
+        };
+        let memory = match api::validation::guest_memory(&vmi.spec) {
+            Some(Ok(bytes)) => bytes,
+            _ => {
+                return Ok(StateCapture::Failed(format!(
+                    "VirtualMachineInstance {source:?} has no guest memory size to size the \
+                     machine-state claim by"
+                )))
+            }
+        };
+        create_if_absent(&self.api(), &state_claim(claim, &class, memory, content)).await?;
+        let pod = self.attachment_pod(claim, &node, content);
+        create_if_absent(&self.api(), &pod).await?;
+        if api::snapshot::capture_state(vmi.metadata.annotations.as_ref()) != Some(claim) {
+            let patch = serde_json::json!({"metadata": {"annotations": {
+                ANNOTATION_CAPTURE_STATE: claim
+            }}});
+            self.api::<VirtualMachineInstance>()
+                .patch(source, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        Ok(StateCapture::Waiting(format!(
+            "capturing the machine state of VirtualMachine {source:?} into claim {claim:?} on \
+             node {node:?}"
+        )))
+    }
+
+    /// The Pod that mounts machine-state claim `claim` on `node`, so virt-handler there can
+    /// write into it (KubeVirt's hotplug attachment Pods do the same for a memory dump).
+    fn attachment_pod(
+        &self,
+        claim: &str,
+        node: &str,
+        content: &VirtualMachineSnapshotContent,
+    ) -> Pod {
+        let image = &self.ctx.config.pod.launcher_image;
+        let uid = api::launcher_pod::LAUNCHER_UID;
+        let mut pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": api::snapshot::state_attachment_name(claim),
+                "namespace": self.ns,
+                "labels": {LABEL_STATE_ATTACHMENT: claim, LABEL_SNAPSHOT: self.snapshot.name_any()},
+            },
+            "spec": {
+                "nodeName": node,
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": false,
+                "securityContext": {"runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+                                    "runAsNonRoot": true},
+                "containers": [{
+                    "name": "hold",
+                    "image": image,
+                    "command": ["/bin/sleep", "infinity"],
+                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                                  "limits": {"cpu": "100m", "memory": "32Mi"}},
+                    "securityContext": {"allowPrivilegeEscalation": false,
+                                        "capabilities": {"drop": ["ALL"]}},
+                    "volumeMounts": [{"name": "state", "mountPath": "/state"}],
+                }],
+                "volumes": [{"name": "state", "persistentVolumeClaim": {"claimName": claim}}],
+            },
+        }))
+        .expect("a Pod");
+        pod.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
+        pod
+    }
+
+    /// The guest let go: the VMI's capture request taken off (virt-handler then resumes it)
+    /// and the attachment Pod deleted. Does nothing where there is nothing to undo.
+    async fn release_guest(&self) -> Result<()> {
+        let claim = api::snapshot::state_claim_name(&self.uid());
+        let source = &self.snapshot.spec.source.name;
+        let vmis = self.api::<VirtualMachineInstance>();
+        if let Some(vmi) = vmis.get_opt(source).await? {
+            if api::snapshot::capture_state(vmi.metadata.annotations.as_ref()) == Some(&claim) {
+                let patch = serde_json::json!({"metadata": {"annotations": {
+                    ANNOTATION_CAPTURE_STATE: null
+                }}});
+                vmis.patch(source, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await?;
+            }
+        }
+        delete_if_present(
+            &self.api::<Pod>(),
+            &api::snapshot::state_attachment_name(&claim),
+            &Default::default(),
+        )
+        .await?;
+        Ok(())
     }
 
     /// The copy of backup `b` (a DataVolume cloning the claim, controlled by the content),
@@ -571,6 +743,36 @@ impl Pass {
         vs.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
         vs
     }
+}
+
+/// How far a machine-state capture is.
+enum StateCapture {
+    Captured,
+    Waiting(String),
+    Failed(String),
+}
+
+/// The claim a machine state of `memory` bytes is captured into: room for the memory and the
+/// vCPUs' and devices' state, of the cluster's `vmStateStorageClass`, held by the content.
+fn state_claim(
+    name: &str,
+    class: &str,
+    memory: u64,
+    content: &VirtualMachineSnapshotContent,
+) -> PersistentVolumeClaim {
+    let mib = memory.div_ceil(1 << 20) + 16;
+    let mut pvc: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "namespace": content.namespace()},
+        "spec": {
+            "storageClassName": class,
+            // Every VM restored or cloned from the snapshot maps the memory file read-only.
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": format!("{mib}Mi")}},
+        },
+    }))
+    .expect("a claim");
+    pvc.metadata.owner_references = controller_ref(content).map(|r| vec![r]);
+    pvc
 }
 
 /// A DataVolume `name` that clones claim `claim` (of shape `spec`) through CDI's host-assisted

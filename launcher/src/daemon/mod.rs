@@ -409,6 +409,22 @@ impl Daemon {
         )
     }
 
+    /// Where a snapshot file goes: a plain file name is in this launcher's own sockets
+    /// directory — the one directory of the Pod virt-handler sees on the node, so it can move
+    /// a machine state on from there — any other path is taken as it is.
+    fn snapshot_file(&self, path: &str) -> Result<PathBuf, String> {
+        if path.contains('/') {
+            return Ok(PathBuf::from(path));
+        }
+        if path.is_empty() || path == "." || path == ".." {
+            return Err(format!("{path:?}: not a file name"));
+        }
+        self.socket_dir
+            .get()
+            .map(|d| d.join(path))
+            .ok_or_else(|| format!("{path:?}: this launcher has no control socket directory"))
+    }
+
     /// Waits (at most `timeout`) until no request is being answered.
     pub fn wait_idle(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
@@ -880,8 +896,8 @@ impl Daemon {
     ) -> Result<SnapshotReport, String> {
         let vm = self.vm()?;
         let paths = vmm::SnapshotPaths {
-            state: PathBuf::from(state_path),
-            memory: PathBuf::from(memory_path),
+            state: self.snapshot_file(state_path)?,
+            memory: self.snapshot_file(memory_path)?,
         };
         let mut last = 0;
         let stats = vm

@@ -217,6 +217,15 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<MachineState, StateFileError>
     })
 }
 
+/// The temporary a snapshot file is written as before it is renamed into place: `path` with
+/// `.tmp` appended, not its extension replaced, so a state and a memory file named alike
+/// (`vm.state`, `vm.memory`) never share one.
+pub fn temporary_of(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push(".tmp");
+    name.into()
+}
+
 /// Writes the state file atomically: a temporary file, fsync, rename. A crash mid-write leaves
 /// the previous snapshot (if any) intact.
 pub fn write_state_file(path: &Path, state: &MachineState) -> Result<u64, StateFileError> {
@@ -235,7 +244,7 @@ pub fn write_state_file_uncommitted(
         source,
     };
     let bytes = encode(state);
-    let mut f = create_private(&path.with_extension("tmp")).map_err(err)?;
+    let mut f = create_private(&temporary_of(path)).map_err(err)?;
     f.write_all(&bytes).map_err(err)?;
     f.sync_all().map_err(err)?;
     Ok(bytes.len() as u64)
@@ -243,7 +252,7 @@ pub fn write_state_file_uncommitted(
 
 /// The second half: the temporary renamed over `path`.
 pub fn commit_state_file(path: &Path) -> Result<(), StateFileError> {
-    std::fs::rename(path.with_extension("tmp"), path).map_err(|source| StateFileError::Io {
+    std::fs::rename(temporary_of(path), path).map_err(|source| StateFileError::Io {
         path: path.display().to_string(),
         source,
     })
