@@ -34,6 +34,7 @@ pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
     "kubectl.kubernetes.io/last-applied-configuration",
     ANNOTATION_LAST_RESTORE,
     ANNOTATION_START_FROM_STATE,
+    ANNOTATION_START_FROM_SNAPSHOT,
 ];
 
 /// microvirt's extension to KubeVirt's snapshots, in one place: a VM's guest memory and machine
@@ -44,11 +45,23 @@ pub const NOT_CARRIED_ANNOTATIONS: &[&str] = &[
 /// KubeVirt client reading the content ignores it safely: KubeVirt's own restore boots the VM
 /// from the captured disks, as it always does.
 pub const ANNOTATION_STATE_CLAIM: &str = "snapshot.microvirt.io/machine-state-claim";
-/// On a VirtualMachine (and so on the VMs a VirtualMachinePool makes from its template), or on
-/// a VMI (and so on a VMI ReplicaSet's template): the next VMI starts from the machine state in
-/// the named claim, resuming the guest where it was captured, instead of booting. On a VM it
-/// is taken once: the VM controller moves it onto the VMI it creates, since a later start
-/// would resume memory older than the disks by then.
+/// The one annotation a user writes to start VMs from a snapshot instead of booting them: the
+/// name of a VirtualMachineSnapshot (in the same namespace) taken of a running VM, whose
+/// machine state the VM resumes — memory mapped from the snapshot's one file, shared until
+/// written, a new generation ID and the VM's own MACs announced to the guest.
+/// - On a VirtualMachine (so also in a VirtualMachinePool's `spec.virtualMachineTemplate.metadata`):
+///   taken once — the VM controller moves it onto the VMI it creates, since a later start
+///   would resume memory older than the disks by then. A VirtualMachineRestore of a
+///   running-state snapshot writes it onto the VM it restores (so do clones of a snapshot).
+/// - On a VMI (so also in a VMI ReplicaSet's `spec.template.metadata`): that VMI resumes it.
+///
+/// virt-controller resolves it to the snapshot's machine-state claim
+/// ([`ANNOTATION_START_FROM_STATE`] on the VMI) before the launcher Pod is made; a snapshot
+/// that is missing, not ready or without a machine state leaves the VMI Pending with the
+/// reason.
+pub const ANNOTATION_START_FROM_SNAPSHOT: &str = "snapshot.microvirt.io/start-from-snapshot";
+/// On a VMI: the claim holding the machine state it resumes (written by virt-controller from
+/// [`ANNOTATION_START_FROM_SNAPSHOT`]); the launcher Pod mounts that claim read-only.
 pub const ANNOTATION_START_FROM_STATE: &str = "snapshot.microvirt.io/start-from-state";
 /// The two files of a machine state, as the launcher writes and reads them in its claim's
 /// directory: the state (vCPUs, devices) and the guest's memory.
@@ -88,6 +101,13 @@ pub fn state_attachment_name(claim: &str) -> String {
 pub fn capture_state(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
     annotations?
         .get(ANNOTATION_CAPTURE_STATE)
+        .map(String::as_str)
+}
+
+/// The snapshot `annotations` say the VM or VMI starts from, if any.
+pub fn start_from_snapshot(annotations: Option<&BTreeMap<String, String>>) -> Option<&str> {
+    annotations?
+        .get(ANNOTATION_START_FROM_SNAPSHOT)
         .map(String::as_str)
 }
 

@@ -163,18 +163,36 @@ pub fn validate_vm(vm: &VirtualMachine) -> Result<(), ValidationError> {
         None => e.add("spec.template.spec", "is required"),
     }
     e.fields(vm_findings(vm));
-    start_from_state(&vm.metadata, "metadata", &mut e);
-    let template = vm.spec.template.metadata.as_ref();
-    if crate::snapshot::start_from_state(template.and_then(|m| m.annotations.as_ref())).is_some() {
-        // On the template every start would resume the same memory, older than the disks
-        // after the first run.
+    start_from_snapshot(&vm.metadata, "metadata", &mut e);
+    if crate::snapshot::start_from_state(vm.metadata.annotations.as_ref()).is_some() {
         e.add(
             format!(
-                "spec.template.metadata.annotations[{}]",
+                "metadata.annotations[{}]",
                 crate::snapshot::ANNOTATION_START_FROM_STATE
             ),
-            "is taken once, from the VirtualMachine's own metadata.annotations (a VirtualMachinePool's spec.virtualMachineTemplate.metadata); not accepted on the VMI template",
+            format!(
+                "is virt-controller's, on the VMIs it starts; name the snapshot to start from with metadata.annotations[{}]",
+                crate::snapshot::ANNOTATION_START_FROM_SNAPSHOT
+            ),
         );
+    }
+    let template = vm.spec.template.metadata.as_ref();
+    let annotations = template.and_then(|m| m.annotations.as_ref());
+    for key in [
+        crate::snapshot::ANNOTATION_START_FROM_SNAPSHOT,
+        crate::snapshot::ANNOTATION_START_FROM_STATE,
+    ] {
+        if annotations.is_some_and(|a| a.contains_key(key)) {
+            // On the template every start would resume the same memory, older than the
+            // disks after the first run.
+            e.add(
+                format!("spec.template.metadata.annotations[{key}]"),
+                format!(
+                    "is not accepted on a VirtualMachine's VMI template, where every start would resume the same memory; put {} on the VirtualMachine's own metadata.annotations (a VirtualMachinePool's spec.virtualMachineTemplate.metadata), where it is taken once",
+                    crate::snapshot::ANNOTATION_START_FROM_SNAPSHOT
+                ),
+            );
+        }
     }
     finish("VirtualMachine", &object_name(&vm.metadata), e)
 }
@@ -184,7 +202,22 @@ pub fn validate_vmi(vmi: &VirtualMachineInstance) -> Result<(), ValidationError>
     validate_spec(&vmi.spec, "spec", &mut e);
     e.fields(vmi_findings(vmi));
     start_from_state(&vmi.metadata, "metadata", &mut e);
+    start_from_snapshot(&vmi.metadata, "metadata", &mut e);
     finish("VirtualMachineInstance", &object_name(&vmi.metadata), e)
+}
+
+/// The snapshot `snapshot.microvirt.io/start-from-snapshot` names must be an object's name.
+fn start_from_snapshot(meta: &ObjectMeta, base: &str, e: &mut Errors) {
+    if let Some(name) = crate::snapshot::start_from_snapshot(meta.annotations.as_ref()) {
+        dns_subdomain(
+            e,
+            format!(
+                "{base}.annotations[{}]",
+                crate::snapshot::ANNOTATION_START_FROM_SNAPSHOT
+            ),
+            name,
+        );
+    }
 }
 
 /// The claim `snapshot.microvirt.io/start-from-state` names must be a claim's name: the Pod

@@ -494,3 +494,54 @@ spec:
         "{text}"
     );
 }
+
+/// microvirt's start-from-snapshot extension: named on the VM itself (taken once), never on
+/// its VMI template (every start would resume the same memory); the VMI-level claim is the
+/// controller's to write.
+#[test]
+fn start_from_snapshot_is_taken_from_the_vm_and_refused_on_its_template() {
+    let vm = |meta: &str, template_meta: &str| -> VirtualMachine {
+        serde_yaml::from_str(&format!(
+            r#"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {{name: vm, namespace: ns, annotations: {meta}}}
+spec:
+  runStrategy: Always
+  template:
+    metadata: {{annotations: {template_meta}}}
+    spec:
+      domain: {{memory: {{guest: 64Mi}}}}
+"#
+        ))
+        .unwrap()
+    };
+    validate_vm(&vm(
+        "{snapshot.microvirt.io/start-from-snapshot: snap}",
+        "{}",
+    ))
+    .unwrap();
+    let refused = |v: VirtualMachine| validate_vm(&v).unwrap_err().to_string();
+    let text = refused(vm(
+        "{snapshot.microvirt.io/start-from-snapshot: Snap/1}",
+        "{snapshot.microvirt.io/start-from-snapshot: snap}",
+    ));
+    assert!(
+        text.contains("metadata.annotations[snapshot.microvirt.io/start-from-snapshot]: \"Snap/1\" is not a valid name"),
+        "{text}"
+    );
+    assert!(
+        text.contains("spec.template.metadata.annotations[snapshot.microvirt.io/start-from-snapshot]: is not accepted on a VirtualMachine's VMI template"),
+        "{text}"
+    );
+    let text = refused(vm(
+        "{snapshot.microvirt.io/start-from-state: vmstate-1}",
+        "{}",
+    ));
+    assert!(
+        text.contains(
+            "metadata.annotations[snapshot.microvirt.io/start-from-state]: is virt-controller's"
+        ),
+        "{text}"
+    );
+}

@@ -203,11 +203,12 @@ pub fn vmi_for(
     vmi.metadata.namespace = vm.metadata.namespace.clone();
     vmi.metadata.labels = Some(labels);
     vmi.metadata.annotations = tmeta.annotations;
-    // A VM restored from (or made to start from) a machine state resumes it in this VMI.
-    if let Some(claim) = api::snapshot::start_from_state(vm.metadata.annotations.as_ref()) {
+    // A VM restored from (or made to start from) a running-state snapshot resumes it in this
+    // VMI (the VMI controller finds the snapshot's machine state).
+    if let Some(name) = api::snapshot::start_from_snapshot(vm.metadata.annotations.as_ref()) {
         vmi.annotations_mut().insert(
-            api::snapshot::ANNOTATION_START_FROM_STATE.into(),
-            claim.into(),
+            api::snapshot::ANNOTATION_START_FROM_SNAPSHOT.into(),
+            name.into(),
         );
     }
     vmi.metadata.owner_references = controller_runtime::controller_ref(vm).map(|r| vec![r]);
@@ -353,17 +354,17 @@ impl Pass<'_> {
         Ok(Action::await_change())
     }
 
-    /// Whether the VM's start-from-state annotation has been carried onto its VMI: the state
-    /// is taken once, since a later start would resume memory older than the disks by then.
+    /// Whether the VM's start-from-snapshot annotation has been carried onto its VMI: it is
+    /// taken once, since a later start would resume memory older than the disks by then.
     fn state_taken(&self, vmi: &VirtualMachineInstance) -> bool {
-        let on_vm = api::snapshot::start_from_state(self.vm.metadata.annotations.as_ref());
-        on_vm.is_some()
-            && on_vm == api::snapshot::start_from_state(vmi.metadata.annotations.as_ref())
+        use api::snapshot::start_from_snapshot;
+        let on_vm = start_from_snapshot(self.vm.metadata.annotations.as_ref());
+        on_vm.is_some() && on_vm == start_from_snapshot(vmi.metadata.annotations.as_ref())
     }
 
     async fn take_start_from_state(&self) -> Result<Action> {
         self.patch(&serde_json::json!({"metadata": {"annotations": {
-            api::snapshot::ANNOTATION_START_FROM_STATE: null
+            api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: null
         }}}))
         .await
     }

@@ -191,6 +191,15 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
     pass.status.conditions.retain(|c| {
         !(c.type_ == api::conditions::SYNCHRONIZED && c.reason.as_deref() == Some("FailedCreate"))
     });
+    let unplaced = matches!(phase, None | Some(VmiPhase::Pending));
+    let annotations = vmi.metadata.annotations.as_ref();
+    if let (true, Some(snapshot), None) = (
+        unplaced,
+        api::snapshot::start_from_snapshot(annotations),
+        api::snapshot::start_from_state(annotations),
+    ) {
+        return pass.find_machine_state(snapshot).await;
+    }
     match (pass.launcher_pod().await?, phase) {
         (None, None | Some(VmiPhase::Pending)) => pass.create_pod().await?,
         (None, _) => pass.pod_vanished().await,
@@ -276,6 +285,32 @@ impl Pass<'_> {
         );
         write(&self.vmis, self.vmi, None, self.status).await?;
         Ok(Action::await_change())
+    }
+
+    /// A VMI to start from a snapshot: annotated with the snapshot's machine-state claim (the
+    /// launcher Pod is made on the next pass, mounting it), or left Pending with the reason
+    /// (and looked at again: the snapshot may become ready).
+    async fn find_machine_state(self, snapshot: &str) -> Result<Action> {
+        let ns = self.vmi.namespace().unwrap_or_default();
+        match crate::snapshot::state_claim_of(&self.ctx.client, &ns, snapshot).await? {
+            Ok(claim) => {
+                let patch = serde_json::json!({"metadata": {"annotations": {
+                    api::snapshot::ANNOTATION_START_FROM_STATE: claim
+                }}});
+                self.vmis
+                    .patch(
+                        &self.vmi.name_any(),
+                        &PatchParams::default(),
+                        &Patch::Merge(&patch),
+                    )
+                    .await?;
+                Ok(Action::await_change())
+            }
+            Err(why) => {
+                self.refuse(why).await?;
+                Ok(Action::requeue(std::time::Duration::from_secs(5)))
+            }
+        }
     }
 
     /// The VMI's launcher Pod: the active one, or (before any is recorded) one an earlier

@@ -1203,152 +1203,18 @@ async fn console_line(
     }
 }
 
-/// Sandboxes from one machine state, through the API (microvirt's extension to KubeVirt's
-/// snapshots): a running guest's machine state is saved into a claim; a VirtualMachinePool
-/// whose VM template is annotated `snapshot.microvirt.io/start-from-state: <claim>` makes
-/// VMs whose launcher Pods mount that claim and resume it — every member goes on with the
-/// saved guest's run (its template's kernel arguments name another probe test, which a
-/// booted guest would run) — and each VM takes the annotation once, onto its VMI.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pool_starts_from_one_machine_state_without_booting() {
-    use api::protocol::{Request, Response};
-    use api::{VirtualMachine, VirtualMachinePool};
-    use kube::api::{DeleteParams, PostParams};
-    const MEMBERS: usize = 4;
-    tests::require_kvm();
-    let work = tests::probe_workdir("mv-handler-pool-state");
-    let pods_dir = work.join("pods");
-    let claim = work.join("volumes").join("vmstate-source");
-    std::fs::create_dir_all(&claim).unwrap();
-    tests::chown_to_pod_user(&claim);
-    let cluster = Cluster::start().await;
-    let _controller = cluster.replica(test_config(), None);
-    let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
-    let _handler = start_handler(&cluster, &pods_dir, &work);
-    let vms = cluster.api::<VirtualMachine>();
-    let vmis = cluster.api::<VirtualMachineInstance>();
-    let source: VirtualMachine = serde_json::from_value(serde_json::json!({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
-        "metadata": {"name": "source"},
-        "spec": sandbox_vm("probe.test=dirty probe.passes=40"),
-    }))
-    .unwrap();
-    vms.create(&PostParams::default(), &source).await.unwrap();
-    let pod = launcher_pod_of(&cluster, "source").await;
-    let uid = pod.metadata.uid.clone().unwrap();
-    eventually("the source Running", Duration::from_secs(90), || async {
-        let v = vmis.get_opt("source").await.unwrap()?;
-        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
-    })
-    .await;
-    let mut console = console_of(&pods_dir, &uid).await;
-    let mut seen = String::new();
-    console_line(&mut console, "PROBE PROGRESS dirty pass=3", &mut seen).await;
-    // The capture: the launcher saves the machine into the claim and stops.
-    let mut c = handler::launcher::LauncherClient::connect(
-        &handler::launcher::socket_path(&pods_dir, &uid),
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    let mut answer = c
-        .call(&Request::Snapshot {
-            memory_path: claim.join("memory").display().to_string(),
-            state_path: claim.join("state").display().to_string(),
-            stop: true,
-        })
-        .await
-        .unwrap();
-    while let Response::Event(_) = answer {
-        answer = c.next_answer().await.unwrap();
-    }
-    assert!(matches!(answer, Response::Snapshot(_)), "{answer:?}");
-    vms.delete("source", &DeleteParams::default())
-        .await
-        .unwrap();
-
-    let mut member = sandbox_vm("probe.test=keyboard");
-    member["template"]["metadata"] =
-        serde_json::json!({"labels": {"kubevirt.io/vmpool": "sandboxes"}});
-    let pool: VirtualMachinePool = serde_json::from_value(serde_json::json!({
-        "apiVersion": "pool.kubevirt.io/v1beta1", "kind": "VirtualMachinePool",
-        "metadata": {"name": "sandboxes"},
-        "spec": {
-            "replicas": MEMBERS,
-            "selector": {"matchLabels": {"kubevirt.io/vmpool": "sandboxes"}},
-            "virtualMachineTemplate": {
-                "metadata": {
-                    "labels": {"kubevirt.io/vmpool": "sandboxes"},
-                    "annotations": {api::snapshot::ANNOTATION_START_FROM_STATE: "vmstate-source"},
-                },
-                "spec": member,
-            },
-        },
-    }))
-    .unwrap();
-    cluster
-        .api::<VirtualMachinePool>()
-        .create(&PostParams::default(), &pool)
-        .await
-        .unwrap();
-    let names: Vec<String> = (0..MEMBERS).map(|i| format!("sandboxes-{i}")).collect();
-    for name in &names {
-        let pod = launcher_pod_of(&cluster, name).await;
-        let uid = pod.metadata.uid.clone().unwrap();
-        let vmi = eventually(
-            &format!("{name} Running"),
-            Duration::from_secs(90),
-            || async {
-                let v = vmis.get_opt(name).await.unwrap()?;
-                (v.status.as_ref()?.phase == Some(VmiPhase::Running)).then_some(v)
-            },
-        )
-        .await;
-        assert_eq!(
-            api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
-            Some("vmstate-source")
-        );
-        let mut console = console_of(&pods_dir, &uid).await;
-        let mut seen = String::new();
-        console_line(&mut console, "PROBE RESULT", &mut seen).await;
-        assert!(
-            seen.contains("PROBE RESULT dirty OK"),
-            "{name} did not resume:\n{seen}"
-        );
-        assert!(
-            !seen.contains("microvirt probe guest: hello"),
-            "{name} booted:\n{seen}"
-        );
-    }
-    // Taken once: no VM keeps the annotation for its next start.
-    eventually(
-        "the annotation taken off every VM",
-        Duration::from_secs(30),
-        || async {
-            let list = vms.list(&Default::default()).await.unwrap().items;
-            let left = list
-                .iter()
-                .filter(|v| {
-                    api::snapshot::start_from_state(v.metadata.annotations.as_ref()).is_some()
-                })
-                .count();
-            (list.len() == MEMBERS && left == 0).then_some(())
-        },
-    )
-    .await;
-    kubelet.finish().await;
-    let _ = std::fs::remove_dir_all(work);
-}
-
 /// A VirtualMachineSnapshot of a running VM keeps its memory and machine state (microvirt's
 /// extension, with the cluster's `vmStateStorageClass` set): virt-controller makes the state
 /// claim and an attachment Pod on the VMI's node, virt-handler has the launcher save the
 /// machine and moves it into the claim, the disks are cut while the guest is paused, and the
 /// guest goes on to finish its run. A VirtualMachineRestore of the snapshot into a new VM
 /// resumes the saved guest — which finishes the same run, though the restore's patch gives
-/// the VM the kernel arguments of another probe test, which a booted guest would run.
+/// the VM the kernel arguments of another probe test, which a booted guest would run. A
+/// VirtualMachinePool annotated `snapshot.microvirt.io/start-from-snapshot: <snapshot>`
+/// starts every member from it the same way, each VM taking the annotation once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_snapshot_of_a_running_vm_restores_to_a_guest_that_resumes() {
+async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
+    const MEMBERS: usize = 3;
     use api::snapshot::{
         SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
     };
@@ -1489,6 +1355,76 @@ async fn a_snapshot_of_a_running_vm_restores_to_a_guest_that_resumes() {
         "the restored VM did not resume:\n{seen}"
     );
     assert!(!seen.contains("microvirt probe guest: hello"), "{seen}");
+    // Taken once: the restored VM keeps no annotation for its next start.
+    let vm = vms.get("restored").await.unwrap();
+    assert_eq!(
+        api::snapshot::start_from_snapshot(vm.metadata.annotations.as_ref()),
+        None
+    );
+
+    // A pool whose VMs start from the snapshot: every member resumes the same saved guest.
+    let mut member = sandbox_vm("probe.test=keyboard");
+    member["template"]["metadata"] =
+        serde_json::json!({"labels": {"kubevirt.io/vmpool": "sandboxes"}});
+    let pool: api::VirtualMachinePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "pool.kubevirt.io/v1beta1", "kind": "VirtualMachinePool",
+        "metadata": {"name": "sandboxes"},
+        "spec": {
+            "replicas": MEMBERS,
+            "selector": {"matchLabels": {"kubevirt.io/vmpool": "sandboxes"}},
+            "virtualMachineTemplate": {
+                "metadata": {
+                    "labels": {"kubevirt.io/vmpool": "sandboxes"},
+                    "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "snap"},
+                },
+                "spec": member,
+            },
+        },
+    }))
+    .unwrap();
+    cluster
+        .api::<api::VirtualMachinePool>()
+        .create(&PostParams::default(), &pool)
+        .await
+        .unwrap();
+    for i in 0..MEMBERS {
+        let name = format!("sandboxes-{i}");
+        let pod = launcher_pod_of(&cluster, &name).await;
+        let uid = pod.metadata.uid.clone().unwrap();
+        let vmi = eventually(
+            &format!("{name} Running"),
+            Duration::from_secs(90),
+            || async {
+                let v = vmis.get_opt(&name).await.unwrap()?;
+                (v.status.as_ref()?.phase == Some(VmiPhase::Running)).then_some(v)
+            },
+        )
+        .await;
+        assert_eq!(
+            api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
+            Some(claim.as_str())
+        );
+        let mut console = console_of(&pods_dir, &uid).await;
+        let mut seen = String::new();
+        console_line(&mut console, "PROBE RESULT", &mut seen).await;
+        assert!(
+            seen.contains("PROBE RESULT dirty OK"),
+            "{name} did not resume:\n{seen}"
+        );
+        assert!(
+            !seen.contains("microvirt probe guest: hello"),
+            "{name} booted:\n{seen}"
+        );
+    }
+    eventually("the pool Ready", Duration::from_secs(60), || async {
+        let p = cluster
+            .api::<api::VirtualMachinePool>()
+            .get("sandboxes")
+            .await
+            .unwrap();
+        (p.status?.ready_replicas == MEMBERS as i32).then_some(())
+    })
+    .await;
     kubelet.finish().await;
     node.stop().await;
     let _ = std::fs::remove_dir_all(work);

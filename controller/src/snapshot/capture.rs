@@ -246,7 +246,9 @@ impl Pass {
             .and_then(|v| v.status)
             .and_then(|s| s.phase)
             .is_some_and(|p| p == api::VmiPhase::Running);
-        if guest_runs && self.ctx.settings().vm_state_storage_class.is_some() {
+        // A clone's temporary snapshot is restored once and deleted: its VM boots.
+        let keeps_state = !super::is_clone_temporary(&self.snapshot);
+        if guest_runs && keeps_state && self.ctx.settings().vm_state_storage_class.is_some() {
             let claim = api::snapshot::state_claim_name(&self.uid());
             content
                 .annotations_mut()

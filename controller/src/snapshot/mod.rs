@@ -25,6 +25,105 @@ use serde_json::json;
 
 use crate::context::Result;
 
+/// The machine-state claim `content` names, if any; it must be the one its snapshot's capture
+/// makes, so an edited content cannot point a VM at another claim.
+pub fn named_state_claim(
+    snapshot: &api::snapshot::VirtualMachineSnapshot,
+    content: &api::snapshot::VirtualMachineSnapshotContent,
+) -> std::result::Result<Option<String>, String> {
+    let Some(named) = content
+        .annotations()
+        .get(api::snapshot::ANNOTATION_STATE_CLAIM)
+    else {
+        return Ok(None);
+    };
+    let expected = api::snapshot::state_claim_name(&snapshot.uid().unwrap_or_default());
+    if *named != expected {
+        return Err(format!(
+            "VirtualMachineSnapshotContent {:?}: metadata.annotations[{}] names claim {named:?}, \
+             not its snapshot's machine-state claim {expected:?}",
+            content.name_any(),
+            api::snapshot::ANNOTATION_STATE_CLAIM
+        ));
+    }
+    Ok(Some(expected))
+}
+
+/// Whether claim `name` in `ns` exists and is bound.
+pub async fn claim_bound(client: &kube::Client, ns: &str, name: &str) -> Result<bool> {
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::namespaced(client.clone(), ns);
+    let claim = claims.get_opt(name).await?;
+    Ok(claim
+        .and_then(|c| c.status)
+        .and_then(|s| s.phase)
+        .is_some_and(|p| p == "Bound"))
+}
+
+/// Whether a snapshot is a clone's own (the temporary one a clone of a VM takes, deleted when
+/// the clone is done): nothing may start from it later.
+pub fn is_clone_temporary(snapshot: &api::snapshot::VirtualMachineSnapshot) -> bool {
+    snapshot
+        .owner_references()
+        .iter()
+        .any(|o| o.kind == "VirtualMachineClone")
+}
+
+/// The machine-state claim of VirtualMachineSnapshot `name` in `ns`, or why a VM cannot start
+/// from it (missing, not ready, holding disks only, its claim gone).
+pub async fn state_claim_of(
+    client: &kube::Client,
+    ns: &str,
+    name: &str,
+) -> Result<std::result::Result<String, String>> {
+    use api::snapshot::{VirtualMachineSnapshot, VirtualMachineSnapshotContent};
+    let field = format!(
+        "metadata.annotations[{}]",
+        api::snapshot::ANNOTATION_START_FROM_SNAPSHOT
+    );
+    let snapshots: Api<VirtualMachineSnapshot> = Api::namespaced(client.clone(), ns);
+    let Some(snapshot) = snapshots.get_opt(name).await? else {
+        return Ok(Err(format!(
+            "{field}: VirtualMachineSnapshot {name:?} does not exist (remove the annotation to \
+             boot instead)"
+        )));
+    };
+    let status = snapshot.status.clone().unwrap_or_default();
+    if status.ready_to_use != Some(true) {
+        return Ok(Err(format!(
+            "{field}: VirtualMachineSnapshot {name:?} is not ready to use yet"
+        )));
+    }
+    let contents: Api<VirtualMachineSnapshotContent> = Api::namespaced(client.clone(), ns);
+    let content_name = status
+        .virtual_machine_snapshot_content_name
+        .unwrap_or_default();
+    let Some(content) = contents.get_opt(&content_name).await? else {
+        return Ok(Err(format!(
+            "{field}: the content {content_name:?} of VirtualMachineSnapshot {name:?} does not \
+             exist"
+        )));
+    };
+    let claim = match named_state_claim(&snapshot, &content) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            return Ok(Err(format!(
+                "{field}: VirtualMachineSnapshot {name:?} holds no machine state (it was taken \
+                 of a stopped VM, or without the cluster's vmStateStorageClass); only disks can \
+                 be restored from it"
+            )))
+        }
+        Err(why) => return Ok(Err(format!("{field}: {why}"))),
+    };
+    if !claim_bound(client, ns, &claim).await? {
+        return Ok(Err(format!(
+            "{field}: the machine-state claim {claim:?} of VirtualMachineSnapshot {name:?} is \
+             missing or not bound"
+        )));
+    }
+    Ok(Ok(claim))
+}
+
 /// KubeVirt's locks on a VM while a snapshot reads it or a restore writes it (its
 /// `status.snapshotInProgress` / `status.restoreInProgress`, naming the holder). The VM
 /// controller starts no VMI while either is held.

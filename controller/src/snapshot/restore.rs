@@ -14,7 +14,8 @@
 //! KubeVirt's restore does the same; like KubeVirt it leaves a VM it stopped stopped. Beyond
 //! KubeVirt: a snapshot whose content names a machine-state claim
 //! ([`api::snapshot::ANNOTATION_STATE_CLAIM`]) restores a VM annotated to start from that
-//! state, so its next start resumes the guest where it was captured instead of booting.
+//! snapshot ([`api::snapshot::ANNOTATION_START_FROM_SNAPSHOT`]), so its next start resumes the
+//! guest where it was captured instead of booting.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,8 +27,8 @@ use api::snapshot::{
     TargetReadinessPolicy, VirtualMachineRestore, VirtualMachineRestoreStatus,
     VirtualMachineSnapshot, VirtualMachineSnapshotContent, VolumeBackup, VolumeOwnershipPolicy,
     VolumeRestore, VolumeRestorePolicy, VolumeSnapshot, ANNOTATION_LAST_RESTORE,
-    ANNOTATION_RESTORE_NAME, ANNOTATION_START_FROM_STATE, ANNOTATION_STATE_CLAIM,
-    DEFAULT_DEADLINE_SECONDS, NOT_CARRIED_ANNOTATIONS, RESTORE_FINALIZER,
+    ANNOTATION_RESTORE_NAME, ANNOTATION_START_FROM_SNAPSHOT, DEFAULT_DEADLINE_SECONDS,
+    NOT_CARRIED_ANNOTATIONS, RESTORE_FINALIZER,
 };
 use api::{PvcSource, RunStrategy, VirtualMachine, VirtualMachineInstance};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, TypedLocalObjectReference};
@@ -315,36 +316,29 @@ impl Pass {
         }))
     }
 
-    /// The machine-state claim the content names, if any: it must be the one its snapshot's
-    /// capture makes (so an edited content cannot point a restore at another claim) and exist.
+    /// The machine-state claim the content names, if any and if a VM may start from it (not
+    /// a clone's temporary snapshot, which is gone before the VM starts): bound, and the one
+    /// its snapshot's capture made.
     async fn state_claim(
         &self,
         snapshot: &VirtualMachineSnapshot,
         content: &VirtualMachineSnapshotContent,
     ) -> Result<Judged<Option<String>>> {
-        let Some(named) = content.annotations().get(ANNOTATION_STATE_CLAIM) else {
+        if super::is_clone_temporary(snapshot) {
             return Ok(Ok(None));
-        };
-        let expected = api::snapshot::state_claim_name(&snapshot.uid().unwrap_or_default());
-        if *named != expected {
-            return Ok(Err(Hold::Refused(format!(
-                "VirtualMachineSnapshotContent {:?}: metadata.annotations[{ANNOTATION_STATE_CLAIM}] \
-                 names claim {named:?}, not its snapshot's machine-state claim {expected:?}",
-                content.name_any()
-            ))));
         }
-        let claim = self.api::<PersistentVolumeClaim>().get_opt(named).await?;
-        let bound = claim
-            .and_then(|c| c.status)
-            .and_then(|s| s.phase)
-            .is_some_and(|p| p == "Bound");
-        if !bound {
+        let claim = match super::named_state_claim(snapshot, content) {
+            Ok(Some(c)) => c,
+            Ok(None) => return Ok(Ok(None)),
+            Err(why) => return Ok(Err(Hold::Refused(why))),
+        };
+        if !super::claim_bound(&self.ctx.client, &self.ns, &claim).await? {
             return Ok(Err(Hold::Refused(format!(
-                "the machine-state claim {named:?} of snapshot {:?} is missing or not bound",
+                "the machine-state claim {claim:?} of snapshot {:?} is missing or not bound",
                 snapshot.name_any()
             ))));
         }
-        Ok(Ok(Some(expected)))
+        Ok(Ok(Some(claim)))
     }
 
     /// Whether the target may be written now: it must be the snapshot's source VM (or not
@@ -590,10 +584,11 @@ impl Pass {
         match state_claim {
             // The disks restored are the ones captured with this memory, so the guest's next
             // start resumes it; the VM controller takes the annotation once.
-            Some(claim) => vm
-                .annotations_mut()
-                .insert(ANNOTATION_START_FROM_STATE.into(), claim),
-            None => vm.annotations_mut().remove(ANNOTATION_START_FROM_STATE),
+            Some(_) => vm.annotations_mut().insert(
+                ANNOTATION_START_FROM_SNAPSHOT.into(),
+                self.restore.spec.virtual_machine_snapshot_name.clone(),
+            ),
+            None => vm.annotations_mut().remove(ANNOTATION_START_FROM_SNAPSHOT),
         };
         self.patched(vm)
     }
