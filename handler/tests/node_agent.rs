@@ -1210,8 +1210,9 @@ async fn console_line(
 /// guest goes on to finish its run. A VirtualMachineRestore of the snapshot into a new VM
 /// resumes the saved guest — which finishes the same run, though the restore's patch gives
 /// the VM the kernel arguments of another probe test, which a booted guest would run. A
-/// VirtualMachinePool annotated `snapshot.microvirt.io/start-from-snapshot: <snapshot>`
-/// starts every member from it the same way, each VM taking the annotation once.
+/// VirtualMachineClone of the snapshot starts running the same way, with a MAC of its own; a
+/// VirtualMachinePool annotated `snapshot.microvirt.io/start-from-snapshot: <snapshot>` starts
+/// every member from it, each VM taking the annotation once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     const MEMBERS: usize = 3;
@@ -1361,6 +1362,60 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         api::snapshot::start_from_snapshot(vm.metadata.annotations.as_ref()),
         None
     );
+
+    // Two clones of the snapshot start running, each resuming the saved guest with a MAC of
+    // its own (one given, one derived from its name), never the source's.
+    let source_mac = vmis.get("source").await.unwrap().status.unwrap().interfaces[0]
+        .mac
+        .clone();
+    for (name, macs) in [
+        (
+            "clone-a",
+            r#"newMacAddresses: {default: "02:00:00:00:aa:01"}"#,
+        ),
+        ("clone-b", ""),
+    ] {
+        let clone: api::clone::VirtualMachineClone = serde_yaml::from_str(&format!(
+            "apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: snap}}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {name}}}\n  {macs}\n"
+        ))
+        .unwrap();
+        cluster
+            .api::<api::clone::VirtualMachineClone>()
+            .create(&PostParams::default(), &clone)
+            .await
+            .unwrap();
+    }
+    let mut clone_macs = Vec::new();
+    for name in ["clone-a", "clone-b"] {
+        let pod = launcher_pod_of(&cluster, name).await;
+        let uid = pod.metadata.uid.clone().unwrap();
+        let mac = eventually(
+            &format!("{name} Running"),
+            Duration::from_secs(90),
+            || async {
+                let v = vmis.get_opt(name).await.unwrap()?;
+                let s = v.status?;
+                let mac = s.interfaces.first()?.mac.clone()?;
+                (s.phase == Some(VmiPhase::Running)).then_some(mac)
+            },
+        )
+        .await;
+        let mut console = console_of(&pods_dir, &uid).await;
+        let mut seen = String::new();
+        console_line(&mut console, "PROBE RESULT", &mut seen).await;
+        assert!(
+            seen.contains("PROBE RESULT dirty OK"),
+            "{name} did not resume:\n{seen}"
+        );
+        assert!(
+            !seen.contains("microvirt probe guest: hello"),
+            "{name} booted:\n{seen}"
+        );
+        clone_macs.push(mac);
+    }
+    assert_eq!(clone_macs[0], "02:00:00:00:aa:01");
+    assert_ne!(clone_macs[1], clone_macs[0]);
+    assert_ne!(Some(clone_macs[1].clone()), source_mac);
 
     // A pool whose VMs start from the snapshot: every member resumes the same saved guest.
     let mut member = sandbox_vm("probe.test=keyboard");
