@@ -1363,6 +1363,33 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         None
     );
 
+    // A restore that would resume the machine with another memory size: refused, the reason on
+    // its Failure condition, no VM written.
+    let bigger: VirtualMachineRestore = serde_yaml::from_str(&format!(
+        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineRestore\nmetadata: {{name: bigger}}\nspec:\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: bigger}}\n  virtualMachineSnapshotName: snap\n  patches: [{:?}]\n",
+        r#"[{"op": "replace", "path": "/spec/template/spec/domain/memory/guest", "value": "128Mi"}]"#
+    ))
+    .unwrap();
+    let restores = cluster.api::<VirtualMachineRestore>();
+    restores
+        .create(&PostParams::default(), &bigger)
+        .await
+        .unwrap();
+    let why = eventually("the restore refused", Duration::from_secs(30), || async {
+        let r = restores.get("bigger").await.unwrap();
+        r.status?
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Failure" && c.status == "True")
+            .and_then(|c| c.message.clone())
+    })
+    .await;
+    assert!(
+        why.contains("its CPU topology and guest memory cannot be changed"),
+        "{why}"
+    );
+    assert!(vms.get_opt("bigger").await.unwrap().is_none());
+
     // Two clones of the snapshot start running, each resuming the saved guest with a MAC of
     // its own (one given, one derived from its name), never the source's.
     let source_mac = vmis.get("source").await.unwrap().status.unwrap().interfaces[0]

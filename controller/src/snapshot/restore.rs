@@ -581,6 +581,7 @@ impl Pass {
             .insert(ANNOTATION_LAST_RESTORE.into(), self.mark());
         vm.annotations_mut()
             .insert(ANNOTATION_RESTORE_NAME.into(), self.restore.name_any());
+        let resumes = state_claim.is_some();
         match state_claim {
             // The disks restored are the ones captured with this memory, so the guest's next
             // start resumes it; the VM controller takes the annotation once.
@@ -590,7 +591,11 @@ impl Pass {
             ),
             None => vm.annotations_mut().remove(ANNOTATION_START_FROM_SNAPSHOT),
         };
-        self.patched(vm)
+        let vm = self.patched(vm)?;
+        if resumes {
+            same_machine(source, &vm)?;
+        }
+        Ok(vm)
     }
 
     /// The DataVolume template that clones copy `copy` into claim plan `c`'s name.
@@ -781,4 +786,27 @@ impl Pass {
         }
         Ok(())
     }
+}
+
+/// A VM that resumes a captured machine must be that machine's shape: its vCPUs and memory
+/// are in the state, and a guest cannot find itself with others.
+fn same_machine(source: &SnapshottedVm, vm: &VirtualMachine) -> std::result::Result<(), String> {
+    let shape = |spec: &api::VirtualMachineSpec| {
+        let domain = spec.template.spec.as_ref().map(|s| &s.domain);
+        let cpu = domain.and_then(|d| d.cpu.as_ref());
+        let cpu = cpu.map(|c| (c.sockets, c.cores, c.threads));
+        let memory = domain
+            .and_then(|d| d.memory.as_ref())
+            .and_then(|m| m.guest.clone());
+        (cpu, memory)
+    };
+    if shape(&source.spec) != shape(&vm.spec) {
+        return Err(
+            "spec.patches: the snapshot holds the running machine's memory and state, which the \
+             restored VM resumes; its CPU topology and guest memory cannot be changed (restore \
+             without these patches, or from a snapshot of the stopped VM)"
+                .into(),
+        );
+    }
+    Ok(())
 }
