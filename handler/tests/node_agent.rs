@@ -1169,14 +1169,30 @@ async fn console_of(
     pod_uid: &str,
 ) -> tokio::io::BufReader<tokio::net::unix::OwnedReadHalf> {
     use api::protocol::{Request, Response};
-    let mut c = handler::launcher::LauncherClient::connect(
-        &handler::launcher::socket_path(pods_dir, pod_uid),
-        Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
-    assert_eq!(c.call(&Request::Console).await.unwrap(), Response::Ok);
-    c.into_stream().0
+    let socket = handler::launcher::socket_path(pods_dir, pod_uid);
+    // A loaded node (several guests, tests side by side) can keep a launcher from answering
+    // for a while: asked again, as virt-handler would.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let answer = match handler::launcher::LauncherClient::connect(
+            &socket,
+            Duration::from_secs(10),
+        )
+        .await
+        {
+            Ok(mut c) => match c.call(&Request::Console).await {
+                Ok(Response::Ok) => return c.into_stream().0,
+                other => format!("{other:?}"),
+            },
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no console from {}: {answer}",
+            socket.display()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Reads the console until the whole line holding `needle` is there; returns all read.
@@ -1203,6 +1219,100 @@ async fn console_line(
     }
 }
 
+/// The cluster for machine-state snapshots: virt-controller, a storage node provisioning
+/// claims under `storage/<namespace>/<claim>` (which the launchers see as their volumes), the
+/// test kubelet, virt-handler, and the KubeVirt CR naming a `vmStateStorageClass`.
+struct StateSite {
+    work: PathBuf,
+    pods_dir: PathBuf,
+    storage: PathBuf,
+    cluster: Cluster,
+    _controller: tests::cluster::Replica,
+    node: tests::storage::ImportNode,
+    kubelet: TestKubelet,
+    _handler: Proc,
+}
+
+impl StateSite {
+    async fn start(tag: &str) -> StateSite {
+        tests::require_kvm();
+        let work = tests::probe_workdir(tag);
+        let pods_dir = work.join("pods");
+        let storage = work.join("storage");
+        std::fs::create_dir_all(storage.join("default")).unwrap();
+        std::os::unix::fs::symlink(storage.join("default"), work.join("volumes")).unwrap();
+        let cluster = Cluster::start().await;
+        let controller = cluster.replica(test_config(), None);
+        let node = tests::storage::ImportNode::start(&cluster, &storage);
+        let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
+        let handler = start_handler(&cluster, &pods_dir, &work);
+        let kv: api::kubevirt::KubeVirt = serde_yaml::from_str(
+            "apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: microvirt}\nspec:\n  configuration: {vmStateStorageClass: local}\n",
+        )
+        .unwrap();
+        kube::Api::<api::kubevirt::KubeVirt>::namespaced(cluster.client.clone(), "microvirt")
+            .create(&Default::default(), &kv)
+            .await
+            .unwrap();
+        StateSite {
+            work,
+            pods_dir,
+            storage,
+            cluster,
+            _controller: controller,
+            node,
+            kubelet,
+            _handler: handler,
+        }
+    }
+
+    async fn finish(self) {
+        self.kubelet.finish().await;
+        self.node.stop().await;
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
+}
+
+/// The VMI `name` once Running with its interface's MAC, after its guest has finished the
+/// saved `dirty` probe run it resumed — without booting (a boot greets first).
+async fn resumed(
+    cluster: &Cluster,
+    pods_dir: &Path,
+    name: &str,
+) -> (VirtualMachineInstance, String) {
+    let uid = launcher_pod_of(cluster, name).await.metadata.uid.unwrap();
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    let what = format!("{name} Running");
+    let vmi = eventually(&what, Duration::from_secs(90), || async {
+        let v = vmis.get_opt(name).await.unwrap()?;
+        let s = v.status.as_ref()?;
+        s.interfaces.first()?.mac.as_ref()?;
+        (s.phase == Some(VmiPhase::Running)).then_some(v)
+    })
+    .await;
+    let mut console = console_of(pods_dir, &uid).await;
+    let mut seen = String::new();
+    console_line(&mut console, "PROBE RESULT", &mut seen).await;
+    assert!(
+        seen.contains("PROBE RESULT dirty OK"),
+        "{name} did not resume:\n{seen}"
+    );
+    assert!(
+        !seen.contains("microvirt probe guest: hello"),
+        "{name} booted:\n{seen}"
+    );
+    (vmi, seen)
+}
+
+/// The last generation ID the probe announced on `console`.
+fn generation(console: &str) -> Option<String> {
+    console
+        .lines()
+        .filter_map(|l| l.strip_prefix("PROBE GENID "))
+        .next_back()
+        .map(|id| id.trim().to_string())
+}
+
 /// A VirtualMachineSnapshot of a running VM keeps its memory and machine state (microvirt's
 /// extension, with the cluster's `vmStateStorageClass` set): virt-controller makes the state
 /// claim and an attachment Pod on the VMI's node, virt-handler has the launcher save the
@@ -1212,7 +1322,8 @@ async fn console_line(
 /// the VM the kernel arguments of another probe test, which a booted guest would run. A
 /// VirtualMachineClone of the snapshot starts running the same way, with a MAC of its own; a
 /// VirtualMachinePool annotated `snapshot.microvirt.io/start-from-snapshot: <snapshot>` starts
-/// every member from it, each VM taking the annotation once.
+/// every member from it, each VM taking the annotation once, and so does a VMI ReplicaSet
+/// whose template carries it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     const MEMBERS: usize = 3;
@@ -1222,27 +1333,9 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     use api::VirtualMachine;
     use kube::api::PostParams;
     use kube::ResourceExt;
-    tests::require_kvm();
-    let work = tests::probe_workdir("mv-handler-state-capture");
-    let pods_dir = work.join("pods");
-    // The storage node provisions claims under `storage/<namespace>/<claim>`; the launchers
-    // see this namespace's claims as their volumes.
-    let storage = work.join("storage");
-    std::fs::create_dir_all(storage.join("default")).unwrap();
-    std::os::unix::fs::symlink(storage.join("default"), work.join("volumes")).unwrap();
-    let cluster = Cluster::start().await;
-    let _controller = cluster.replica(test_config(), None);
-    let node = tests::storage::ImportNode::start(&cluster, &storage);
-    let kubelet = TestKubelet::start(&cluster, NODE, &pods_dir, &work);
-    let _handler = start_handler(&cluster, &pods_dir, &work);
-    let kv: api::kubevirt::KubeVirt = serde_yaml::from_str(
-        "apiVersion: kubevirt.io/v1\nkind: KubeVirt\nmetadata: {name: kubevirt, namespace: microvirt}\nspec:\n  configuration: {vmStateStorageClass: local}\n",
-    )
-    .unwrap();
-    kube::Api::<api::kubevirt::KubeVirt>::namespaced(cluster.client.clone(), "microvirt")
-        .create(&PostParams::default(), &kv)
-        .await
-        .unwrap();
+    let site = StateSite::start("mv-handler-state-capture").await;
+    let cluster = &site.cluster;
+    let (pods_dir, storage) = (site.pods_dir.clone(), site.storage.clone());
     let vms = cluster.api::<VirtualMachine>();
     let vmis = cluster.api::<VirtualMachineInstance>();
     let source: VirtualMachine = serde_json::from_value(serde_json::json!({
@@ -1252,7 +1345,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     }))
     .unwrap();
     vms.create(&PostParams::default(), &source).await.unwrap();
-    let pod = launcher_pod_of(&cluster, "source").await;
+    let pod = launcher_pod_of(cluster, "source").await;
     let uid = pod.metadata.uid.clone().unwrap();
     eventually("the source Running", Duration::from_secs(90), || async {
         let v = vmis.get_opt("source").await.unwrap()?;
@@ -1337,25 +1430,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         .create(&PostParams::default(), &restore)
         .await
         .unwrap();
-    let pod = launcher_pod_of(&cluster, "restored").await;
-    let uid = pod.metadata.uid.clone().unwrap();
-    eventually(
-        "the restored VM Running",
-        Duration::from_secs(90),
-        || async {
-            let v = vmis.get_opt("restored").await.unwrap()?;
-            (v.status?.phase == Some(VmiPhase::Running)).then_some(())
-        },
-    )
-    .await;
-    let mut console = console_of(&pods_dir, &uid).await;
-    let mut seen = String::new();
-    console_line(&mut console, "PROBE RESULT", &mut seen).await;
-    assert!(
-        seen.contains("PROBE RESULT dirty OK"),
-        "the restored VM did not resume:\n{seen}"
-    );
-    assert!(!seen.contains("microvirt probe guest: hello"), "{seen}");
+    resumed(cluster, &pods_dir, "restored").await;
     // Taken once: the restored VM keeps no annotation for its next start.
     let vm = vms.get("restored").await.unwrap();
     assert_eq!(
@@ -1413,34 +1488,20 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
             .unwrap();
     }
     let mut clone_macs = Vec::new();
+    let mut generations = vec![generation(&seen).expect("the source's generation ID")];
     for name in ["clone-a", "clone-b"] {
-        let pod = launcher_pod_of(&cluster, name).await;
-        let uid = pod.metadata.uid.clone().unwrap();
-        let mac = eventually(
-            &format!("{name} Running"),
-            Duration::from_secs(90),
-            || async {
-                let v = vmis.get_opt(name).await.unwrap()?;
-                let s = v.status?;
-                let mac = s.interfaces.first()?.mac.clone()?;
-                (s.phase == Some(VmiPhase::Running)).then_some(mac)
-            },
-        )
-        .await;
-        let mut console = console_of(&pods_dir, &uid).await;
-        let mut seen = String::new();
-        console_line(&mut console, "PROBE RESULT", &mut seen).await;
-        assert!(
-            seen.contains("PROBE RESULT dirty OK"),
-            "{name} did not resume:\n{seen}"
-        );
-        assert!(
-            !seen.contains("microvirt probe guest: hello"),
-            "{name} booted:\n{seen}"
-        );
+        let (vmi, console) = resumed(cluster, &pods_dir, name).await;
+        let mac = vmi.status.unwrap().interfaces[0].mac.clone().unwrap();
         clone_macs.push(mac);
+        generations.push(generation(&console).expect("a new generation announced"));
     }
     assert_eq!(clone_macs[0], "02:00:00:00:aa:01");
+    assert!(
+        generations[0] != generations[1]
+            && generations[1] != generations[2]
+            && generations[0] != generations[2],
+        "source and clones share a generation ID: {generations:?}"
+    );
     assert_ne!(clone_macs[1], clone_macs[0]);
     assert_ne!(Some(clone_macs[1].clone()), source_mac);
 
@@ -1470,33 +1531,48 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         .await
         .unwrap();
     for i in 0..MEMBERS {
-        let name = format!("sandboxes-{i}");
-        let pod = launcher_pod_of(&cluster, &name).await;
-        let uid = pod.metadata.uid.clone().unwrap();
-        let vmi = eventually(
-            &format!("{name} Running"),
-            Duration::from_secs(90),
-            || async {
-                let v = vmis.get_opt(&name).await.unwrap()?;
-                (v.status.as_ref()?.phase == Some(VmiPhase::Running)).then_some(v)
-            },
-        )
-        .await;
+        let (vmi, _) = resumed(cluster, &pods_dir, &format!("sandboxes-{i}")).await;
         assert_eq!(
             api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
             Some(claim.as_str())
         );
-        let mut console = console_of(&pods_dir, &uid).await;
-        let mut seen = String::new();
-        console_line(&mut console, "PROBE RESULT", &mut seen).await;
-        assert!(
-            seen.contains("PROBE RESULT dirty OK"),
-            "{name} did not resume:\n{seen}"
-        );
-        assert!(
-            !seen.contains("microvirt probe guest: hello"),
-            "{name} booted:\n{seen}"
-        );
+    }
+    // A VMI ReplicaSet whose template names the snapshot: each replica resumes it.
+    let mut template = sandbox_vm("probe.test=keyboard")["template"].clone();
+    template["metadata"] = serde_json::json!({
+        "labels": {"app": "sandbox-rs"},
+        "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "snap"},
+    });
+    let rs: api::VirtualMachineInstanceReplicaSet = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceReplicaSet",
+        "metadata": {"name": "sandbox-rs"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "sandbox-rs"}},
+            "template": template,
+        },
+    }))
+    .unwrap();
+    cluster
+        .api::<api::VirtualMachineInstanceReplicaSet>()
+        .create(&PostParams::default(), &rs)
+        .await
+        .unwrap();
+    let names = eventually("two replicas", Duration::from_secs(30), || async {
+        let lp = kube::api::ListParams::default().labels("app=sandbox-rs");
+        let names: Vec<String> = vmis
+            .list(&lp)
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .map(|v| v.name_any())
+            .collect();
+        (names.len() == 2).then_some(names)
+    })
+    .await;
+    for name in &names {
+        resumed(cluster, &pods_dir, name).await;
     }
     eventually("the pool Ready", Duration::from_secs(60), || async {
         let p = cluster
@@ -1507,7 +1583,191 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         (p.status?.ready_replicas == MEMBERS as i32).then_some(())
     })
     .await;
-    kubelet.finish().await;
-    node.stop().await;
-    let _ = std::fs::remove_dir_all(work);
+    site.finish().await;
+}
+
+/// Clones of a running-state snapshot resume writing disks of their own: the guest streams
+/// writes to its claim (`blkstream`) and is captured mid-stream — its disk cut, on a CSI
+/// storage class, while it is paused for its machine state — then two VirtualMachineClones of
+/// the snapshot go on from where it was, each on its own copy: both verify every sector the
+/// run wrote, before and after the capture, while the snapshot's copy of the disk keeps
+/// exactly what was written up to the capture.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_of_a_running_state_snapshot_resume_writing_their_own_disks() {
+    use api::snapshot::{SnapshotPhase, VirtualMachineSnapshot};
+    use api::VirtualMachine;
+    use kube::api::{DynamicObject, PostParams};
+    use kube::ResourceExt;
+    const WRITES: u64 = 512;
+    let site = StateSite::start("mv-handler-state-disks").await;
+    let cluster = &site.cluster;
+    let sc: k8s_openapi::api::storage::v1::StorageClass = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": "csi"}, "provisioner": "csi.example.com"}),
+    )
+    .unwrap();
+    kube::Api::<k8s_openapi::api::storage::v1::StorageClass>::all(cluster.client.clone())
+        .create(&PostParams::default(), &sc)
+        .await
+        .unwrap();
+    let classes = kube::Api::<DynamicObject>::all_with(
+        cluster.client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(
+                "snapshot.storage.k8s.io",
+                "v1",
+                "VolumeSnapshotClass",
+            ),
+            "volumesnapshotclasses",
+        ),
+    );
+    let vsc: DynamicObject = serde_json::from_value(serde_json::json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+        "metadata": {"name": "csi-snapshots"}, "driver": "csi.example.com",
+        "deletionPolicy": "Delete"}))
+    .unwrap();
+    classes.create(&PostParams::default(), &vsc).await.unwrap();
+    let pvc: k8s_openapi::api::core::v1::PersistentVolumeClaim =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "writer-root"},
+            "spec": {"storageClassName": "csi", "accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": "16Mi"}}},
+        }))
+        .unwrap();
+    let claims = cluster.api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>();
+    claims.create(&PostParams::default(), &pvc).await.unwrap();
+    eventually("the claim bound", Duration::from_secs(30), || async {
+        let c = claims.get("writer-root").await.unwrap();
+        (c.status?.phase.as_deref() == Some("Bound")).then_some(())
+    })
+    .await;
+    let root = site.storage.join("default/writer-root");
+    let image = tests::blkstream_image(&root);
+    tests::chown_to_pod_user(&image);
+
+    let mut spec = sandbox_vm(&format!("probe.test=blkstream probe.writes={WRITES}"));
+    spec["template"]["spec"]["domain"]["devices"]["disks"] =
+        serde_json::json!([{"name": "root", "disk": {"bus": "virtio"}}]);
+    spec["template"]["spec"]["volumes"] = serde_json::json!([{"name": "root", "persistentVolumeClaim": {"claimName": "writer-root"}}]);
+    let writer: VirtualMachine = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "writer"}, "spec": spec,
+    }))
+    .unwrap();
+    let vms = cluster.api::<VirtualMachine>();
+    vms.create(&PostParams::default(), &writer).await.unwrap();
+    let uid = launcher_pod_of(cluster, "writer")
+        .await
+        .metadata
+        .uid
+        .unwrap();
+    let vmis = cluster.api::<VirtualMachineInstance>();
+    eventually("the writer Running", Duration::from_secs(90), || async {
+        let v = vmis.get_opt("writer").await.unwrap()?;
+        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+    })
+    .await;
+    let mut console = console_of(&site.pods_dir, &uid).await;
+    let mut seen = String::new();
+    console_line(
+        &mut console,
+        "PROBE PROGRESS blkstream writes=64",
+        &mut seen,
+    )
+    .await;
+
+    let snapshots = cluster.api::<VirtualMachineSnapshot>();
+    let snapshot: VirtualMachineSnapshot = serde_yaml::from_str(
+        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {name: disks}\nspec:\n  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: writer}\n",
+    )
+    .unwrap();
+    snapshots
+        .create(&PostParams::default(), &snapshot)
+        .await
+        .unwrap();
+    let done = eventually(
+        "the snapshot Succeeded",
+        Duration::from_secs(90),
+        || async {
+            let s = snapshots.get("disks").await.unwrap();
+            let st = s.status.clone()?;
+            assert_ne!(st.phase, Some(SnapshotPhase::Failed), "{:?}", st.error);
+            (st.phase == Some(SnapshotPhase::Succeeded)).then_some(s)
+        },
+    )
+    .await;
+    // The source goes on to the end of its run on its own disk.
+    console_line(&mut console, "PROBE RESULT", &mut seen).await;
+    assert!(seen.contains("PROBE RESULT blkstream OK"), "{seen}");
+    let cut = site
+        .storage
+        .join(".snapshots/default")
+        .join(api::snapshot::volume_snapshot_name(
+            &done.uid().unwrap(),
+            "root",
+        ))
+        .join("disk.img");
+    let at_capture = std::fs::read(&cut)
+        .unwrap_or_else(|e| panic!("the VolumeSnapshot's copy {}: {e}", cut.display()));
+
+    for name in ["disk-clone-a", "disk-clone-b"] {
+        let clone: api::clone::VirtualMachineClone = serde_yaml::from_str(&format!(
+            "apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: disks}}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {name}}}\n"
+        ))
+        .unwrap();
+        cluster
+            .api::<api::clone::VirtualMachineClone>()
+            .create(&PostParams::default(), &clone)
+            .await
+            .unwrap();
+    }
+    let mut disks = Vec::new();
+    for name in ["disk-clone-a", "disk-clone-b"] {
+        let uid = launcher_pod_of(cluster, name).await.metadata.uid.unwrap();
+        eventually(
+            &format!("{name} Running"),
+            Duration::from_secs(90),
+            || async {
+                let v = vmis.get_opt(name).await.unwrap()?;
+                (v.status?.phase == Some(VmiPhase::Running)).then_some(())
+            },
+        )
+        .await;
+        let mut console = console_of(&site.pods_dir, &uid).await;
+        let mut seen = String::new();
+        console_line(&mut console, "PROBE RESULT", &mut seen).await;
+        assert!(
+            seen.contains("PROBE RESULT blkstream OK"),
+            "{name} did not finish the run:\n{seen}"
+        );
+        assert!(
+            !seen.contains("microvirt probe guest: hello"),
+            "{name} booted:\n{seen}"
+        );
+        let vm = vms.get(name).await.unwrap();
+        let spec = vm.spec.template.spec.unwrap();
+        let volume = &spec.volumes[0];
+        let claim = volume
+            .persistent_volume_claim
+            .as_ref()
+            .map(|p| p.claim_name.clone())
+            .or_else(|| volume.data_volume.as_ref().map(|d| d.name.clone()))
+            .unwrap();
+        assert_ne!(claim, "writer-root");
+        disks.push(site.storage.join("default").join(claim).join("disk.img"));
+    }
+    assert_ne!(disks[0], disks[1]);
+    for d in &disks {
+        tests::assert_blkstream_image(d, WRITES);
+    }
+    tests::assert_blkstream_image(&image, WRITES);
+    // The capture's copy: what was written up to it, unchanged by the clones' writes.
+    assert_eq!(std::fs::read(&cut).unwrap(), at_capture);
+    let written = (0..WRITES * 8)
+        .take_while(|&s| tests::blkstream_sector_ok(&at_capture, s))
+        .count() as u64;
+    assert!(
+        (64 * 8..WRITES * 8).contains(&written),
+        "the capture holds {written} sectors; it was taken mid-stream"
+    );
+    site.finish().await;
 }

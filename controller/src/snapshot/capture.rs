@@ -499,8 +499,10 @@ impl Pass {
                 error: s.error,
             });
         }
-        if state_claim.is_some() {
-            // Every disk is cut (a CSI snapshot is taken when it is made): the guest goes on.
+        // Every disk cut (a CSI snapshot's creationTime is when it was taken, before it may be
+        // ready to use): the guest paused for its machine state goes on.
+        let cut = statuses.iter().all(|s| s.creation_time.is_some());
+        if state_claim.is_some() && cut {
             self.release_guest().await?;
         }
         let failed = statuses.iter().find_map(|s| {
