@@ -94,7 +94,7 @@ pub async fn leg(
                 // The attachment Pod is not running here yet: looked at again on resync.
                 return Ok(());
             };
-            let outcome = save_into(ctx, launcher, pod_uid, &mount).await;
+            let outcome = save_into(ctx, vmi, launcher, pod_uid, &mount).await;
             let (ok, reason, message) = match outcome {
                 Ok(bytes) => (
                     true,
@@ -155,6 +155,7 @@ async fn attachment_mount(
 /// Returns the memory's size, or why not (the guest then runs on).
 async fn save_into(
     ctx: &Context,
+    vmi: &VirtualMachineInstance,
     launcher: &mut LauncherClient,
     pod_uid: &str,
     mount: &Path,
@@ -183,9 +184,16 @@ async fn save_into(
         .map(Path::to_path_buf)
         .unwrap_or_default();
     let mount = mount.to_path_buf();
+    // The files are the tenant's to fill: no more is moved than the machine can need — its
+    // memory (plus the seal) and a state far larger than any machine's.
+    let guest = api::validation::guest_memory(&vmi.spec)
+        .and_then(Result::ok)
+        .unwrap_or(0);
+    let limits = [MAX_STATE_BYTES, guest + (1 << 20)];
     let moved = tokio::task::spawn_blocking(move || {
-        for (from, to) in LAUNCHER_STATE_FILES.iter().zip(MACHINE_STATE_FILES) {
-            move_file(&pods, &sockets.join(from), &mount, &mount.join(to))?;
+        let files = LAUNCHER_STATE_FILES.iter().zip(MACHINE_STATE_FILES);
+        for ((from, to), limit) in files.zip(limits) {
+            move_file(&pods, &sockets.join(from), &mount, &mount.join(to), limit)?;
         }
         Ok::<_, String>(())
     })
@@ -200,17 +208,41 @@ async fn save_into(
     Ok(report.memory_bytes)
 }
 
-/// Copies `from` (below `from_root`) to `to` (below `to_root`), then removes `from`.
-fn move_file(from_root: &Path, from: &Path, to_root: &Path, to: &Path) -> Result<(), String> {
+/// The most a machine's state file (vCPUs and devices, without memory) is taken to be.
+const MAX_STATE_BYTES: u64 = 64 << 20;
+
+/// Copies `from` (below `from_root`, at most `limit` bytes) to `to` (below `to_root`), then
+/// removes `from`. Both must be regular files: a FIFO the tenant left there would block the
+/// node agent (opened non-blocking, then refused).
+fn move_file(
+    from_root: &Path,
+    from: &Path,
+    to_root: &Path,
+    to: &Path,
+    limit: u64,
+) -> Result<(), String> {
     let open = |root: &Path, p: &Path, flags: i32| {
-        open_beneath(root, p, flags, 0o644)
+        let f = open_beneath(root, p, flags | libc::O_NONBLOCK, 0o644)
             .map(File::from)
-            .map_err(|e| format!("{}: {e}", p.display()))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+        let meta = f.metadata().map_err(|e| format!("{}: {e}", p.display()))?;
+        if !meta.file_type().is_file() {
+            return Err(format!("{}: not a regular file; refused", p.display()));
+        }
+        Ok(f)
     };
-    let mut src = open(from_root, from, libc::O_RDONLY | libc::O_NOFOLLOW)?;
+    let src = open(from_root, from, libc::O_RDONLY | libc::O_NOFOLLOW)?;
     let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW;
     let mut dst = open(to_root, to, flags)?;
-    std::io::copy(&mut src, &mut dst).map_err(|e| format!("copying into {}: {e}", to.display()))?;
+    use std::io::Read;
+    let copied = std::io::copy(&mut src.take(limit + 1), &mut dst)
+        .map_err(|e| format!("copying into {}: {e}", to.display()))?;
+    if copied > limit {
+        return Err(format!(
+            "{}: larger than the {limit} bytes this machine's state can take; refused",
+            from.display()
+        ));
+    }
     dst.sync_all()
         .map_err(|e| format!("{}: {e}", to.display()))?;
     let _ = std::fs::remove_file(from);
@@ -242,6 +274,47 @@ mod tests {
             Some(m),
         );
         s
+    }
+
+    /// What the tenant can leave in its directories — a link, a FIFO, an oversized file — is
+    /// refused before the node agent follows, blocks on or copies it; a plain file moves.
+    #[test]
+    fn only_plain_files_within_their_limit_are_moved() {
+        let root = std::env::temp_dir().join(format!("mv-move-file-{}", std::process::id()));
+        let (pod, claim) = (root.join("pod"), root.join("claim"));
+        std::fs::create_dir_all(&pod).unwrap();
+        std::fs::create_dir_all(&claim).unwrap();
+        let moved = |name: &str, limit: u64| {
+            move_file(&pod, &pod.join(name), &claim, &claim.join("out"), limit)
+        };
+        std::fs::write(pod.join("plain"), b"state").unwrap();
+        moved("plain", 5).unwrap();
+        assert_eq!(std::fs::read(claim.join("out")).unwrap(), b"state");
+        assert!(!pod.join("plain").exists(), "moved, not copied");
+
+        std::fs::write(pod.join("big"), b"too big").unwrap();
+        let e = moved("big", 3).unwrap_err();
+        assert!(e.contains("larger than the 3 bytes"), "{e}");
+
+        std::os::unix::fs::symlink("/etc/hostname", pod.join("link")).unwrap();
+        let e = moved("link", 1 << 20).unwrap_err();
+        assert!(e.contains("refused"), "{e}");
+
+        let fifo = std::ffi::CString::new(pod.join("fifo").to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        let e = moved("fifo", 1 << 20).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+
+        // A link planted where the file goes in the claim is not written through.
+        std::fs::write(pod.join("plain"), b"state").unwrap();
+        let victim = root.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        std::fs::remove_file(claim.join("out")).unwrap();
+        std::os::unix::fs::symlink(&victim, claim.join("out")).unwrap();
+        assert!(moved("plain", 5).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        std::fs::remove_dir_all(root).unwrap();
     }
 
     #[test]
