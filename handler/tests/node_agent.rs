@@ -719,6 +719,9 @@ async fn attach(
     cluster.kubelet_run(&name, node).await;
 }
 
+/// The last Pod network a test kubelet of this process made (`k<n>`, 10.245.<n>.5).
+static POD_NUMBER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// A launcher the test kubelet saw end: its Pod, exit code and stderr.
 type EndedLauncher = (String, Option<i32>, String);
 
@@ -743,7 +746,6 @@ impl TestKubelet {
             let mut ended = Vec::new();
             // Attachment Pod UID → where its claim is mounted.
             let mut attached: std::collections::BTreeMap<String, PathBuf> = Default::default();
-            let mut n = 0;
             while !s.load(std::sync::atomic::Ordering::SeqCst) {
                 for p in pods.list(&Default::default()).await.unwrap().items {
                     let (name, uid) = (
@@ -792,7 +794,9 @@ impl TestKubelet {
                     {
                         continue;
                     }
-                    n += 1;
+                    // Numbered across every kubelet of this process: tests run side by side,
+                    // and a namespace of the same name would replace another test's.
+                    let n = POD_NUMBER.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
                     let ip = format!("10.245.{n}.5");
                     let (node_ns, pod_ns) =
                         tests::pod_namespace(&format!("k{n}"), &ip, &format!("10.245.{n}.1"));
@@ -878,7 +882,12 @@ spec:
         },
     )
     .await;
-    assert_eq!(running, "10.245.1.5");
+    let pod = launcher_pod_of(&cluster, "kbd").await;
+    assert_eq!(
+        Some(running),
+        pod.status.and_then(|s| s.pod_ip),
+        "the VMI's interface has its Pod's IP"
+    );
     use kube::api::{Patch, PatchParams};
     cluster
         .api::<VirtualMachine>()
@@ -1326,7 +1335,7 @@ fn generation(console: &str) -> Option<String> {
 /// whose template carries it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
-    const MEMBERS: usize = 3;
+    const MEMBERS: usize = 10;
     use api::snapshot::{
         SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
     };
