@@ -354,12 +354,18 @@ impl Pass<'_> {
         Ok(Action::await_change())
     }
 
-    /// Whether the VM's start-from-snapshot annotation has been carried onto its VMI: it is
-    /// taken once, since a later start would resume memory older than the disks by then.
+    /// Whether the VM's start-from-snapshot annotation has been taken by its VMI: carried
+    /// onto it and run there. It is taken once, since a later start would resume memory older
+    /// than the disks by then; a VMI that failed before it ran leaves it for the next one, so
+    /// the VM never boots afresh where it was asked to resume.
     fn state_taken(&self, vmi: &VirtualMachineInstance) -> bool {
         use api::snapshot::start_from_snapshot;
         let on_vm = start_from_snapshot(self.vm.metadata.annotations.as_ref());
-        on_vm.is_some() && on_vm == start_from_snapshot(vmi.metadata.annotations.as_ref())
+        let ran = matches!(
+            vmi.status.as_ref().and_then(|s| s.phase),
+            Some(VmiPhase::Running | VmiPhase::Succeeded)
+        );
+        ran && on_vm.is_some() && on_vm == start_from_snapshot(vmi.metadata.annotations.as_ref())
     }
 
     async fn take_start_from_state(&self) -> Result<Action> {

@@ -1155,9 +1155,9 @@ async fn migrate(
 }
 
 /// A VM for the sandbox tests: the probe with `args`, 64 MiB, on the Pod network.
-fn sandbox_vm(args: &str) -> serde_json::Value {
+fn sandbox_vm(run_strategy: &str, args: &str) -> serde_json::Value {
     serde_json::json!({
-        "runStrategy": "Always",
+        "runStrategy": run_strategy,
         "template": {"spec": {
             "domain": {
                 "memory": {"guest": "64Mi"},
@@ -1275,6 +1275,44 @@ impl StateSite {
         }
     }
 
+    /// A VirtualMachineSnapshot `name` of VM `vm`, once it has Succeeded.
+    async fn snapshot(&self, name: &str, vm: &str) -> api::snapshot::VirtualMachineSnapshot {
+        use api::snapshot::{SnapshotPhase, VirtualMachineSnapshot};
+        let snapshots = self.cluster.api::<VirtualMachineSnapshot>();
+        let snapshot: VirtualMachineSnapshot = serde_yaml::from_str(&format!(
+            "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {vm}}}\n",
+        ))
+        .unwrap();
+        snapshots
+            .create(&Default::default(), &snapshot)
+            .await
+            .unwrap();
+        eventually(
+            &format!("snapshot {name} Succeeded"),
+            Duration::from_secs(90),
+            || async {
+                let s = snapshots.get(name).await.unwrap();
+                let st = s.status.clone()?;
+                assert_ne!(st.phase, Some(SnapshotPhase::Failed), "{:?}", st.error);
+                (st.phase == Some(SnapshotPhase::Succeeded)).then_some(s)
+            },
+        )
+        .await
+    }
+
+    /// A VirtualMachineClone of snapshot `snapshot` into VM `name`, with `extra` spec lines.
+    async fn clone_of(&self, snapshot: &str, name: &str, extra: &str) {
+        let clone: api::clone::VirtualMachineClone = serde_yaml::from_str(&format!(
+            "apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: {snapshot}}}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {name}}}\n  {extra}\n"
+        ))
+        .unwrap();
+        self.cluster
+            .api::<api::clone::VirtualMachineClone>()
+            .create(&Default::default(), &clone)
+            .await
+            .unwrap();
+    }
+
     async fn finish(self) {
         self.kubelet.finish().await;
         self.node.stop().await;
@@ -1282,35 +1320,44 @@ impl StateSite {
     }
 }
 
-/// The VMI `name` once Running with its interface's MAC, after its guest has finished the
-/// saved `dirty` probe run it resumed — without booting (a boot greets first).
-async fn resumed(
-    cluster: &Cluster,
-    pods_dir: &Path,
+/// The console of VM `name`'s first launcher, followed from a task started as soon as its
+/// Pod exists (the launcher keeps its console's start for late readers, but not past its end:
+/// a guest that finishes its run ends it), up to the line holding `until`.
+fn follow(
+    site: &StateSite,
     name: &str,
-) -> (VirtualMachineInstance, String) {
-    let uid = launcher_pod_of(cluster, name).await.metadata.uid.unwrap();
-    let vmis = cluster.api::<VirtualMachineInstance>();
-    let what = format!("{name} Running");
-    let vmi = eventually(&what, Duration::from_secs(90), || async {
-        let v = vmis.get_opt(name).await.unwrap()?;
-        let s = v.status.as_ref()?;
-        s.interfaces.first()?.mac.as_ref()?;
-        (s.phase == Some(VmiPhase::Running)).then_some(v)
+    until: &str,
+) -> tokio::task::JoinHandle<(
+    tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    String,
+)> {
+    let (cluster, pods_dir) = (site.cluster.clone_handle(), site.pods_dir.clone());
+    let (name, until) = (name.to_string(), until.to_string());
+    tokio::spawn(async move {
+        let uid = launcher_pod_of(&cluster, &name).await.metadata.uid.unwrap();
+        let mut console = console_of(&pods_dir, &uid).await;
+        let mut seen = String::new();
+        console_line(&mut console, &until, &mut seen).await;
+        (console, seen)
     })
-    .await;
-    let mut console = console_of(pods_dir, &uid).await;
-    let mut seen = String::new();
-    console_line(&mut console, "PROBE RESULT", &mut seen).await;
+}
+
+/// What a followed console read, once it has its line.
+async fn read(
+    followed: tokio::task::JoinHandle<(
+        tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+        String,
+    )>,
+) -> String {
+    followed.await.unwrap().1
+}
+
+/// The guest on `console` resumed a saved run — a booted probe greets first.
+fn assert_resumed(name: &str, console: &str) {
     assert!(
-        seen.contains("PROBE RESULT dirty OK"),
-        "{name} did not resume:\n{seen}"
+        !console.contains("microvirt probe guest: hello"),
+        "{name} booted:\n{console}"
     );
-    assert!(
-        !seen.contains("microvirt probe guest: hello"),
-        "{name} booted:\n{seen}"
-    );
-    (vmi, seen)
 }
 
 /// The last generation ID the probe announced on `console`.
@@ -1322,71 +1369,56 @@ fn generation(console: &str) -> Option<String> {
         .map(|id| id.trim().to_string())
 }
 
+/// The ticks the first progress line of the probe's timer run on `console` counts.
+fn first_ticks(console: &str) -> Option<u64> {
+    console
+        .lines()
+        .find_map(|l| l.strip_prefix("PROBE PROGRESS timer ticks="))
+        .and_then(|n| n.trim().parse().ok())
+}
+
 /// A VirtualMachineSnapshot of a running VM keeps its memory and machine state (microvirt's
 /// extension, with the cluster's `vmStateStorageClass` set): virt-controller makes the state
 /// claim and an attachment Pod on the VMI's node, virt-handler has the launcher save the
 /// machine and moves it into the claim, the disks are cut while the guest is paused, and the
 /// guest goes on to finish its run. A VirtualMachineRestore of the snapshot into a new VM
 /// resumes the saved guest — which finishes the same run, though the restore's patch gives
-/// the VM the kernel arguments of another probe test, which a booted guest would run. A
-/// VirtualMachineClone of the snapshot starts running the same way, with a MAC of its own; a
-/// VirtualMachinePool annotated `snapshot.microvirt.io/start-from-snapshot: <snapshot>` starts
-/// every member from it, each VM taking the annotation once, and so does a VMI ReplicaSet
-/// whose template carries it.
+/// the VM the kernel arguments of another probe test, which a booted guest would run. Two
+/// VirtualMachineClones of the snapshot start running the same way, each with a MAC and a
+/// generation ID of its own. From a snapshot of an idle guest, a VirtualMachinePool annotated
+/// `snapshot.microvirt.io/start-from-snapshot: <snapshot>` starts every member from it (each
+/// VM taking the annotation once) and reaches all Ready, and so does a VMI ReplicaSet whose
+/// template carries it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     const MEMBERS: usize = 10;
-    use api::snapshot::{
-        SnapshotPhase, VirtualMachineRestore, VirtualMachineSnapshot, VirtualMachineSnapshotContent,
-    };
+    use api::snapshot::{VirtualMachineRestore, VirtualMachineSnapshotContent};
     use api::VirtualMachine;
     use kube::api::PostParams;
     use kube::ResourceExt;
     let site = StateSite::start("mv-handler-state-capture").await;
     let cluster = &site.cluster;
-    let (pods_dir, storage) = (site.pods_dir.clone(), site.storage.clone());
     let vms = cluster.api::<VirtualMachine>();
     let vmis = cluster.api::<VirtualMachineInstance>();
-    let source: VirtualMachine = serde_json::from_value(serde_json::json!({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
-        "metadata": {"name": "source"},
-        "spec": sandbox_vm("probe.test=dirty probe.passes=40"),
-    }))
-    .unwrap();
-    vms.create(&PostParams::default(), &source).await.unwrap();
-    let pod = launcher_pod_of(cluster, "source").await;
-    let uid = pod.metadata.uid.clone().unwrap();
-    eventually("the source Running", Duration::from_secs(90), || async {
-        let v = vmis.get_opt("source").await.unwrap()?;
-        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
-    })
-    .await;
-    let mut console = console_of(&pods_dir, &uid).await;
-    let mut seen = String::new();
-    console_line(&mut console, "PROBE PROGRESS dirty pass=3", &mut seen).await;
-
-    let snapshots = cluster.api::<VirtualMachineSnapshot>();
-    let snapshot: VirtualMachineSnapshot = serde_yaml::from_str(
-        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {name: snap}\nspec:\n  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: source}\n",
+    let create = |name: &str, spec: serde_json::Value| {
+        let vm: VirtualMachine = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+            "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap();
+        let vms = vms.clone();
+        async move { vms.create(&PostParams::default(), &vm).await.unwrap() }
+    };
+    // Runs once: what is restored or cloned from it finishes its run and stops.
+    create(
+        "source",
+        sandbox_vm("Once", "probe.test=dirty probe.passes=40"),
     )
-    .unwrap();
-    snapshots
-        .create(&PostParams::default(), &snapshot)
+    .await;
+    let (mut console, mut seen) = follow(&site, "source", "PROBE PROGRESS dirty pass=3")
         .await
         .unwrap();
-    let done = eventually(
-        "the snapshot Succeeded",
-        Duration::from_secs(90),
-        || async {
-            let s = snapshots.get("snap").await.unwrap();
-            let st = s.status.clone()?;
-            if st.phase == Some(SnapshotPhase::Failed) {
-                panic!("the snapshot failed: {:?}", st.error);
-            }
-            (st.phase == Some(SnapshotPhase::Succeeded)).then_some(s)
-        },
-    )
-    .await;
+    let done = site.snapshot("snap", "source").await;
     let claim = api::snapshot::state_claim_name(&done.uid().unwrap());
     let content = cluster
         .api::<VirtualMachineSnapshotContent>()
@@ -1406,7 +1438,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
             .get(api::snapshot::ANNOTATION_STATE_CLAIM),
         Some(&claim)
     );
-    let saved = storage.join("default").join(&claim);
+    let saved = site.storage.join("default").join(&claim);
     assert!(std::fs::metadata(saved.join("memory")).unwrap().len() >= 64 << 20);
     assert!(saved.join("state").is_file());
     // The source goes on where it was paused, to the end of its run; its request and the
@@ -1418,6 +1450,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         api::snapshot::capture_state(vmi.metadata.annotations.as_ref()),
         None
     );
+    let source_mac = vmi.status.unwrap().interfaces[0].mac.clone();
     eventually(
         "the attachment Pod gone",
         Duration::from_secs(30),
@@ -1434,18 +1467,22 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         r#"[{"op": "replace", "path": "/spec/template/spec/domain/firmware/kernelBoot/kernelArgs", "value": "console=ttyS0 probe.test=keyboard"}]"#
     ))
     .unwrap();
-    cluster
-        .api::<VirtualMachineRestore>()
+    let restores = cluster.api::<VirtualMachineRestore>();
+    restores
         .create(&PostParams::default(), &restore)
         .await
         .unwrap();
-    resumed(cluster, &pods_dir, "restored").await;
-    // Taken once: the restored VM keeps no annotation for its next start.
-    let vm = vms.get("restored").await.unwrap();
-    assert_eq!(
-        api::snapshot::start_from_snapshot(vm.metadata.annotations.as_ref()),
-        None
-    );
+    let restored = read(follow(&site, "restored", "PROBE RESULT")).await;
+    assert!(restored.contains("PROBE RESULT dirty OK"), "{restored}");
+    assert_resumed("restored", &restored);
+    // Taken once its VMI ran: the restored VM keeps no annotation for its next start.
+    eventually("the annotation taken", Duration::from_secs(30), || async {
+        let vm = vms.get("restored").await.unwrap();
+        api::snapshot::start_from_snapshot(vm.metadata.annotations.as_ref())
+            .is_none()
+            .then_some(())
+    })
+    .await;
 
     // A restore that would resume the machine with another memory size: refused, the reason on
     // its Failure condition, no VM written.
@@ -1454,7 +1491,6 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         r#"[{"op": "replace", "path": "/spec/template/spec/domain/memory/guest", "value": "128Mi"}]"#
     ))
     .unwrap();
-    let restores = cluster.api::<VirtualMachineRestore>();
     restores
         .create(&PostParams::default(), &bigger)
         .await
@@ -1475,47 +1511,54 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     assert!(vms.get_opt("bigger").await.unwrap().is_none());
 
     // Two clones of the snapshot start running, each resuming the saved guest with a MAC of
-    // its own (one given, one derived from its name), never the source's.
-    let source_mac = vmis.get("source").await.unwrap().status.unwrap().interfaces[0]
-        .mac
-        .clone();
-    for (name, macs) in [
-        (
-            "clone-a",
-            r#"newMacAddresses: {default: "02:00:00:00:aa:01"}"#,
-        ),
-        ("clone-b", ""),
-    ] {
-        let clone: api::clone::VirtualMachineClone = serde_yaml::from_str(&format!(
-            "apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: snap}}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {name}}}\n  {macs}\n"
-        ))
-        .unwrap();
-        cluster
-            .api::<api::clone::VirtualMachineClone>()
-            .create(&PostParams::default(), &clone)
-            .await
-            .unwrap();
-    }
-    let mut clone_macs = Vec::new();
+    // its own (one given, one derived from its name), never the source's, and a generation ID
+    // of its own.
+    site.clone_of(
+        "snap",
+        "clone-a",
+        r#"newMacAddresses: {default: "02:00:00:00:aa:01"}"#,
+    )
+    .await;
+    site.clone_of("snap", "clone-b", "").await;
+    let followed = ["clone-a", "clone-b"].map(|name| follow(&site, name, "PROBE RESULT"));
     let mut generations = vec![generation(&seen).expect("the source's generation ID")];
-    for name in ["clone-a", "clone-b"] {
-        let (vmi, console) = resumed(cluster, &pods_dir, name).await;
-        let mac = vmi.status.unwrap().interfaces[0].mac.clone().unwrap();
-        clone_macs.push(mac);
+    let mut macs = Vec::new();
+    for (name, followed) in ["clone-a", "clone-b"].into_iter().zip(followed) {
+        let console = read(followed).await;
+        assert!(
+            console.contains("PROBE RESULT dirty OK"),
+            "{name} did not finish the run:\n{console}"
+        );
+        assert_resumed(name, &console);
         generations.push(generation(&console).expect("a new generation announced"));
+        let vmi = vmis.get(name).await.unwrap();
+        macs.push(vmi.status.unwrap().interfaces[0].mac.clone().unwrap());
     }
-    assert_eq!(clone_macs[0], "02:00:00:00:aa:01");
+    assert_eq!(macs[0], "02:00:00:00:aa:01");
+    assert_ne!(macs[1], macs[0]);
+    assert_ne!(Some(macs[1].clone()), source_mac);
     assert!(
         generations[0] != generations[1]
             && generations[1] != generations[2]
             && generations[0] != generations[2],
         "source and clones share a generation ID: {generations:?}"
     );
-    assert_ne!(clone_macs[1], clone_macs[0]);
-    assert_ne!(Some(clone_macs[1].clone()), source_mac);
 
-    // A pool whose VMs start from the snapshot: every member resumes the same saved guest.
-    let mut member = sandbox_vm("probe.test=keyboard");
+    // Sandboxes: an idle guest (the probe's 100 Hz timer) snapshotted warm, then a pool and a
+    // VMI ReplicaSet started from it, whose members stay up. A member that resumed counts on
+    // from the snapshot's ticks; a booted one would greet and run its template's test.
+    create(
+        "warm",
+        sandbox_vm("Always", "probe.test=timer probe.ticks=1000000"),
+    )
+    .await;
+    follow(&site, "warm", "PROBE PROGRESS timer ticks=30")
+        .await
+        .unwrap();
+    let warm = site.snapshot("warm", "warm").await;
+    let warm_claim = api::snapshot::state_claim_name(&warm.uid().unwrap());
+    vms.delete("warm", &Default::default()).await.unwrap();
+    let mut member = sandbox_vm("Always", "probe.test=keyboard");
     member["template"]["metadata"] =
         serde_json::json!({"labels": {"kubevirt.io/vmpool": "sandboxes"}});
     let pool: api::VirtualMachinePool = serde_json::from_value(serde_json::json!({
@@ -1527,7 +1570,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
             "virtualMachineTemplate": {
                 "metadata": {
                     "labels": {"kubevirt.io/vmpool": "sandboxes"},
-                    "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "snap"},
+                    "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "warm"},
                 },
                 "spec": member,
             },
@@ -1539,18 +1582,10 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         .create(&PostParams::default(), &pool)
         .await
         .unwrap();
-    for i in 0..MEMBERS {
-        let (vmi, _) = resumed(cluster, &pods_dir, &format!("sandboxes-{i}")).await;
-        assert_eq!(
-            api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
-            Some(claim.as_str())
-        );
-    }
-    // A VMI ReplicaSet whose template names the snapshot: each replica resumes it.
-    let mut template = sandbox_vm("probe.test=keyboard")["template"].clone();
+    let mut template = sandbox_vm("Always", "probe.test=keyboard")["template"].clone();
     template["metadata"] = serde_json::json!({
         "labels": {"app": "sandbox-rs"},
-        "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "snap"},
+        "annotations": {api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: "warm"},
     });
     let rs: api::VirtualMachineInstanceReplicaSet = serde_json::from_value(serde_json::json!({
         "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceReplicaSet",
@@ -1567,7 +1602,7 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         .create(&PostParams::default(), &rs)
         .await
         .unwrap();
-    let names = eventually("two replicas", Duration::from_secs(30), || async {
+    let replicas = eventually("two replicas", Duration::from_secs(30), || async {
         let lp = kube::api::ListParams::default().labels("app=sandbox-rs");
         let names: Vec<String> = vmis
             .list(&lp)
@@ -1580,8 +1615,27 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         (names.len() == 2).then_some(names)
     })
     .await;
-    for name in &names {
-        resumed(cluster, &pods_dir, name).await;
+    let names: Vec<String> = (0..MEMBERS)
+        .map(|i| format!("sandboxes-{i}"))
+        .chain(replicas)
+        .collect();
+    let followed: Vec<_> = names
+        .iter()
+        .map(|n| follow(&site, n, "PROBE PROGRESS timer ticks="))
+        .collect();
+    for (name, followed) in names.iter().zip(followed) {
+        let console = read(followed).await;
+        assert_resumed(name, &console);
+        let ticks = first_ticks(&console);
+        assert!(
+            ticks.is_some_and(|t| t > 30),
+            "{name} did not count on from the snapshot:\n{console}"
+        );
+        let vmi = vmis.get(name).await.unwrap();
+        assert_eq!(
+            api::snapshot::start_from_state(vmi.metadata.annotations.as_ref()),
+            Some(warm_claim.as_str())
+        );
     }
     eventually("the pool Ready", Duration::from_secs(60), || async {
         let p = cluster
@@ -1603,7 +1657,6 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
 /// exactly what was written up to the capture.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clones_of_a_running_state_snapshot_resume_writing_their_own_disks() {
-    use api::snapshot::{SnapshotPhase, VirtualMachineSnapshot};
     use api::VirtualMachine;
     use kube::api::{DynamicObject, PostParams};
     use kube::ResourceExt;
@@ -1653,7 +1706,10 @@ async fn clones_of_a_running_state_snapshot_resume_writing_their_own_disks() {
     let image = tests::blkstream_image(&root);
     tests::chown_to_pod_user(&image);
 
-    let mut spec = sandbox_vm(&format!("probe.test=blkstream probe.writes={WRITES}"));
+    let mut spec = sandbox_vm(
+        "Once",
+        &format!("probe.test=blkstream probe.writes={WRITES}"),
+    );
     spec["template"]["spec"]["domain"]["devices"]["disks"] =
         serde_json::json!([{"name": "root", "disk": {"bus": "virtio"}}]);
     spec["template"]["spec"]["volumes"] = serde_json::json!([{"name": "root", "persistentVolumeClaim": {"claimName": "writer-root"}}]);
@@ -1664,46 +1720,10 @@ async fn clones_of_a_running_state_snapshot_resume_writing_their_own_disks() {
     .unwrap();
     let vms = cluster.api::<VirtualMachine>();
     vms.create(&PostParams::default(), &writer).await.unwrap();
-    let uid = launcher_pod_of(cluster, "writer")
-        .await
-        .metadata
-        .uid
-        .unwrap();
-    let vmis = cluster.api::<VirtualMachineInstance>();
-    eventually("the writer Running", Duration::from_secs(90), || async {
-        let v = vmis.get_opt("writer").await.unwrap()?;
-        (v.status?.phase == Some(VmiPhase::Running)).then_some(())
-    })
-    .await;
-    let mut console = console_of(&site.pods_dir, &uid).await;
-    let mut seen = String::new();
-    console_line(
-        &mut console,
-        "PROBE PROGRESS blkstream writes=64",
-        &mut seen,
-    )
-    .await;
-
-    let snapshots = cluster.api::<VirtualMachineSnapshot>();
-    let snapshot: VirtualMachineSnapshot = serde_yaml::from_str(
-        "apiVersion: snapshot.kubevirt.io/v1beta1\nkind: VirtualMachineSnapshot\nmetadata: {name: disks}\nspec:\n  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: writer}\n",
-    )
-    .unwrap();
-    snapshots
-        .create(&PostParams::default(), &snapshot)
+    let (mut console, mut seen) = follow(&site, "writer", "PROBE PROGRESS blkstream writes=64")
         .await
         .unwrap();
-    let done = eventually(
-        "the snapshot Succeeded",
-        Duration::from_secs(90),
-        || async {
-            let s = snapshots.get("disks").await.unwrap();
-            let st = s.status.clone()?;
-            assert_ne!(st.phase, Some(SnapshotPhase::Failed), "{:?}", st.error);
-            (st.phase == Some(SnapshotPhase::Succeeded)).then_some(s)
-        },
-    )
-    .await;
+    let done = site.snapshot("disks", "writer").await;
     // The source goes on to the end of its run on its own disk.
     console_line(&mut console, "PROBE RESULT", &mut seen).await;
     assert!(seen.contains("PROBE RESULT blkstream OK"), "{seen}");
@@ -1718,40 +1738,19 @@ async fn clones_of_a_running_state_snapshot_resume_writing_their_own_disks() {
     let at_capture = std::fs::read(&cut)
         .unwrap_or_else(|e| panic!("the VolumeSnapshot's copy {}: {e}", cut.display()));
 
-    for name in ["disk-clone-a", "disk-clone-b"] {
-        let clone: api::clone::VirtualMachineClone = serde_yaml::from_str(&format!(
-            "apiVersion: clone.kubevirt.io/v1beta1\nkind: VirtualMachineClone\nmetadata: {{name: {name}}}\nspec:\n  source: {{apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: disks}}\n  target: {{apiGroup: kubevirt.io, kind: VirtualMachine, name: {name}}}\n"
-        ))
-        .unwrap();
-        cluster
-            .api::<api::clone::VirtualMachineClone>()
-            .create(&PostParams::default(), &clone)
-            .await
-            .unwrap();
+    let clones = ["disk-clone-a", "disk-clone-b"];
+    for name in clones {
+        site.clone_of("disks", name, "").await;
     }
+    let followed = clones.map(|name| follow(&site, name, "PROBE RESULT"));
     let mut disks = Vec::new();
-    for name in ["disk-clone-a", "disk-clone-b"] {
-        let uid = launcher_pod_of(cluster, name).await.metadata.uid.unwrap();
-        eventually(
-            &format!("{name} Running"),
-            Duration::from_secs(90),
-            || async {
-                let v = vmis.get_opt(name).await.unwrap()?;
-                (v.status?.phase == Some(VmiPhase::Running)).then_some(())
-            },
-        )
-        .await;
-        let mut console = console_of(&site.pods_dir, &uid).await;
-        let mut seen = String::new();
-        console_line(&mut console, "PROBE RESULT", &mut seen).await;
+    for (name, followed) in clones.into_iter().zip(followed) {
+        let seen = read(followed).await;
         assert!(
             seen.contains("PROBE RESULT blkstream OK"),
             "{name} did not finish the run:\n{seen}"
         );
-        assert!(
-            !seen.contains("microvirt probe guest: hello"),
-            "{name} booted:\n{seen}"
-        );
+        assert_resumed(name, &seen);
         let vm = vms.get(name).await.unwrap();
         let spec = vm.spec.template.spec.unwrap();
         let volume = &spec.volumes[0];
