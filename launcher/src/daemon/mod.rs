@@ -399,14 +399,18 @@ impl Daemon {
         if name.contains('/') {
             return None;
         }
+        Some(self.in_socket_dir(name, address, "socket name"))
+    }
+
+    /// Plain file `name` (given as `given`) in this launcher's own sockets directory.
+    fn in_socket_dir(&self, name: &str, given: &str, what: &str) -> Result<PathBuf, String> {
         if name.is_empty() || name == "." || name == ".." {
-            return Some(Err(format!("{address:?}: not a socket name")));
+            return Err(format!("{given:?}: not a {what}"));
         }
-        Some(
-            self.socket_dir.get().map(|d| d.join(name)).ok_or_else(|| {
-                format!("{address:?}: this launcher has no control socket directory")
-            }),
-        )
+        self.socket_dir
+            .get()
+            .map(|d| d.join(name))
+            .ok_or_else(|| format!("{given:?}: this launcher has no control socket directory"))
     }
 
     /// Where a snapshot file goes: a plain file name is in this launcher's own sockets
@@ -416,13 +420,7 @@ impl Daemon {
         if path.contains('/') {
             return Ok(PathBuf::from(path));
         }
-        if path.is_empty() || path == "." || path == ".." {
-            return Err(format!("{path:?}: not a file name"));
-        }
-        self.socket_dir
-            .get()
-            .map(|d| d.join(path))
-            .ok_or_else(|| format!("{path:?}: this launcher has no control socket directory"))
+        self.in_socket_dir(path, path, "file name")
     }
 
     /// Waits (at most `timeout`) until no request is being answered.
