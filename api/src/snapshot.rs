@@ -84,6 +84,9 @@ pub fn state_claim_name(snapshot_uid: &str) -> String {
 ///    disks and memory are of one instant — then takes the annotation off;
 /// 4. virt-handler resumes the guest and drops the condition.
 pub const ANNOTATION_CAPTURE_STATE: &str = "snapshot.microvirt.io/capture-machine-state";
+/// On the content, once the machine state is in its claim: the capture is not asked again
+/// (the guest resumed after the disks were cut, so a second one would not match them).
+pub const ANNOTATION_STATE_CAPTURED: &str = "snapshot.microvirt.io/machine-state-captured";
 /// The VMI condition virt-handler reports a capture with; its reason names the claim.
 pub const CONDITION_STATE_CAPTURED: &str = "MachineStateCaptured";
 /// On the attachment Pod that mounts a machine-state claim on the VMI's node: the claim.
@@ -91,6 +94,17 @@ pub const LABEL_STATE_ATTACHMENT: &str = "snapshot.microvirt.io/machine-state-cl
 /// The files the launcher saves a machine into, in its own sockets directory, before
 /// virt-handler moves them into the claim ([`MACHINE_STATE_FILES`] there, in that order).
 pub const LAUNCHER_STATE_FILES: [&str; 2] = ["machine-state.state", "machine-state.memory"];
+
+/// A [`CONDITION_STATE_CAPTURED`] message: the claim it reports on, then `detail`.
+pub fn capture_report(claim: &str, detail: &str) -> String {
+    format!("claim {claim:?}: {detail}")
+}
+
+/// Whether a [`CONDITION_STATE_CAPTURED`] message reports on `claim` (not on an earlier
+/// capture's claim).
+pub fn reports_on(message: &str, claim: &str) -> bool {
+    message.starts_with(&format!("claim {claim:?}:"))
+}
 
 /// The attachment Pod of machine-state claim `claim`.
 pub fn state_attachment_name(claim: &str) -> String {

@@ -453,9 +453,23 @@ impl Pass {
 
     async fn capture(&mut self, content: VirtualMachineSnapshotContent) -> Result<Action> {
         let state_claim = content.annotations().get(ANNOTATION_STATE_CLAIM).cloned();
-        if let Some(claim) = &state_claim {
+        let captured = content
+            .annotations()
+            .contains_key(api::snapshot::ANNOTATION_STATE_CAPTURED);
+        if let Some(claim) = state_claim.as_ref().filter(|_| !captured) {
             match self.machine_state(&content, claim).await? {
-                StateCapture::Captured => {}
+                StateCapture::Captured => {
+                    let patch = serde_json::json!({"metadata": {"annotations": {
+                        api::snapshot::ANNOTATION_STATE_CAPTURED: "true"
+                    }}});
+                    self.api::<VirtualMachineSnapshotContent>()
+                        .patch(
+                            &content.name_any(),
+                            &PatchParams::default(),
+                            &Patch::Merge(&patch),
+                        )
+                        .await?;
+                }
                 StateCapture::Failed(why) => return self.fail(why).await,
                 StateCapture::Waiting(why) => {
                     if let Ok(true) = self.past_deadline() {
@@ -566,10 +580,11 @@ impl Pass {
                 "VirtualMachine {source:?} stopped before its machine state was captured"
             )));
         };
-        let about = format!("claim {claim:?}");
         if let Some(c) = status.conditions.iter().find(|c| {
             c.type_ == CONDITION_STATE_CAPTURED
-                && c.message.as_deref().is_some_and(|m| m.starts_with(&about))
+                && c.message
+                    .as_deref()
+                    .is_some_and(|m| api::snapshot::reports_on(m, claim))
         }) {
             let message = c.message.clone().unwrap_or_default();
             return Ok(match c.status.as_str() {
