@@ -312,7 +312,7 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
     };
     if let Some(v) = &vmi {
         if pass.state_taken(v) {
-            return pass.take_start_from_state().await;
+            return pass.take_start_from_snapshot().await;
         }
     }
     pass.count_start_failure(vmi.as_ref()).await;
@@ -368,7 +368,7 @@ impl Pass<'_> {
         ran && on_vm.is_some() && on_vm == start_from_snapshot(vmi.metadata.annotations.as_ref())
     }
 
-    async fn take_start_from_state(&self) -> Result<Action> {
+    async fn take_start_from_snapshot(&self) -> Result<Action> {
         self.patch(&serde_json::json!({"metadata": {"annotations": {
             api::snapshot::ANNOTATION_START_FROM_SNAPSHOT: null
         }}}))

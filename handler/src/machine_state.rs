@@ -39,11 +39,6 @@ pub enum Capture<'a> {
     Over { paused_by_capture: bool },
 }
 
-/// The condition's message starts with the claim it reports on.
-fn about(claim: &str) -> String {
-    format!("claim {claim:?}")
-}
-
 /// Pure, so the table is tested directly.
 pub fn capture_of<'a>(
     vmi: &'a VirtualMachineInstance,
@@ -61,7 +56,7 @@ pub fn capture_of<'a>(
         (Some(claim), Some(c))
             if c.message
                 .as_deref()
-                .is_some_and(|m| m.starts_with(&about(claim))) =>
+                .is_some_and(|m| api::snapshot::reports_on(m, claim)) =>
         {
             Capture::Reported
         }
@@ -99,14 +94,20 @@ pub async fn leg(
                 Ok(bytes) => (
                     true,
                     "Captured",
-                    format!(
-                        "{}: the machine state is saved ({} MiB of memory); the guest is paused \
-                         until the disks are captured",
-                        about(claim),
-                        bytes >> 20
+                    api::snapshot::capture_report(
+                        claim,
+                        &format!(
+                            "the machine state is saved ({} MiB of memory); the guest is paused \
+                             until the disks are captured",
+                            bytes >> 20
+                        ),
                     ),
                 ),
-                Err(why) => (false, "CaptureFailed", format!("{}: {why}", about(claim))),
+                Err(why) => (
+                    false,
+                    "CaptureFailed",
+                    api::snapshot::capture_report(claim, &why),
+                ),
             };
             let c = &mut status.conditions;
             set_condition(c, CONDITION_STATE_CAPTURED, ok, Some(reason), Some(message));
@@ -265,7 +266,7 @@ mod tests {
 
     fn reported(claim: &str, ok: bool) -> VirtualMachineInstanceStatus {
         let mut s = VirtualMachineInstanceStatus::default();
-        let m = format!("{}: done", about(claim));
+        let m = api::snapshot::capture_report(claim, "done");
         set_condition(
             &mut s.conditions,
             CONDITION_STATE_CAPTURED,

@@ -1418,7 +1418,19 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     let (mut console, mut seen) = follow(&site, "source", "PROBE PROGRESS dirty pass=3")
         .await
         .unwrap();
+    let source_mac = eventually("the source's MAC", Duration::from_secs(30), || async {
+        let v = vmis.get_opt("source").await.unwrap()?;
+        v.status?.interfaces.first()?.mac.clone()
+    })
+    .await;
     let done = site.snapshot("snap", "source").await;
+    // The capture request is off the VMI (which goes once its single run is over).
+    if let Some(vmi) = vmis.get_opt("source").await.unwrap() {
+        assert_eq!(
+            api::snapshot::capture_state(vmi.metadata.annotations.as_ref()),
+            None
+        );
+    }
     let claim = api::snapshot::state_claim_name(&done.uid().unwrap());
     let content = cluster
         .api::<VirtualMachineSnapshotContent>()
@@ -1441,16 +1453,10 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     let saved = site.storage.join("default").join(&claim);
     assert!(std::fs::metadata(saved.join("memory")).unwrap().len() >= 64 << 20);
     assert!(saved.join("state").is_file());
-    // The source goes on where it was paused, to the end of its run; its request and the
-    // attachment Pod are gone.
+    // The source goes on where it was paused, to the end of its run; the attachment Pod is
+    // gone.
     console_line(&mut console, "PROBE RESULT", &mut seen).await;
     assert!(seen.contains("PROBE RESULT dirty OK"), "{seen}");
-    let vmi = vmis.get("source").await.unwrap();
-    assert_eq!(
-        api::snapshot::capture_state(vmi.metadata.annotations.as_ref()),
-        None
-    );
-    let source_mac = vmi.status.unwrap().interfaces[0].mac.clone();
     eventually(
         "the attachment Pod gone",
         Duration::from_secs(30),
@@ -1521,9 +1527,26 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
     .await;
     site.clone_of("snap", "clone-b", "").await;
     let followed = ["clone-a", "clone-b"].map(|name| follow(&site, name, "PROBE RESULT"));
+    // Each clone's MAC as its VMI reports it while it runs (it runs once: its VMI goes when
+    // the run is over).
+    let reported_macs = ["clone-a", "clone-b"].map(|name| {
+        let vmis = vmis.clone();
+        tokio::spawn(async move {
+            eventually(
+                &format!("{name}'s MAC"),
+                Duration::from_secs(90),
+                || async {
+                    let v = vmis.get_opt(name).await.unwrap()?;
+                    v.status?.interfaces.first()?.mac.clone()
+                },
+            )
+            .await
+        })
+    });
     let mut generations = vec![generation(&seen).expect("the source's generation ID")];
     let mut macs = Vec::new();
-    for (name, followed) in ["clone-a", "clone-b"].into_iter().zip(followed) {
+    let clones = ["clone-a", "clone-b"].into_iter().zip(followed);
+    for ((name, followed), mac) in clones.zip(reported_macs) {
         let console = read(followed).await;
         assert!(
             console.contains("PROBE RESULT dirty OK"),
@@ -1531,12 +1554,11 @@ async fn a_snapshot_of_a_running_vm_restores_and_pools_to_guests_that_resume() {
         );
         assert_resumed(name, &console);
         generations.push(generation(&console).expect("a new generation announced"));
-        let vmi = vmis.get(name).await.unwrap();
-        macs.push(vmi.status.unwrap().interfaces[0].mac.clone().unwrap());
+        macs.push(mac.await.unwrap());
     }
     assert_eq!(macs[0], "02:00:00:00:aa:01");
     assert_ne!(macs[1], macs[0]);
-    assert_ne!(Some(macs[1].clone()), source_mac);
+    assert_ne!(macs[1], source_mac);
     assert!(
         generations[0] != generations[1]
             && generations[1] != generations[2]
