@@ -2,8 +2,9 @@
 //! through a real IDT; the probe halts between interrupts and counts them. It shows that timer
 //! interrupts keep arriving across a pause, snapshot/restore or migration.
 //!
-//! `probe.ticks=N` (default 50): prints `PROBE PROGRESS timer ticks=K` every 10 ticks and ends
-//! after N.
+//! `probe.ticks=N` (default 50): prints `PROBE PROGRESS timer ticks=K` every 10 ticks (every
+//! `probe.every=E` ticks when given, down to each tick: a host timing those lines sees how long
+//! the guest went without a tick, as across a migration's switch-over) and ends after N.
 //!
 //! `probe.acpi=1` also takes the ACPI Generic Event Device's interrupt (IOAPIC pin 3, as the
 //! DSDT's GED `_CRS` says) and does what its `_EVT` method does: reads the event register and
@@ -145,6 +146,11 @@ pub fn run(boot: &BootInfo) -> ! {
         .and_then(|p| p.parse().ok())
         .unwrap_or(50)
         .max(1);
+    let every: u64 = boot
+        .param("probe.every")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(10)
+        .max(1);
     let cs: u16;
     unsafe { core::arch::asm!("mov {0:x}, cs", out(reg) cs, options(nomem, nostack)) };
     unsafe {
@@ -191,8 +197,8 @@ pub fn run(boot: &BootInfo) -> ! {
             ged_event();
         }
         let ticks = TIMER_TICKS.load(Ordering::SeqCst);
-        while printed + 10 <= ticks.min(target) {
-            printed += 10;
+        while printed + every <= ticks.min(target) {
+            printed += every;
             crate::genid::report();
             let _ = writeln!(Serial, "PROBE PROGRESS timer ticks={printed}");
         }

@@ -19,8 +19,9 @@
 
 use std::io::{Read, Write};
 
-use super::wire::{self, Kind, WireError};
+use super::wire::{self, FrameHeader, Kind, WireError};
 use super::{MigrationError, Side};
+use crate::memory::RegionLayout;
 
 /// Where a conversation is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +38,7 @@ pub enum Stage {
     StateSent,
     /// The target holds the restored machine; the source hands it over.
     Restored,
-    /// The target was told to run the guest and confirms before it does.
+    /// The target was told to run the guest; it resumes it and confirms.
     Handover,
     /// The guest runs on the target.
     Done,
@@ -167,22 +168,58 @@ impl<'s, S: Read + Write> Conversation<'s, S> {
     /// The other side's next frame. A frame out of turn is an error naming what was expected;
     /// the other side giving up (Refuse, Failed, Cancel) is the error with its reason.
     pub fn receive(&mut self) -> Result<(Kind, Vec<u8>), MigrationError> {
+        let header = self.receive_header()?;
+        let mut payload = Vec::new();
+        let (kind, len) = self.payload(header, &mut payload)?;
+        payload.truncate(len);
+        Ok((kind, payload))
+    }
+
+    /// As `receive`, for the target taking in memory: a Pages frame's runs go straight into
+    /// `memory` (see `FrameHeader::read_pages`), any other payload into `buf[..len]` (one
+    /// buffer reused for every frame).
+    pub fn receive_into_memory(
+        &mut self,
+        buf: &mut Vec<u8>,
+        memory: &crate::memory::GuestMemory,
+        layout: &[RegionLayout],
+    ) -> Result<(Kind, usize), MigrationError> {
+        let header = self.receive_header()?;
+        if header.kind == Kind::Pages {
+            header.read_pages(self.stream, memory, layout)?;
+            return Ok((Kind::Pages, header.len));
+        }
+        self.payload(header, buf)
+    }
+
+    /// The next frame's header, refused when out of turn.
+    fn receive_header(&mut self) -> Result<FrameHeader, MigrationError> {
         let from = other(self.side);
-        let (kind, payload) = wire::read_frame(self.stream)?;
-        let Some(next) = next(self.stage, from, kind) else {
+        let header = wire::read_frame_header(self.stream)?;
+        let Some(next) = next(self.stage, from, header.kind) else {
             return Err(WireError::Unexpected {
                 expected: expected(self.stage, from),
-                got: kind,
+                got: header.kind,
             }
             .into());
         };
         self.stage = next;
-        let reason = || String::from_utf8_lossy(&payload).into_owned();
-        match kind {
+        Ok(header)
+    }
+
+    /// The payload after `header` into `buf[..len]`; giving up is the error with its reason.
+    fn payload(
+        &mut self,
+        header: FrameHeader,
+        buf: &mut Vec<u8>,
+    ) -> Result<(Kind, usize), MigrationError> {
+        header.read_payload(self.stream, buf)?;
+        let reason = || String::from_utf8_lossy(&buf[..header.len]).into_owned();
+        match header.kind {
             Kind::Refuse => Err(MigrationError::Refused(reason())),
             Kind::Failed => Err(MigrationError::TargetFailed(reason())),
             Kind::Cancel => Err(MigrationError::Cancelled(reason())),
-            _ => Ok((kind, payload)),
+            kind => Ok((kind, header.len)),
         }
     }
 }

@@ -1,12 +1,10 @@
 //! The target's side of a migration: the machine checked against what this side was
 //! prepared for before any memory moves, memory taken in while the source runs the guest,
-//! the state restored paused, and the guest run only once the source hands it over (Go) and
-//! this side has confirmed (Running).
+//! the state restored paused, and the guest run only once the source hands it over (Go); this
+//! side then confirms (Running).
 
 use std::io::{Read, Write};
 use std::time::Duration;
-
-use vm_memory::{Bytes, GuestAddress};
 
 use super::protocol::Conversation;
 use super::wire::{self, Hello, Kind, WireError};
@@ -14,7 +12,7 @@ use super::{MigrationError, MigrationFailure, Phase, Side};
 use crate::builder::RestoreShell;
 use crate::config::VmConfig;
 use crate::layout::{ram_regions, MIB};
-use crate::memory::{file_layout, RegionLayout, PAGE_SIZE};
+use crate::memory::{file_layout, RegionLayout};
 use crate::persist::{self, FORMAT_VERSION};
 use crate::vm::Vm;
 
@@ -22,7 +20,7 @@ impl Vm {
     /// Receives a VM from the source at the other end of `stream` and runs it with `config`'s
     /// host resources (disks, TAPs, console). Refuses, before any memory moves, a machine other
     /// than `config` describes. Whatever goes wrong, the guest never runs here unless the
-    /// source handed it over (Go) and this side confirmed (Running).
+    /// source handed it over (Go).
     pub fn migrate_in<S: Read + Write>(
         stream: &mut S,
         config: &VmConfig,
@@ -79,7 +77,6 @@ fn receive_machine<S: Read + Write>(
         vm.stop();
         return Err(e);
     }
-    vm.resume();
     vm.announce_network();
     *phase = Phase::Completed;
     Ok(vm)
@@ -123,27 +120,24 @@ fn receive_memory<S: Read + Write>(
     shell: &RestoreShell,
     layout: &[RegionLayout],
 ) -> Result<Vec<u8>, MigrationError> {
+    let mut frame = Vec::new();
     loop {
-        match conv.receive()? {
-            (Kind::Pages, p) => {
-                for run in wire::parse_pages(&p, layout)? {
-                    shell
-                        .memory()
-                        .write_slice(run.bytes, GuestAddress(run.gpa))
-                        .map_err(|_| WireError::OutOfRange {
-                            gpa: run.gpa,
-                            pages: (run.bytes.len() as u64 / PAGE_SIZE) as u32,
-                        })?;
-                }
-            }
+        match conv.receive_into_memory(&mut frame, shell.memory(), layout)? {
+            (Kind::Pages, _) => {}
             (Kind::Sync, _) => conv.say(Kind::Synced, &[])?,
-            (_, state) => return Ok(state),
+            (_, len) => {
+                frame.truncate(len);
+                return Ok(frame);
+            }
         }
     }
 }
 
-/// Go, then the disks locked, then Running written before the guest runs: a source that
-/// does not get it knows this side never ran the guest (see the source's switch-over).
+/// Go, then the disks locked, then the guest resumed, then Running. The source measures its
+/// downtime until Running arrives, so resuming first makes that figure cover the whole gap the
+/// guest sees (answering first left the resume outside it). It is just as safe: a source
+/// that does not get Running stays paused (see the source's switch-over), and a Running this
+/// side cannot write is no different from one lost on the way, so the guest runs on here.
 fn take_over<S: Read + Write>(
     conv: &mut Conversation<'_, S>,
     vm: &Vm,
@@ -151,5 +145,9 @@ fn take_over<S: Read + Write>(
     conv.receive()?;
     vm.lock_disks(Duration::from_secs(10))
         .map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
-    conv.say(Kind::Running, &[])
+    vm.resume();
+    if let Err(e) = conv.say(Kind::Running, &[]) {
+        tracing::warn!("the guest runs here but the source may not know (it stays paused): {e}");
+    }
+    Ok(())
 }

@@ -115,9 +115,16 @@ pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> std::io::R
     w.write_all(payload)
 }
 
-/// Reads one frame, refusing unknown kinds and oversized lengths before allocating, and a
-/// payload that does not match its checksum.
-pub fn read_frame(r: &mut impl Read) -> Result<(Kind, Vec<u8>), WireError> {
+/// A frame's header, read and checked (a known kind, a length within `MAX_FRAME`); its payload
+/// still to be read, by `read_payload` or, for Pages, `read_pages`.
+pub struct FrameHeader {
+    pub kind: Kind,
+    pub len: usize,
+    head: [u8; 5],
+    crc: u32,
+}
+
+pub fn read_frame_header(r: &mut impl Read) -> Result<FrameHeader, WireError> {
     let mut h = [0u8; FRAME_HEADER];
     r.read_exact(&mut h)?;
     let kind = Kind::try_from(h[0]).map_err(|_| WireError::Kind(h[0]))?;
@@ -125,68 +132,132 @@ pub fn read_frame(r: &mut impl Read) -> Result<(Kind, Vec<u8>), WireError> {
     if len > MAX_FRAME {
         return Err(WireError::TooLarge(len));
     }
-    let mut payload = vec![0u8; len as usize];
-    r.read_exact(&mut payload)?;
-    if frame_crc(&h[..5], &payload) != u32::from_le_bytes(h[5..].try_into().unwrap()) {
-        return Err(WireError::Checksum(kind));
+    Ok(FrameHeader {
+        kind,
+        len: len as usize,
+        head: h[..5].try_into().unwrap(),
+        crc: u32::from_le_bytes(h[5..].try_into().unwrap()),
+    })
+}
+
+impl FrameHeader {
+    /// The payload into `buf[..len]`; `buf` only ever grows (to at most `MAX_FRAME`), so a
+    /// receiver reuses one buffer instead of allocating and zeroing 16 MiB per frame.
+    pub fn read_payload(&self, r: &mut impl Read, buf: &mut Vec<u8>) -> Result<(), WireError> {
+        if buf.len() < self.len {
+            buf.resize(self.len, 0);
+        }
+        let payload = &mut buf[..self.len];
+        r.read_exact(payload)?;
+        if frame_crc(&self.head, payload) != self.crc {
+            return Err(WireError::Checksum(self.kind));
+        }
+        Ok(())
     }
-    Ok((kind, payload))
+
+    /// A Pages payload read run by run straight into `memory`, each run checked to lie inside
+    /// one region of `layout` before a byte of it is read: the kernel copies the stream into
+    /// guest RAM with no buffer between (a copy less per byte on a stream of gigabytes), and
+    /// each run's pages are allocated in one call first rather than faulted in one by one.
+    ///
+    /// The checksum can only be checked once the frame is in, so a corrupted frame may have
+    /// landed in RAM when it is refused. That RAM is the target's, which no vCPU runs yet, and
+    /// a refused frame fails the migration, which discards the target: corrupted bytes never
+    /// run.
+    pub fn read_pages(
+        &self,
+        r: &mut impl Read,
+        memory: &crate::memory::GuestMemory,
+        layout: &[RegionLayout],
+    ) -> Result<(), WireError> {
+        use vm_memory::{GuestAddress, GuestMemoryBackend};
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&self.head);
+        let mut left = self.len;
+        while left > 0 {
+            let mut run = [0u8; 12];
+            if left < run.len() {
+                return Err(WireError::Malformed("Pages"));
+            }
+            r.read_exact(&mut run)?;
+            crc.update(&run);
+            left -= run.len();
+            let gpa = u64::from_le_bytes(run[..8].try_into().unwrap());
+            let pages = u32::from_le_bytes(run[8..].try_into().unwrap());
+            let len = run_len(gpa, pages, layout)?;
+            if len > left {
+                return Err(WireError::Malformed("Pages"));
+            }
+            let slice = memory
+                .get_slice(GuestAddress(gpa), len)
+                .map_err(|_| WireError::OutOfRange { gpa, pages })?;
+            let guard = slice.ptr_guard_mut();
+            // SAFETY: `get_slice` checked that `len` bytes at `gpa` are mapped guest RAM, which
+            // lives as long as `memory`. Nothing else reads or writes the target's RAM while it
+            // takes in the stream: its vCPUs have not run and its devices are not started.
+            let dst = unsafe { std::slice::from_raw_parts_mut(guard.as_ptr(), len) };
+            populate(dst);
+            r.read_exact(dst)?;
+            crc.update(dst);
+            left -= len;
+        }
+        if crc.finalize() != self.crc {
+            return Err(WireError::Checksum(self.kind));
+        }
+        Ok(())
+    }
 }
 
-/// One run of consecutive pages in a Pages frame.
-pub struct PageRun<'a> {
-    pub gpa: u64,
-    pub bytes: &'a [u8],
+/// Allocates the pages under `range` in one call (MADV_POPULATE_WRITE, Linux 5.14), cheaper
+/// than a page fault per 4 KiB while the stream is copied in. Best effort: an older kernel
+/// refuses it, and the copy faults the pages in as before.
+fn populate(range: &mut [u8]) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    // SAFETY: advice on a mapped range this process owns; it changes no contents.
+    unsafe { libc::madvise(range.as_mut_ptr().cast(), range.len(), MADV_POPULATE_WRITE) };
 }
 
-/// Splits a Pages payload into runs, each checked to lie inside one RAM region.
-pub fn parse_pages<'a>(
-    payload: &'a [u8],
-    layout: &[RegionLayout],
-) -> Result<Vec<PageRun<'a>>, WireError> {
-    let mut runs = Vec::new();
-    let mut rest = payload;
-    while !rest.is_empty() {
-        if rest.len() < 12 {
-            return Err(WireError::Malformed("Pages"));
-        }
-        let gpa = u64::from_le_bytes(rest[..8].try_into().unwrap());
-        let pages = u32::from_le_bytes(rest[8..12].try_into().unwrap());
-        let len = (pages as u64) * PAGE_SIZE;
-        let inside = gpa.is_multiple_of(PAGE_SIZE)
-            && pages > 0
-            && layout.iter().any(|r| {
-                gpa >= r.guest_addr
-                    && gpa
-                        .checked_add(len)
-                        .is_some_and(|end| end <= r.guest_addr + r.size)
-            });
-        if !inside {
-            return Err(WireError::OutOfRange { gpa, pages });
-        }
-        let body = &rest[12..];
-        if (body.len() as u64) < len {
-            return Err(WireError::Malformed("Pages"));
-        }
-        runs.push(PageRun {
-            gpa,
-            bytes: &body[..len as usize],
+/// The byte length of a run of `pages` pages at `gpa`, which must lie inside one RAM region.
+fn run_len(gpa: u64, pages: u32, layout: &[RegionLayout]) -> Result<usize, WireError> {
+    let len = (pages as u64) * PAGE_SIZE;
+    let inside = gpa.is_multiple_of(PAGE_SIZE)
+        && pages > 0
+        && pages <= MAX_RUN_PAGES
+        && layout.iter().any(|r| {
+            gpa >= r.guest_addr
+                && gpa
+                    .checked_add(len)
+                    .is_some_and(|end| end <= r.guest_addr + r.size)
         });
-        rest = &body[len as usize..];
+    if !inside {
+        return Err(WireError::OutOfRange { gpa, pages });
     }
-    Ok(runs)
+    Ok(len as usize)
+}
+
+/// Reads one frame, refusing unknown kinds and oversized lengths before allocating, and a
+/// payload that does not match its checksum.
+pub fn read_frame(r: &mut impl Read) -> Result<(Kind, Vec<u8>), WireError> {
+    let header = read_frame_header(r)?;
+    let mut payload = Vec::new();
+    header.read_payload(r, &mut payload)?;
+    payload.truncate(header.len);
+    Ok((header.kind, payload))
 }
 
 /// Builds Pages frames from runs of guest memory, flushing whenever a frame is full.
 pub struct PagesWriter {
+    /// One frame's payload, allocated once at its largest; `used` bytes of it are filled.
     buf: Vec<u8>,
+    used: usize,
     pub bytes_sent: u64,
 }
 
 impl Default for PagesWriter {
     fn default() -> Self {
         PagesWriter {
-            buf: Vec::with_capacity(MAX_FRAME as usize),
+            buf: vec![0; MAX_FRAME as usize],
+            used: 0,
             bytes_sent: 0,
         }
     }
@@ -199,7 +270,8 @@ impl PagesWriter {
     }
 
     /// Appends a run of `len` bytes (a whole number of pages) that `fill` writes straight
-    /// into the frame: guest memory is copied once, not into a buffer and then the frame.
+    /// into the frame: guest memory is copied once, not into a buffer and then the frame, and
+    /// the frame is not cleared first (`fill` overwrites all of it).
     pub fn push_with(
         &mut self,
         w: &mut impl Write,
@@ -208,25 +280,25 @@ impl PagesWriter {
         fill: impl FnOnce(&mut [u8]),
     ) -> std::io::Result<()> {
         debug_assert!((len as u64).is_multiple_of(PAGE_SIZE));
-        if self.buf.len() + 12 + len > MAX_FRAME as usize {
+        debug_assert!(len <= (MAX_RUN_PAGES as u64 * PAGE_SIZE) as usize);
+        if self.used + 12 + len > self.buf.len() {
             self.flush(w)?;
         }
-        self.buf.extend_from_slice(&gpa.to_le_bytes());
-        self.buf
-            .extend_from_slice(&((len as u64 / PAGE_SIZE) as u32).to_le_bytes());
-        let start = self.buf.len();
-        self.buf.resize(start + len, 0);
-        fill(&mut self.buf[start..]);
+        let run = &mut self.buf[self.used..self.used + 12 + len];
+        run[..8].copy_from_slice(&gpa.to_le_bytes());
+        run[8..12].copy_from_slice(&((len as u64 / PAGE_SIZE) as u32).to_le_bytes());
+        fill(&mut run[12..]);
+        self.used += 12 + len;
         Ok(())
     }
 
     pub fn flush(&mut self, w: &mut impl Write) -> std::io::Result<()> {
-        if self.buf.is_empty() {
+        if self.used == 0 {
             return Ok(());
         }
-        write_frame(w, Kind::Pages, &self.buf)?;
-        self.bytes_sent += (self.buf.len() + FRAME_HEADER) as u64;
-        self.buf.clear();
+        write_frame(w, Kind::Pages, &self.buf[..self.used])?;
+        self.bytes_sent += (self.used + FRAME_HEADER) as u64;
+        self.used = 0;
         Ok(())
     }
 }
@@ -251,34 +323,82 @@ mod tests {
         ]
     }
 
+    /// Guest RAM laid out as `layout()` says.
+    fn memory() -> crate::memory::GuestMemory {
+        let ranges: Vec<_> = layout()
+            .iter()
+            .map(|r| (vm_memory::GuestAddress(r.guest_addr), r.size as usize))
+            .collect();
+        crate::memory::GuestMemory::from_ranges(&ranges).unwrap()
+    }
+
+    /// One frame from `bytes` taken in as the target does: Pages into `mem`.
+    fn take_in(bytes: &[u8], mem: &crate::memory::GuestMemory) -> Result<Kind, WireError> {
+        let r = &mut &bytes[..];
+        let header = read_frame_header(r)?;
+        match header.kind {
+            Kind::Pages => header.read_pages(r, mem, &layout())?,
+            _ => header.read_payload(r, &mut Vec::new())?,
+        }
+        Ok(header.kind)
+    }
+
+    fn pages_frame(gpa: u64, pages: u32, body: usize) -> Vec<u8> {
+        let mut p = gpa.to_le_bytes().to_vec();
+        p.extend_from_slice(&pages.to_le_bytes());
+        p.extend(std::iter::repeat_n(9u8, body));
+        let mut f = Vec::new();
+        write_frame(&mut f, Kind::Pages, &p).unwrap();
+        f
+    }
+
     #[test]
-    fn pages_round_trip_and_range_checks() {
+    fn pages_land_in_guest_memory_and_runs_outside_it_are_refused() {
+        use vm_memory::{Bytes, GuestAddress};
         let mut out = Vec::new();
         let mut w = PagesWriter::default();
         w.push(&mut out, 0x2000, &[1u8; 8192]).unwrap();
         w.push(&mut out, (1 << 32) + 0x3000, &[2u8; 4096]).unwrap();
         w.flush(&mut out).unwrap();
-        let (kind, payload) = read_frame(&mut &out[..]).unwrap();
-        assert_eq!(kind, Kind::Pages);
-        let runs = parse_pages(&payload, &layout()).unwrap();
-        assert_eq!(runs.len(), 2);
-        assert_eq!((runs[0].gpa, runs[0].bytes.len()), (0x2000, 8192));
-        assert_eq!(runs[1].bytes[0], 2);
-        // A run crossing the end of a region, into the gap, or unaligned: refused.
+        let mem = memory();
+        assert_eq!(take_in(&out, &mem).unwrap(), Kind::Pages);
+        let at = |gpa: u64| mem.read_obj::<u8>(GuestAddress(gpa)).unwrap();
+        assert_eq!(
+            (at(0x1fff), at(0x2000), at(0x3fff), at(0x4000)),
+            (0, 1, 1, 0)
+        );
+        assert_eq!(at((1 << 32) + 0x3fff), 2);
+        // A run crossing the end of a region, into the gap, unaligned, of no pages or longer
+        // than a run may be: refused before a byte of it lands.
         for (gpa, pages) in [
             (15 * PAGE_SIZE, 2),
             (0x1_0000, 1),
             (0x1001, 1),
             (1 << 32, 5),
+            (0, 0),
+            (0, MAX_RUN_PAGES + 1),
         ] {
-            let mut p = gpa.to_le_bytes().to_vec();
-            p.extend_from_slice(&(pages as u32).to_le_bytes());
-            p.extend(std::iter::repeat_n(0u8, pages * 4096));
-            assert!(matches!(
-                parse_pages(&p, &layout()),
-                Err(WireError::OutOfRange { .. })
-            ));
+            let mem = memory();
+            let f = pages_frame(gpa, pages, pages.min(16) as usize * 4096);
+            assert!(
+                matches!(take_in(&f, &mem), Err(WireError::OutOfRange { .. })),
+                "{gpa:#x} {pages}"
+            );
+            assert_eq!(at(0), 0);
         }
+        // A run longer than what is left of its frame is malformed, however the frame ends.
+        assert!(matches!(
+            take_in(&pages_frame(0, 2, 4096), &memory()),
+            Err(WireError::Malformed("Pages"))
+        ));
+        // A corrupted Pages frame is refused once it is in.
+        let mut f = pages_frame(0, 1, 4096);
+        let last = f.len() - 1;
+        f[last] ^= 0x10;
+        assert!(matches!(
+            take_in(&f, &memory()),
+            Err(WireError::Checksum(Kind::Pages))
+        ));
     }
 
     #[test]
@@ -321,21 +441,21 @@ mod tests {
     }
 
     proptest! {
-        /// Whatever a peer sends, parsing a Pages payload ends in runs inside RAM or an error.
+        /// Whatever a peer sends, taking in a Pages frame ends in pages inside RAM or an error,
+        /// never a panic (RAM's bounds are vm-memory's to enforce too).
         #[test]
         fn hostile_pages_payloads(payload in proptest::collection::vec(any::<u8>(), 0..9000),
                                   gpa in any::<u64>(), pages in any::<u32>()) {
-            let l = layout();
-            if let Ok(runs) = parse_pages(&payload, &l) {
-                for r in runs {
-                    prop_assert!(l.iter().any(|x| r.gpa >= x.guest_addr
-                        && r.gpa + r.bytes.len() as u64 <= x.guest_addr + x.size));
-                }
-            }
+            let mem = memory();
             let mut p = gpa.to_le_bytes().to_vec();
             p.extend_from_slice(&pages.to_le_bytes());
             p.extend_from_slice(&payload);
-            let _ = parse_pages(&p, &l);
+            for body in [&payload, &p] {
+                let mut f = Vec::new();
+                write_frame(&mut f, Kind::Pages, body).unwrap();
+                let _ = take_in(&f, &mem);
+            }
+            let _ = take_in(&payload, &mem);
             let _ = read_frame(&mut &payload[..]);
         }
     }
