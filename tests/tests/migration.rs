@@ -601,3 +601,84 @@ fn a_keyboard_flood_stays_bounded_and_the_vm_still_migrates() {
     let r = expect_probe_ok(&run, "i8042flood");
     assert_eq!(r.field("writes"), Some("400000"));
 }
+
+/// A target taking the conversation and then `page_streams` more connections on one listener
+/// (accepted in any order: each page stream's header says which it is).
+fn target_with_page_streams(config: &VmConfig, page_streams: usize) -> (SocketAddr, Received) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = config.clone();
+    let t = std::thread::spawn(move || {
+        let accept = || {
+            let (s, _) = listener.accept().unwrap();
+            s.set_nodelay(true).unwrap();
+            s.set_read_timeout(Some(LINK)).unwrap();
+            s.set_write_timeout(Some(LINK)).unwrap();
+            s
+        };
+        let mut main = accept();
+        let mut pages: Vec<TcpStream> = (0..page_streams).map(|_| accept()).collect();
+        let console = Console::default();
+        let mut c = config;
+        c.serial.output = console.output();
+        Vm::migrate_in_streams(&mut main, &mut pages, &c).map(|vm| (vm, console))
+    });
+    (addr, t)
+}
+
+#[test]
+fn pages_travel_on_page_streams_beside_the_conversation() {
+    require_kvm();
+    // The dirty test rewrites its working set on 2 vCPUs while it moves, so later passes
+    // resend pages the first sent: on the stream that carries their chunk, never overtaking.
+    let console = Console::default();
+    let config = dirty_config(2, 256, 150, &console);
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "dirty", "pass=3", T);
+    let (addr, receiver) = target_with_page_streams(&config, 3);
+    let mut main = connect(addr);
+    let mut pages: Vec<TcpStream> = (0..3).map(|_| connect(addr)).collect();
+    let stats = vm
+        .migrate_out_streams(
+            &mut main,
+            &mut pages,
+            &MigrationConfig::default(),
+            &mut |_| {},
+        )
+        .expect("migration on page streams");
+    drop(pages);
+    assert_eq!(vm.wait(), VmEnd::Migrated);
+    let (vm, console) = receiver.join().unwrap().expect("target");
+    let run = run_to_end(vm, &console, T);
+    let r = expect_probe_ok(&run, "dirty");
+    assert_eq!(r.field("passes"), Some("150"));
+    assert!(stats.passes >= 1 && stats.bytes_sent > 0, "{stats:?}");
+
+    // A target given another number of page streams refuses before any memory moves, with
+    // the reason, and the guest runs on at the source.
+    let console = Console::default();
+    let config = dirty_config(1, 64, 100_000, &console);
+    let vm = Vm::build(&config).unwrap();
+    wait_progress(&console, "dirty", "pass=1", T);
+    let (addr, receiver) = target_with_page_streams(&config, 1);
+    let mut main = connect(addr);
+    let mut pages: Vec<TcpStream> = (0..1).map(|_| connect(addr)).collect();
+    let mut two = vec![pages.remove(0), connect(addr)];
+    let e = vm
+        .migrate_out_streams(
+            &mut main,
+            &mut two,
+            &MigrationConfig::default(),
+            &mut |_| {},
+        )
+        .expect_err("a target prepared for one page stream");
+    assert!(
+        e.to_string()
+            .contains("on 2 page stream(s), this target was given 1"),
+        "{e}"
+    );
+    assert!(receiver.join().unwrap().is_err());
+    assert_runs_on_source(&vm, "refused page streams");
+    vm.stop();
+    let _ = vm.wait();
+}

@@ -230,6 +230,7 @@ mod tests {
             vcpus: c.vcpus,
             memory_mib: c.memory_mib,
             memory: file_layout(&ram_regions(c.memory_mib * MIB)),
+            page_streams: 0,
         };
         wire::write_frame(&mut s, Kind::Hello, &postcard::to_stdvec(&hello).unwrap()).unwrap();
         s

@@ -178,15 +178,21 @@ impl<'s, S: Read + Write> Conversation<'s, S> {
     /// As `receive`, for the target taking in memory: a Pages frame's runs go straight into
     /// `memory` (see `FrameHeader::read_pages`), any other payload into `buf[..len]` (one
     /// buffer reused for every frame).
+    /// With page streams (`page_streams` > 0) the pages travel there, and Pages here are
+    /// refused.
     pub fn receive_into_memory(
         &mut self,
         buf: &mut Vec<u8>,
         memory: &crate::memory::GuestMemory,
         layout: &[RegionLayout],
+        page_streams: usize,
     ) -> Result<(Kind, usize), MigrationError> {
         let header = self.receive_header()?;
         if header.kind == Kind::Pages {
-            header.read_pages(self.stream, memory, layout)?;
+            if page_streams > 0 {
+                return Err(WireError::Malformed("Pages (the page streams carry them)").into());
+            }
+            header.read_pages(self.stream, memory, layout, None)?;
             return Ok((Kind::Pages, header.len));
         }
         self.payload(header, buf)

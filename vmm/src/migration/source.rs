@@ -22,8 +22,9 @@ use crate::memory::PAGE_SIZE;
 use crate::persist::{self, FORMAT_VERSION, VMM_VERSION};
 use crate::vm::{Vm, VmError};
 
-fn hello_for(vm: &Vm) -> Hello {
+fn hello_for(vm: &Vm, page_streams: u8) -> Hello {
     Hello {
+        page_streams,
         vmm_version: VMM_VERSION.into(),
         state_format: FORMAT_VERSION,
         vcpus: vm.info.vcpus,
@@ -61,6 +62,36 @@ impl Throttle {
             }
         }
     }
+}
+
+/// Groups `pages` (ascending) into runs of consecutive pages, at most `MAX_RUN_PAGES` long and
+/// never crossing a chunk (`wire::CHUNK_BYTES`: with page streams a chunk is one stream's), and
+/// hands each to `emit`.
+fn for_each_run(
+    pages: impl Iterator<Item = u64>,
+    mut emit: impl FnMut((u64, u32)) -> Result<(), MigrationError>,
+) -> Result<(), MigrationError> {
+    let mut run: Option<(u64, u32)> = None;
+    for gpa in pages {
+        run = match run {
+            Some((start, n))
+                if start + n as u64 * PAGE_SIZE == gpa
+                    && n < MAX_RUN_PAGES
+                    && !gpa.is_multiple_of(wire::CHUNK_BYTES) =>
+            {
+                Some((start, n + 1))
+            }
+            Some(r) => {
+                emit(r)?;
+                Some((gpa, 1))
+            }
+            None => Some((gpa, 1)),
+        };
+    }
+    if let Some(r) = run {
+        emit(r)?;
+    }
+    Ok(())
 }
 
 /// Auto-converge: a thread that holds the vCPUs for `percent` of the time. Raised in steps
@@ -136,34 +167,29 @@ impl Vm {
         pw: &mut PagesWriter,
         throttle: &mut Throttle,
     ) -> Result<(), MigrationError> {
-        let mem = self.memory();
-        let mut run: Option<(u64, u32)> = None;
-        let mut emit = |pw: &mut PagesWriter, (gpa, n): (u64, u32)| -> Result<(), MigrationError> {
-            let len = (n as u64 * PAGE_SIZE) as usize;
-            let slice = mem
-                .get_slice(GuestAddress(gpa), len)
-                .map_err(|e| VmError::Memory(crate::memory::MemoryError::Map(e.to_string())))?;
-            pw.push_with(w, gpa, len, |dst| {
-                slice.copy_to(dst);
-            })?;
-            throttle.account(len as u64);
+        for_each_run(pages, |(gpa, n)| {
+            self.send_run(w, pw, gpa, n)?;
+            throttle.account(n as u64 * PAGE_SIZE);
             throttle.check_abort()
-        };
-        for gpa in pages {
-            run = match run {
-                Some((start, n)) if start + n as u64 * PAGE_SIZE == gpa && n < MAX_RUN_PAGES => {
-                    Some((start, n + 1))
-                }
-                Some(r) => {
-                    emit(pw, r)?;
-                    Some((gpa, 1))
-                }
-                None => Some((gpa, 1)),
-            };
-        }
-        if let Some(r) = run {
-            emit(pw, r)?;
-        }
+        })
+    }
+
+    /// One run of `n` pages at `gpa`, copied from guest memory into `pw`'s frame.
+    fn send_run(
+        &self,
+        w: &mut impl Write,
+        pw: &mut PagesWriter,
+        gpa: u64,
+        n: u32,
+    ) -> Result<(), MigrationError> {
+        let len = (n as u64 * PAGE_SIZE) as usize;
+        let slice = self
+            .memory()
+            .get_slice(GuestAddress(gpa), len)
+            .map_err(|e| VmError::Memory(crate::memory::MemoryError::Map(e.to_string())))?;
+        pw.push_with(w, gpa, len, |dst| {
+            slice.copy_to(dst);
+        })?;
         Ok(())
     }
 
@@ -184,7 +210,26 @@ impl Vm {
         config: &MigrationConfig,
         progress: &mut dyn FnMut(MigrationProgress),
     ) -> Result<MigrationStats, MigrationFailure> {
+        self.migrate_out_streams(stream, &mut [] as &mut [std::io::Sink], config, progress)
+    }
+
+    /// As `migrate_out`, the pages carried on `page_streams` (connected to the same target,
+    /// at most 255) beside the conversation on `stream`: each stream has a thread of its own
+    /// copying, checksumming and sending its share of every pass (the chunks
+    /// `wire::page_stream_of` gives it), while this thread scans for the pages to send.
+    pub fn migrate_out_streams<S: Read + Write, P: Write + Send>(
+        &self,
+        stream: &mut S,
+        page_streams: &mut [P],
+        config: &MigrationConfig,
+        progress: &mut dyn FnMut(MigrationProgress),
+    ) -> Result<MigrationStats, MigrationFailure> {
         let mut at = Position::default();
+        if page_streams.len() > u8::MAX as usize {
+            return Err(at.fail(MigrationError::Wire(WireError::Malformed(
+                "Hello: at most 255 page streams",
+            ))));
+        }
         if let Some(end) = self.end.get() {
             return Err(at.fail(MigrationError::NotRunning(end.to_string())));
         }
@@ -212,6 +257,11 @@ impl Vm {
                 at: &mut at,
                 vcpu_throttle: &vcpu_throttle,
                 pw: PagesWriter::default(),
+                page_writers: page_streams
+                    .iter()
+                    .map(|_| PagesWriter::default())
+                    .collect(),
+                page_streams,
                 throttle: Throttle {
                     limit: config.bandwidth_limit,
                     started: Instant::now(),
@@ -253,7 +303,7 @@ impl Vm {
 }
 
 /// The source's side of one migration, phase by phase.
-struct Sender<'a, 's, S> {
+struct Sender<'a, 's, S, P> {
     vm: &'a Vm,
     conv: Conversation<'s, S>,
     config: &'a MigrationConfig,
@@ -261,12 +311,16 @@ struct Sender<'a, 's, S> {
     at: &'a mut Position,
     vcpu_throttle: &'a VcpuThrottle,
     pw: PagesWriter,
+    /// The streams pages travel on beside the conversation (none: on the conversation's),
+    /// each with its frame.
+    page_streams: &'a mut [P],
+    page_writers: Vec<PagesWriter>,
     throttle: Throttle,
     pass: u32,
     max_throttle: u8,
 }
 
-impl<S: Read + Write> Sender<'_, '_, S> {
+impl<S: Read + Write, P: Write + Send> Sender<'_, '_, S, P> {
     fn send_machine(&mut self) -> Result<MigrationStats, MigrationError> {
         let started = Instant::now();
         self.handshake()?;
@@ -316,6 +370,10 @@ impl<S: Read + Write> Sender<'_, '_, S> {
     /// Sends `pages` and flushes the last Pages frame; returns how long it took.
     fn send_pass(&mut self, pages: impl Iterator<Item = u64>) -> Result<Duration, MigrationError> {
         let t = Instant::now();
+        if !self.page_streams.is_empty() {
+            self.send_pass_on_page_streams(pages)?;
+            return Ok(t.elapsed());
+        }
         let stream = self.conv.pages_stream();
         self.vm
             .send_pages(stream, pages, &mut self.pw, &mut self.throttle)?;
@@ -323,11 +381,86 @@ impl<S: Read + Write> Sender<'_, '_, S> {
         Ok(t.elapsed())
     }
 
-    /// Hello, answered Ready (or refused with the target's reason).
+    /// One pass on the page streams: this thread groups the pages into runs and hands each to
+    /// the thread of the stream that carries its chunk (through a short queue, so the scan
+    /// stays just ahead of the copies); each stream's thread copies, checksums and sends.
+    fn send_pass_on_page_streams(
+        &mut self,
+        pages: impl Iterator<Item = u64>,
+    ) -> Result<(), MigrationError> {
+        let vm = self.vm;
+        let count = self.page_streams.len();
+        let throttle = &mut self.throttle;
+        let streams = self
+            .page_streams
+            .iter_mut()
+            .zip(self.page_writers.iter_mut());
+        std::thread::scope(|scope| {
+            let mut queues = Vec::with_capacity(count);
+            let mut workers = Vec::with_capacity(count);
+            for (stream, pw) in streams {
+                let (queue, runs) = std::sync::mpsc::sync_channel::<(u64, u32)>(16);
+                queues.push(queue);
+                workers.push(scope.spawn(move || -> Result<(), MigrationError> {
+                    for (gpa, n) in runs {
+                        vm.send_run(stream, pw, gpa, n)?;
+                    }
+                    pw.flush(stream)?;
+                    Ok(())
+                }));
+            }
+            let dispatched = for_each_run(pages, |(gpa, n)| {
+                // A stream whose thread stopped has an error of its own, reported below.
+                if queues[wire::page_stream_of(gpa, count)]
+                    .send((gpa, n))
+                    .is_err()
+                {
+                    return Err(MigrationError::Wire(WireError::Malformed("page stream")));
+                }
+                throttle.account(n as u64 * PAGE_SIZE);
+                throttle.check_abort()
+            });
+            drop(queues);
+            let mut first_error = None;
+            for w in workers {
+                if let Err(e) = w.join().expect("a page stream's thread panicked") {
+                    first_error.get_or_insert(e);
+                }
+            }
+            match first_error {
+                Some(e) => Err(e),
+                None => dispatched,
+            }
+        })?;
+        self.pw.bytes_sent += self
+            .page_writers
+            .iter_mut()
+            .map(|pw| std::mem::take(&mut pw.bytes_sent))
+            .sum::<u64>();
+        Ok(())
+    }
+
+    /// A Sync on every page stream: the target takes in everything before it on each stream
+    /// before it answers the conversation's next Sync or takes in the State.
+    fn mark_page_streams(&mut self) -> Result<(), MigrationError> {
+        for stream in self.page_streams.iter_mut() {
+            wire::write_frame(stream, Kind::Sync, &[])?;
+            stream.flush()?;
+            self.pw.bytes_sent += wire::FRAME_HEADER as u64;
+        }
+        Ok(())
+    }
+
+    /// Hello, answered Ready (or refused with the target's reason); each page stream then
+    /// says which it is.
     fn handshake(&mut self) -> Result<(), MigrationError> {
-        let hello = postcard::to_stdvec(&hello_for(self.vm)).expect("hello serializes");
+        let count = self.page_streams.len() as u8;
+        let hello = postcard::to_stdvec(&hello_for(self.vm, count)).expect("hello serializes");
         self.conv.say(Kind::Hello, &hello)?;
         self.conv.receive()?;
+        for (i, stream) in self.page_streams.iter_mut().enumerate() {
+            wire::write_page_stream_header(stream, i as u8)?;
+        }
         Ok(())
     }
 
@@ -377,6 +510,7 @@ impl<S: Read + Write> Sender<'_, '_, S> {
         // downtime would include the target draining the socket buffers (megabytes of pages
         // to checksum and fault in), not just the final few pages.
         self.send_pass(pending.pages())?;
+        self.mark_page_streams()?;
         self.conv.say(Kind::Sync, &[])?;
         self.conv.receive()?;
         Ok(policy.bandwidth())
@@ -400,6 +534,7 @@ impl<S: Read + Write> Sender<'_, '_, S> {
         self.send_pass(last_dirty.pages())?;
         // A cancel is honoured up to the switch-over, even when no page was left to send.
         self.throttle.check_abort()?;
+        self.mark_page_streams()?;
         let state = persist::encode(&self.vm.save_state()?);
         self.conv.say(Kind::State, &state)?;
         self.pw.bytes_sent += (state.len() + wire::FRAME_HEADER) as u64;

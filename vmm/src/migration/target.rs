@@ -25,8 +25,19 @@ impl Vm {
         stream: &mut S,
         config: &VmConfig,
     ) -> Result<Vm, MigrationFailure> {
+        Self::migrate_in_streams(stream, &mut [] as &mut [std::io::Empty], config)
+    }
+
+    /// As `migrate_in`, from a source that sends its pages on `page_streams` (as many as its
+    /// Hello says, in the order their headers give; see `Vm::migrate_out_streams`), each read
+    /// by a thread of its own straight into guest memory.
+    pub fn migrate_in_streams<S: Read + Write, P: Read + Send>(
+        stream: &mut S,
+        page_streams: &mut [P],
+        config: &VmConfig,
+    ) -> Result<Vm, MigrationFailure> {
         let mut phase = Phase::Handshake;
-        receive_machine(stream, config, &mut phase).map_err(|error| {
+        receive_machine(stream, page_streams, config, &mut phase).map_err(|error| {
             // Tell the source why, unless it already knows (a refusal, its own cancel) or the
             // connection itself failed (writing to it could block on a dead TLS session).
             // Written past the conversation: whatever stage it broke in, a Failed ends it.
@@ -49,14 +60,15 @@ impl Vm {
     }
 }
 
-fn receive_machine<S: Read + Write>(
+fn receive_machine<S: Read + Write, P: Read + Send>(
     stream: &mut S,
+    page_streams: &mut [P],
     config: &VmConfig,
     phase: &mut Phase,
 ) -> Result<Vm, MigrationError> {
     let mut conv = Conversation::accept(stream)?;
     let layout = file_layout(&ram_regions(config.memory_mib * MIB));
-    let shell = match prepare(&mut conv, config, &layout)? {
+    let shell = match prepare(&mut conv, config, &layout, page_streams.len())? {
         Ok(shell) => shell,
         Err(why) => {
             conv.say(Kind::Refuse, why.as_bytes())?;
@@ -65,7 +77,18 @@ fn receive_machine<S: Read + Write>(
     };
     conv.say(Kind::Ready, &[])?;
     *phase = Phase::Precopy;
-    let state = receive_memory(&mut conv, &shell, &layout)?;
+    for (i, p) in page_streams.iter_mut().enumerate() {
+        if wire::read_page_stream_header(p)? as usize != i {
+            return Err(
+                WireError::Malformed("page stream header (not in the Hello's order)").into(),
+            );
+        }
+    }
+    let state = if page_streams.is_empty() {
+        receive_memory(&mut conv, &shell, &layout)?
+    } else {
+        receive_memory_on_page_streams(&mut conv, page_streams, &shell, &layout)?
+    };
     *phase = Phase::StopAndCopy;
     let state = persist::decode(&state, std::path::Path::new("<migration stream>"))
         .map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
@@ -89,9 +112,16 @@ fn prepare<S: Read + Write>(
     conv: &mut Conversation<'_, S>,
     config: &VmConfig,
     layout: &[RegionLayout],
+    page_streams: usize,
 ) -> Result<Result<RestoreShell, String>, MigrationError> {
     let (_, hello) = conv.receive()?;
     let hello: Hello = postcard::from_bytes(&hello).map_err(|_| WireError::Malformed("Hello"))?;
+    if hello.page_streams as usize != page_streams {
+        return Ok(Err(format!(
+            "the source sends its pages on {} page stream(s), this target was given {page_streams}",
+            hello.page_streams
+        )));
+    }
     if hello.state_format != FORMAT_VERSION {
         return Ok(Err(format!(
             "state format {} (written by microvirt {}); this target reads format {FORMAT_VERSION}",
@@ -122,7 +152,7 @@ fn receive_memory<S: Read + Write>(
 ) -> Result<Vec<u8>, MigrationError> {
     let mut frame = Vec::new();
     loop {
-        match conv.receive_into_memory(&mut frame, shell.memory(), layout)? {
+        match conv.receive_into_memory(&mut frame, shell.memory(), layout, 0)? {
             (Kind::Pages, _) => {}
             (Kind::Sync, _) => conv.say(Kind::Synced, &[])?,
             (_, len) => {
@@ -131,6 +161,98 @@ fn receive_memory<S: Read + Write>(
             }
         }
     }
+}
+
+/// As `receive_memory`, the pages arriving on `page_streams`, each read by a thread of its own
+/// straight into guest memory. A Sync on a page stream marks that everything before it is in:
+/// the conversation's Sync is answered, and its State taken in, only once every page stream
+/// has reached its mark; after the State's marks the page streams' threads end.
+fn receive_memory_on_page_streams<S: Read + Write, P: Read + Send>(
+    conv: &mut Conversation<'_, S>,
+    page_streams: &mut [P],
+    shell: &RestoreShell,
+    layout: &[RegionLayout],
+) -> Result<Vec<u8>, MigrationError> {
+    use std::sync::mpsc::channel;
+    let count = page_streams.len();
+    let memory = shell.memory();
+    std::thread::scope(|scope| {
+        let (marked, marks) = channel::<Result<(), MigrationError>>();
+        let mut go_on = Vec::with_capacity(count);
+        for (index, stream) in page_streams.iter_mut().enumerate() {
+            let (go, going) = channel::<()>();
+            go_on.push(go);
+            let marked = marked.clone();
+            scope.spawn(move || {
+                let mut read = || -> Result<(), MigrationError> {
+                    let mut scratch = Vec::new();
+                    loop {
+                        let header = wire::read_frame_header(stream)?;
+                        match header.kind {
+                            Kind::Pages => {
+                                header.read_pages(stream, memory, layout, Some((index, count)))?
+                            }
+                            Kind::Sync => {
+                                header.read_payload(stream, &mut scratch)?;
+                                let _ = marked.send(Ok(()));
+                                // Told to go on after a Sync; after the State, dropped.
+                                if going.recv().is_err() {
+                                    return Ok(());
+                                }
+                            }
+                            got => {
+                                return Err(WireError::Unexpected {
+                                    expected: "Pages or Sync on a page stream".into(),
+                                    got,
+                                }
+                                .into())
+                            }
+                        }
+                    }
+                };
+                if let Err(e) = read() {
+                    let _ = marked.send(Err(e));
+                }
+            });
+        }
+        drop(marked);
+        let all_marked = || -> Result<(), MigrationError> {
+            for _ in 0..count {
+                marks
+                    .recv()
+                    .map_err(|_| WireError::Malformed("page stream (ended early)"))??;
+            }
+            Ok(())
+        };
+        let mut frame = Vec::new();
+        let received = loop {
+            match conv.receive_into_memory(&mut frame, memory, layout, count) {
+                Ok((Kind::Sync, _)) => {
+                    let answered = all_marked().and_then(|()| {
+                        go_on.iter().for_each(|g| {
+                            let _ = g.send(());
+                        });
+                        conv.say(Kind::Synced, &[])
+                    });
+                    if let Err(e) = answered {
+                        break Err(e);
+                    }
+                }
+                Ok((Kind::State, len)) => {
+                    break all_marked().map(|()| {
+                        frame.truncate(len);
+                        frame
+                    })
+                }
+                Ok(_) => {}
+                Err(e) => break Err(e),
+            }
+        };
+        // Page streams' threads waiting at a mark end now; one still reading ends when the
+        // source closes its stream.
+        drop(go_on);
+        received
+    })
 }
 
 /// Go, then the disks locked, then the guest resumed, then Running. The source measures its

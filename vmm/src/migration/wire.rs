@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use crate::memory::{RegionLayout, PAGE_SIZE};
 
 pub const MAGIC: [u8; 8] = *b"MVRTMIGR";
-/// 2: every frame checksummed; the target confirms with Running after Go.
-pub const PROTOCOL: u32 = 2;
+/// 2: every frame checksummed; the target confirms with Running after Go. 3: the Hello names
+/// the page streams, on which pages travel beside the conversation.
+pub const PROTOCOL: u32 = 3;
 /// No frame is larger: a Pages frame carries at most `MAX_RUN_PAGES` pages plus run headers.
 pub const MAX_FRAME: u32 = 16 << 20;
 /// Pages per run the sender writes (a run never crosses a region).
@@ -52,6 +53,8 @@ pub struct Hello {
     pub vcpus: u8,
     pub memory_mib: u64,
     pub memory: Vec<RegionLayout>,
+    /// Streams beside this one that carry the pages (none: pages travel on this one).
+    pub page_streams: u8,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +76,8 @@ pub enum WireError {
     OutOfRange { gpa: u64, pages: u32 },
     #[error("{0:?} frame fails its checksum (corrupted on the way)")]
     Checksum(Kind),
+    #[error("page run at {gpa:#x} on page stream {index}, which does not carry it")]
+    WrongStream { gpa: u64, index: usize },
     #[error("malformed {0} frame")]
     Malformed(&'static str),
 }
@@ -80,6 +85,30 @@ pub enum WireError {
 pub fn write_header(w: &mut impl Write) -> std::io::Result<()> {
     w.write_all(&MAGIC)?;
     w.write_all(&PROTOCOL.to_le_bytes())
+}
+
+/// Pages per chunk of guest-physical memory: with page streams, every page of one chunk travels
+/// on the same stream (`page_stream_of`), so a page sent again in a later pass can never
+/// overtake its older copy on another stream, and two streams never write the same page.
+pub const CHUNK_BYTES: u64 = MAX_RUN_PAGES as u64 * PAGE_SIZE;
+
+/// Which of `count` page streams carries the page at `gpa`.
+pub fn page_stream_of(gpa: u64, count: usize) -> usize {
+    ((gpa / CHUNK_BYTES) % count as u64) as usize
+}
+
+/// A page stream starts with the stream header and its index among the page streams.
+pub fn write_page_stream_header(w: &mut impl Write, index: u8) -> std::io::Result<()> {
+    write_header(w)?;
+    w.write_all(&[index])
+}
+
+/// Reads a page stream's header; returns its index.
+pub fn read_page_stream_header(r: &mut impl Read) -> Result<u8, WireError> {
+    read_header(r)?;
+    let mut i = [0u8];
+    r.read_exact(&mut i)?;
+    Ok(i[0])
 }
 
 pub fn read_header(r: &mut impl Read) -> Result<(), WireError> {
@@ -164,11 +193,15 @@ impl FrameHeader {
     /// landed in RAM when it is refused. That RAM is the target's, which no vCPU runs yet, and
     /// a refused frame fails the migration, which discards the target: corrupted bytes never
     /// run.
+    ///
+    /// `stream`, for page stream `index` of `count`: every run must lie in one chunk that
+    /// stream carries (`page_stream_of`), so no two streams' threads ever write the same bytes.
     pub fn read_pages(
         &self,
         r: &mut impl Read,
         memory: &crate::memory::GuestMemory,
         layout: &[RegionLayout],
+        stream: Option<(usize, usize)>,
     ) -> Result<(), WireError> {
         use vm_memory::{GuestAddress, GuestMemoryBackend};
         let mut crc = crc32fast::Hasher::new();
@@ -185,6 +218,12 @@ impl FrameHeader {
             let gpa = u64::from_le_bytes(run[..8].try_into().unwrap());
             let pages = u32::from_le_bytes(run[8..].try_into().unwrap());
             let len = run_len(gpa, pages, layout)?;
+            if let Some((index, count)) = stream {
+                let last = gpa + len as u64 - 1;
+                if gpa / CHUNK_BYTES != last / CHUNK_BYTES || page_stream_of(gpa, count) != index {
+                    return Err(WireError::WrongStream { gpa, index });
+                }
+            }
             if len > left {
                 return Err(WireError::Malformed("Pages"));
             }
@@ -193,8 +232,10 @@ impl FrameHeader {
                 .map_err(|_| WireError::OutOfRange { gpa, pages })?;
             let guard = slice.ptr_guard_mut();
             // SAFETY: `get_slice` checked that `len` bytes at `gpa` are mapped guest RAM, which
-            // lives as long as `memory`. Nothing else reads or writes the target's RAM while it
-            // takes in the stream: its vCPUs have not run and its devices are not started.
+            // lives as long as `memory`. Nothing else reads or writes these bytes while the
+            // target takes in the stream: its vCPUs have not run, its devices are not started,
+            // and with page streams each stream's thread writes only the chunks it carries
+            // (checked above), the conversation's none.
             let dst = unsafe { std::slice::from_raw_parts_mut(guard.as_ptr(), len) };
             populate(dst);
             r.read_exact(dst)?;
@@ -337,7 +378,7 @@ mod tests {
         let r = &mut &bytes[..];
         let header = read_frame_header(r)?;
         match header.kind {
-            Kind::Pages => header.read_pages(r, mem, &layout())?,
+            Kind::Pages => header.read_pages(r, mem, &layout(), None)?,
             _ => header.read_payload(r, &mut Vec::new())?,
         }
         Ok(header.kind)
