@@ -84,11 +84,7 @@ fn receive_machine<S: Read + Write, P: Read + Send>(
             );
         }
     }
-    let state = if page_streams.is_empty() {
-        receive_memory(&mut conv, &shell, &layout)?
-    } else {
-        receive_memory_on_page_streams(&mut conv, page_streams, &shell, &layout)?
-    };
+    let state = receive_memory(&mut conv, page_streams, &shell, &layout)?;
     *phase = Phase::StopAndCopy;
     let state = persist::decode(&state, std::path::Path::new("<migration stream>"))
         .map_err(|e| MigrationError::TargetFailed(e.to_string()))?;
@@ -144,30 +140,12 @@ fn prepare<S: Read + Write>(
 }
 
 /// Pages into guest memory (each run checked to lie inside RAM), Syncs answered, until the
-/// machine state arrives; returns it.
-fn receive_memory<S: Read + Write>(
-    conv: &mut Conversation<'_, S>,
-    shell: &RestoreShell,
-    layout: &[RegionLayout],
-) -> Result<Vec<u8>, MigrationError> {
-    let mut frame = Vec::new();
-    loop {
-        match conv.receive_into_memory(&mut frame, shell.memory(), layout, 0)? {
-            (Kind::Pages, _) => {}
-            (Kind::Sync, _) => conv.say(Kind::Synced, &[])?,
-            (_, len) => {
-                frame.truncate(len);
-                return Ok(frame);
-            }
-        }
-    }
-}
-
-/// As `receive_memory`, the pages arriving on `page_streams`, each read by a thread of its own
-/// straight into guest memory. A Sync on a page stream marks that everything before it is in:
-/// the conversation's Sync is answered, and its State taken in, only once every page stream
-/// has reached its mark; after the State's marks the page streams' threads end.
-fn receive_memory_on_page_streams<S: Read + Write, P: Read + Send>(
+/// machine state arrives; returns it. With `page_streams` the pages arrive there, each read by
+/// a thread of its own straight into guest memory; a Sync on a page stream marks that
+/// everything before it is in: the conversation's Sync is answered, and its State taken in,
+/// only once every page stream has reached its mark, and after the State's marks the page
+/// streams' threads end. Without, the pages come on the conversation and no thread is started.
+fn receive_memory<S: Read + Write, P: Read + Send>(
     conv: &mut Conversation<'_, S>,
     page_streams: &mut [P],
     shell: &RestoreShell,
