@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use tests::PacketSocket;
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 use vmm::devices::virtio::net::{MacAddr, Net, Tap, VNET_HDR_LEN};
 use vmm::devices::virtio::{VirtioDevice, VirtioInterrupt, INT_USED_RING};
@@ -127,6 +127,32 @@ impl Rig {
         (a, b)
     }
 
+    /// Activates with empty queues laid out by hand at RXQ and TXQ, for a driver that keeps
+    /// adding chains: virtio-queue's MockSplitQueue places the used ring right after the
+    /// available ring's first `size` bytes (not `4 + 2 * size + 2`), so past a few entries
+    /// its rings overlap. Returns the tx queue's descriptor table and available ring.
+    fn activate_open_rings(&mut self) -> (GuestAddress, GuestAddress) {
+        let ring = |base: u64| {
+            let (desc, avail, used) = (base, base + 0x1000, base + 0x2000);
+            for a in [avail, used] {
+                self.mem.write_slice(&[0u8; 4], GuestAddress(a)).unwrap();
+            }
+            let mut q = Queue::new(256).unwrap();
+            q.set_size(256);
+            q.set_desc_table_address(Some(desc as u32), Some(0));
+            q.set_avail_ring_address(Some(avail as u32), Some(0));
+            q.set_used_ring_address(Some(used as u32), Some(0));
+            q.set_ready(true);
+            (q, GuestAddress(used))
+        };
+        let ((rxq, rx_used), (txq, tx_used)) = (ring(RXQ), ring(TXQ));
+        self.used = [rx_used, tx_used];
+        self.net
+            .activate(self.mem.clone(), vec![rxq, txq], self.interrupt.clone())
+            .unwrap();
+        (GuestAddress(TXQ), GuestAddress(TXQ + 0x1000))
+    }
+
     fn used_idx(&self, ring_base: u64) -> u16 {
         let used = self.used[(ring_base == TXQ) as usize];
         self.mem.read_obj(used.unchecked_add(2)).unwrap()
@@ -185,6 +211,110 @@ fn tx_batches_chains_to_the_tap_and_interrupts_once() {
         assert_eq!(r.used_idx(TXQ), 3);
         assert_eq!(r.irq.read().unwrap(), 1, "one interrupt for the batch");
         assert_eq!(r.net.counters.tx_frames, 3);
+    });
+}
+
+/// A guest driver streaming frames on its own thread, kicking only when the used ring does
+/// not say VRING_USED_F_NO_NOTIFY (as Linux does without event indices). The device is run
+/// only on kicks, so a kick the driver skipped while the device was about to stop would leave
+/// frames on the ring for good: every frame must still reach the used ring.
+#[test]
+fn tx_notifications_are_off_while_draining_and_no_frame_waits_for_a_lost_kick() {
+    with_tap(|| {
+        const FRAMES: u16 = 3000;
+        let mut r = rig();
+        let (desc_table, avail) = r.activate_open_rings();
+        let (mem, used) = (r.mem.clone(), r.used[1]);
+        let frame = eth(60, b"ST");
+        for b in 0..8u64 {
+            let at = 0x30_0000 + b * 0x1000;
+            mem.write_slice(&[0u8; VNET_HDR_LEN], GuestAddress(at))
+                .unwrap();
+            mem.write_slice(&frame, GuestAddress(at + 0x100)).unwrap();
+        }
+        let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let driver_kick = kick.try_clone().unwrap();
+        let driver = std::thread::spawn(move || {
+            let (mut kicks, mut suppressed) = (0u32, 0u32);
+            // Spins until `n` chains are used; false after 10 s (the device loop fails first).
+            let used_reaches = |n: u16| {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while mem.read_obj::<u16>(used.unchecked_add(2)).unwrap() < n {
+                    if std::time::Instant::now() > deadline {
+                        return false;
+                    }
+                    std::hint::spin_loop();
+                }
+                true
+            };
+            let mut burst_end = 0u16;
+            for n in 0..FRAMES {
+                // At most 128 two-descriptor chains in flight on the 256-entry ring.
+                if !used_reaches(n.saturating_sub(127)) {
+                    break;
+                }
+                // Bursts of 1 to 7 frames, each waited for: every burst's last frame is a
+                // chance for the device to stop without it.
+                if n == burst_end {
+                    if !used_reaches(n) {
+                        break;
+                    }
+                    burst_end = n + 1 + n % 7;
+                }
+                let at = 0x30_0000 + (n as u64 % 8) * 0x1000;
+                let d = (n % 128) * 2;
+                for (i, raw) in [
+                    Descriptor::new(at, VNET_HDR_LEN as u32, F_NEXT, d + 1),
+                    Descriptor::new(at + 0x100, frame.len() as u32, 0, 0),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let slot = desc_table.unchecked_add((d as u64 + i as u64) * 16);
+                    mem.write_obj(RawDescriptor::from(raw), slot).unwrap();
+                }
+                mem.write_obj(d, avail.unchecked_add(4 + 2 * (n as u64 % 256)))
+                    .unwrap();
+                std::sync::atomic::fence(Ordering::Release);
+                mem.write_obj(n.wrapping_add(1), avail.unchecked_add(2))
+                    .unwrap();
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if mem.read_obj::<u16>(used).unwrap() & 1 == 0 {
+                    driver_kick.write(1).unwrap();
+                    kicks += 1;
+                } else {
+                    suppressed += 1;
+                }
+            }
+            (kicks, suppressed)
+        });
+        while r.used_idx(TXQ) != FRAMES {
+            let mut pfd = libc::pollfd {
+                fd: kick.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd for the call.
+            let ready = unsafe { libc::poll(&mut pfd, 1, 5000) };
+            assert!(
+                ready == 1,
+                "no kick for 5 s with {} of {FRAMES} frames used ({:?}): a kick was lost",
+                r.used_idx(TXQ),
+                r.net.counters,
+            );
+            let _ = kick.read();
+            r.net.process_tx();
+        }
+        let (kicks, suppressed) = driver.join().unwrap();
+        assert_eq!(r.net.counters.tx_frames, FRAMES as u64);
+        assert_eq!(r.net.counters.tx_errors, 0);
+        let flags: u16 = r.mem.read_obj(r.used[1]).unwrap();
+        assert_eq!(
+            flags & 1,
+            0,
+            "notifications are back on once the ring is drained"
+        );
+        eprintln!("{kicks} kicks, {suppressed} frames published without one");
     });
 }
 

@@ -273,11 +273,44 @@ impl Net {
         RxOutcome::Delivered
     }
 
-    /// Sends every available transmit chain to the TAP, then interrupts once.
+    /// Sends every available transmit chain to the TAP, then interrupts once. While it drains
+    /// the ring the driver is told not to kick (VRING_USED_F_NO_NOTIFY): a guest that keeps
+    /// adding frames then costs no exit per frame. Notifications are switched back on before
+    /// it stops, and chains that arrived in between are sent, so none waits for a kick that
+    /// the driver did not send.
     pub fn process_tx(&mut self) {
-        let Some(active) = self.active.as_mut() else {
-            return;
-        };
+        let mut completed = false;
+        loop {
+            let Some(active) = self.active.as_mut() else {
+                return;
+            };
+            if active.tx.disable_notification(&active.mem).is_err() {
+                active.interrupt.device_needs_reset();
+                return;
+            }
+            match self.transmit_available() {
+                Ok(sent) => completed |= sent,
+                Err(Broken) => return,
+            }
+            let active = self.active.as_mut().unwrap();
+            match active.tx.enable_notification(&active.mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(_) => {
+                    active.interrupt.device_needs_reset();
+                    return;
+                }
+            }
+        }
+        let active = self.active.as_mut().unwrap();
+        if completed && active.tx.needs_notification(&active.mem).unwrap_or(true) {
+            active.interrupt.signal(INT_USED_RING);
+        }
+    }
+
+    /// Writes each available transmit chain to the TAP and marks it used; whether any was.
+    fn transmit_available(&mut self) -> Result<bool, Broken> {
+        let active = self.active.as_mut().ok_or(Broken)?;
         let mut completed = false;
         // Emptied after every writev, so no guest pointer outlives its slice guard.
         let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(8);
@@ -287,7 +320,7 @@ impl Net {
                 Err(e) => {
                     tracing::warn!(nic = %self.id, "virtio-net: broken tx ring ({e}); device needs reset");
                     active.interrupt.device_needs_reset();
-                    return;
+                    return Err(Broken);
                 }
             };
             let Some(chain) = chain else { break };
@@ -334,13 +367,11 @@ impl Net {
             }
             if active.tx.add_used(&active.mem, head, 0).is_err() {
                 active.interrupt.device_needs_reset();
-                return;
+                return Err(Broken);
             }
             completed = true;
         }
-        if completed && active.tx.needs_notification(&active.mem).unwrap_or(true) {
-            active.interrupt.signal(INT_USED_RING);
-        }
+        Ok(completed)
     }
 
     fn tap_offload_flags(&self) -> u32 {
@@ -358,6 +389,9 @@ impl Net {
         flags
     }
 }
+
+/// The ring cannot be walked: the device has asked for a reset.
+struct Broken;
 
 enum RxOutcome {
     Delivered,
