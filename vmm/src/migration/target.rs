@@ -77,13 +77,7 @@ fn receive_machine<S: Read + Write, P: Read + Send>(
     };
     conv.say(Kind::Ready, &[])?;
     *phase = Phase::Precopy;
-    for (i, p) in page_streams.iter_mut().enumerate() {
-        if wire::read_page_stream_header(p)? as usize != i {
-            return Err(
-                WireError::Malformed("page stream header (not in the Hello's order)").into(),
-            );
-        }
-    }
+    put_in_header_order(page_streams)?;
     let state = receive_memory(&mut conv, page_streams, &shell, &layout)?;
     *phase = Phase::StopAndCopy;
     let state = persist::decode(&state, std::path::Path::new("<migration stream>"))
@@ -145,6 +139,35 @@ fn prepare<S: Read + Write>(
 /// everything before it is in: the conversation's Sync is answered, and its State taken in,
 /// only once every page stream has reached its mark, and after the State's marks the page
 /// streams' threads end. Without, the pages come on the conversation and no thread is started.
+/// Reads every page stream's opening index and reorders the streams by it: links that
+/// crossed proxies or finished their handshakes in another order than they were opened
+/// still each carry their own chunks. Every index must appear once and be below the
+/// Hello's count.
+fn put_in_header_order<P: Read>(page_streams: &mut [P]) -> Result<(), MigrationError> {
+    let n = page_streams.len();
+    let mut index_at = Vec::with_capacity(n);
+    let mut seen = vec![false; n];
+    for p in page_streams.iter_mut() {
+        let index = wire::read_page_stream_header(p)? as usize;
+        if index >= n || std::mem::replace(&mut seen[index], true) {
+            return Err(WireError::Malformed(
+                "page stream header (an index twice, or past the Hello's count)",
+            )
+            .into());
+        }
+        index_at.push(index);
+    }
+    // Each swap puts one stream at its place for good.
+    for i in 0..n {
+        while index_at[i] != i {
+            let j = index_at[i];
+            page_streams.swap(i, j);
+            index_at.swap(i, j);
+        }
+    }
+    Ok(())
+}
+
 fn receive_memory<S: Read + Write, P: Read + Send>(
     conv: &mut Conversation<'_, S>,
     page_streams: &mut [P],
@@ -250,4 +273,41 @@ fn take_over<S: Read + Write>(
         tracing::warn!("the guest runs here but the source may not know (it stays paused): {e}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opened(index: u8) -> std::io::Cursor<Vec<u8>> {
+        let mut s = Vec::new();
+        wire::write_page_stream_header(&mut s, index).unwrap();
+        s.push(100 + index);
+        std::io::Cursor::new(s)
+    }
+
+    fn next_byte(s: &mut std::io::Cursor<Vec<u8>>) -> u8 {
+        let mut b = [0u8];
+        s.read_exact(&mut b).unwrap();
+        b[0]
+    }
+
+    #[test]
+    fn page_streams_are_put_in_the_order_their_headers_give() {
+        for order in [[0u8, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [2, 0, 3, 1]] {
+            let mut streams: Vec<_> = order.iter().map(|&i| opened(i)).collect();
+            put_in_header_order(&mut streams).unwrap();
+            let got: Vec<u8> = streams.iter_mut().map(next_byte).collect();
+            assert_eq!(got, [100, 101, 102, 103], "opened in the order {order:?}");
+        }
+    }
+
+    #[test]
+    fn a_page_stream_index_twice_or_past_the_count_is_refused() {
+        for order in [vec![0u8, 0], vec![0, 2], vec![5]] {
+            let mut streams: Vec<_> = order.iter().map(|&i| opened(i)).collect();
+            let e = put_in_header_order(&mut streams).unwrap_err().to_string();
+            assert!(e.contains("an index twice, or past"), "{order:?}: {e}");
+        }
+    }
 }
