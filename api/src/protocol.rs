@@ -15,7 +15,10 @@
 //! `tcp:HOST:PORT` (or plain `HOST:PORT`) and `unix:PATH`. 4 adds `AttachNetwork`: the
 //! message carries open file descriptors (SCM_RIGHTS) — each NIC's TAP and the socket its DHCP
 //! server answers on — which virt-handler made in the Pod's network namespace, so the launcher
-//! needs no NET_ADMIN. 5 adds `SoftReboot`: the guest is asked to reboot (Ctrl-Alt-Del, the
+//! needs no NET_ADMIN. Page streams (`pageStreams` on `PrepareMigrationTarget` and in
+//! `MigrateOut`'s options) need no new version: a source and target that disagree on the
+//! count refuse the migration with the reason in the stream's Hello, before any memory moves,
+//! and the VM stays on the source. 5 adds `SoftReboot`: the guest is asked to reboot (Ctrl-Alt-Del, the
 //! signal Linux's init turns into a clean reboot) and its reset restarts it in the same
 //! launcher, as a guest-initiated reboot does since this version; the status counts reboots. A
 //! launcher speaks every version from `MIN_PROTOCOL_VERSION` to `PROTOCOL_VERSION` and answers
@@ -94,6 +97,10 @@ pub enum Request {
         /// Mutual TLS for the migration stream; None: plain TCP (KubeVirt's `disableTLS`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tls: Option<MigrationTls>,
+        /// How many page streams the source opens beside the conversation (its
+        /// `MigrationOptions::page_streams`); the target takes that many more connections.
+        #[serde(rename = "pageStreams", default, skip_serializing_if = "is_zero")]
+        page_streams: u8,
     },
     /// Live-migrate the running VM to the target listening at `target`. Since version 3.
     MigrateOut {
@@ -251,6 +258,49 @@ pub struct MigrationOptions {
     /// Throttle the vCPUs while the guest dirties memory faster than it is sent.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_auto_converge: bool,
+    /// Connections that carry guest pages beside the conversation, each sent and received by
+    /// a thread of its own (KubeVirt's multifd channels: 8, none for a VMI with CPU limits or
+    /// dedicated CPUs); 0: the conversation carries them. The target must have been prepared
+    /// with the same count. At most `MAX_PAGE_STREAMS`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub page_streams: u8,
+}
+
+/// The most page streams one migration opens.
+pub const MAX_PAGE_STREAMS: u8 = 32;
+
+/// KubeVirt's multifd channel count (`parallelMultifdMigrationThreads`).
+pub const DEFAULT_PAGE_STREAMS: u8 = 8;
+
+/// The page streams a VMI migrates with, as KubeVirt picks its multifd channels: 8, or none
+/// for a VMI with a CPU limit or dedicated CPUs, whose sending threads would only take CPU
+/// time from its vCPUs. Both nodes' agents derive it from the same VMI, so they agree.
+pub fn page_streams_for(vmi: &VirtualMachineInstance) -> u8 {
+    let domain = &vmi.spec.domain;
+    let cpu_limit = domain
+        .resources
+        .as_ref()
+        .is_some_and(|r| r.limits.contains_key("cpu"));
+    let dedicated = domain.cpu.as_ref().and_then(|c| c.dedicated_cpu_placement) == Some(true);
+    if cpu_limit || dedicated {
+        0
+    } else {
+        DEFAULT_PAGE_STREAMS
+    }
+}
+
+fn is_zero(n: &u8) -> bool {
+    *n == 0
+}
+
+/// Refuses a page-stream count above `MAX_PAGE_STREAMS`, naming the field.
+pub fn validate_page_streams(n: u8) -> Result<(), String> {
+    if n > MAX_PAGE_STREAMS {
+        return Err(format!(
+            "pageStreams: {n} is more than the {MAX_PAGE_STREAMS} a migration may open"
+        ));
+    }
+    Ok(())
 }
 
 impl MigrationOptions {
@@ -268,7 +318,7 @@ impl MigrationOptions {
         if self.max_downtime_ms == Some(0) {
             return Err("maxDowntimeMs: must be at least 1 ms".into());
         }
-        Ok(())
+        validate_page_streams(self.page_streams)
     }
 }
 
@@ -447,6 +497,60 @@ pub enum Event {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn vmi(domain: serde_json::Value) -> VirtualMachineInstance {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstance",
+            "metadata": {"name": "v"},
+            "spec": {"domain": domain},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn page_streams_follow_kubevirts_multifd_choice() {
+        let devices = serde_json::json!({});
+        assert_eq!(
+            page_streams_for(&vmi(serde_json::json!({"devices": devices}))),
+            8
+        );
+        let limited = vmi(serde_json::json!({
+            "devices": devices,
+            "resources": {"limits": {"cpu": "2"}},
+        }));
+        assert_eq!(page_streams_for(&limited), 0, "a CPU limit");
+        let memory_only = vmi(serde_json::json!({
+            "devices": devices,
+            "resources": {"limits": {"memory": "1Gi"}},
+        }));
+        assert_eq!(page_streams_for(&memory_only), 8, "a memory limit only");
+        let dedicated = vmi(serde_json::json!({
+            "devices": devices,
+            "cpu": {"dedicatedCpuPlacement": true},
+        }));
+        assert_eq!(page_streams_for(&dedicated), 0, "dedicated CPUs");
+    }
+
+    #[test]
+    fn page_streams_are_named_on_the_wire_and_bounded() {
+        let o = MigrationOptions {
+            page_streams: 8,
+            ..Default::default()
+        };
+        assert_eq!(serde_json::to_string(&o).unwrap(), r#"{"pageStreams":8}"#);
+        assert_eq!(
+            serde_json::to_string(&MigrationOptions::default()).unwrap(),
+            "{}",
+            "none: the field is left out, as an older launcher sends it"
+        );
+        let too_many = MigrationOptions {
+            page_streams: MAX_PAGE_STREAMS + 1,
+            ..Default::default()
+        };
+        let e = too_many.validate().unwrap_err();
+        assert!(e.starts_with("pageStreams: 33"), "{e}");
+    }
 
     #[test]
     fn wire_format_is_tagged_json() {

@@ -22,8 +22,9 @@ use kube::{Api, ResourceExt};
 use crate::context::{Context, Error};
 use crate::launcher::{socket_path, LauncherClient};
 
-/// The launcher's options from the hand-off's migration configuration (KubeVirt's fields).
-pub fn options(ms: &MigrationState) -> MigrationOptions {
+/// The launcher's options from the hand-off's migration configuration (KubeVirt's fields),
+/// with the page streams KubeVirt would give `vmi` (`api::protocol::page_streams_for`).
+pub fn options(ms: &MigrationState, vmi: &VirtualMachineInstance) -> MigrationOptions {
     let c = ms.migration_configuration.clone().unwrap_or_default();
     MigrationOptions {
         bandwidth_bytes_per_second: c
@@ -34,6 +35,7 @@ pub fn options(ms: &MigrationState) -> MigrationOptions {
         max_downtime_ms: c.max_downtime_ms.map(|m| m.max(1) as u64),
         progress_timeout_seconds: c.progress_timeout.map(|s| s.max(1) as u64),
         allow_auto_converge: c.allow_auto_converge.unwrap_or(false),
+        page_streams: api::protocol::page_streams_for(vmi),
     }
 }
 
@@ -173,11 +175,13 @@ async fn prepare_target(
     }
     // The launcher receives on a socket in its own Pod; this handler listens on the
     // node for the source node's handler and carries the stream to it.
+    let page_streams = api::protocol::page_streams_for(vmi);
     let listening = l
         .call(&Request::PrepareMigrationTarget {
             vmi: Box::new((**vmi).clone()),
             listen: format!("unix:{MIGRATION_IN_SOCKET}"),
             tls: None,
+            page_streams,
         })
         .await?;
     match listening {
@@ -196,6 +200,7 @@ async fn prepare_target(
         ctx.node_tls()
             .map_err(crate::launcher::LauncherError::Refused)?,
         source_node,
+        1 + page_streams as usize,
         ctx.config.pods_dir.clone(),
         socket.with_file_name(MIGRATION_IN_SOCKET),
         TARGET_WAIT,
@@ -259,7 +264,7 @@ pub async fn source_leg(
     })
     .await?;
     let socket = socket.to_path_buf();
-    let opts = options(&ms);
+    let opts = options(&ms, vmi);
     let target_node = ms.target_node.clone().unwrap_or_default();
     let ctx = ctx.clone();
     let ns = vmi.namespace().unwrap_or_default();
@@ -315,6 +320,7 @@ async fn migrate_out(
 ) -> Result<(), String> {
     let pods_dir = ctx.config.pods_dir.clone();
     let tls = ctx.node_tls()?;
+    let links = 1 + options.page_streams as usize;
     // Rounds can take long on large guests: the launcher's own completion timeout bounds it.
     let mut l = LauncherClient::connect_beneath(&pods_dir, socket, Duration::from_secs(3600))
         .await
@@ -333,6 +339,7 @@ async fn migrate_out(
             tls,
             &address,
             &target_node,
+            links,
             &pods_dir,
             &out_socket,
             crate::migration_proxy::HANDSHAKE_DEADLINE * 6,

@@ -109,14 +109,37 @@ where
         .map_err(|e| e.to_string())
 }
 
+/// Waits for every pipe of one migration; the bytes carried each way, summed, or the first
+/// pipe's error.
+async fn join_pipes(
+    pipes: Vec<tokio::task::JoinHandle<Result<(u64, u64), String>>>,
+) -> Result<(u64, u64), String> {
+    let mut carried = (0, 0);
+    let mut first_error = None;
+    for p in pipes {
+        match p.await.map_err(|e| e.to_string()).and_then(|r| r) {
+            Ok((a, b)) => carried = (carried.0 + a, carried.1 + b),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    first_error.map_or(Ok(carried), Err)
+}
+
 /// The target side: listens on `ip` (port chosen by the kernel) and returns the address to
-/// publish; then, in the background, takes the first connection that authenticates as
-/// `source_node` (or, without TLS, the first connection) within `deadline` and pipes it to the
-/// target launcher's socket `socket` below `pods_dir`. `done` gets the outcome.
+/// publish; then, in the background, takes `links` connections that authenticate as
+/// `source_node` (or, without TLS, the first `links` connections) within `deadline` — the
+/// conversation and its page streams — and pipes each to a connection of its own to the
+/// target launcher's socket `socket` below `pods_dir`, in the order they authenticated (the
+/// target launcher puts page streams in order by their own headers). `done` gets the
+/// outcome once every pipe has ended.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve_target(
     ip: IpAddr,
     tls: Option<NodeTls>,
     source_node: String,
+    links: usize,
     pods_dir: PathBuf,
     socket: PathBuf,
     deadline: Duration,
@@ -129,16 +152,23 @@ pub async fn serve_target(
     let address = listener.local_addr().map_err(|e| e.to_string())?;
     tokio::spawn(async move {
         // Handshakes run side by side: a peer that trickles its handshake delays nobody else.
-        let (won, mut winner) = tokio::sync::mpsc::channel::<Box<dyn Stream>>(1);
+        let (won, mut winner) = tokio::sync::mpsc::channel::<Box<dyn Stream>>(links.max(1));
+        let mut pipes = Vec::with_capacity(links);
         let accepted = tokio::time::timeout(deadline, async {
-            loop {
+            while pipes.len() < links {
                 tokio::select! {
-                    Some(s) = winner.recv() => return Ok::<_, String>(s),
+                    Some(remote) = winner.recv() => {
+                        let local = connect_launcher(&pods_dir, &socket, HANDSHAKE_DEADLINE)
+                            .await
+                            .map_err(|e| format!("the target launcher's migration socket: {e}"))?;
+                        pipes.push(tokio::spawn(pipe(remote, local)));
+                    }
                     a = listener.accept() => {
                         let (tcp, peer) = a.map_err(|e| e.to_string())?;
                         let _ = tcp.set_nodelay(true);
                         let Some(tls) = &tls else {
-                            return Ok(Box::new(tcp) as Box<dyn Stream>);
+                            let _ = won.try_send(Box::new(tcp));
+                            continue;
                         };
                         let acceptor = tokio_rustls::TlsAcceptor::from(tls.server.clone());
                         let (won, expected, source_node) = (won.clone(), expected.clone(), source_node.clone());
@@ -156,59 +186,82 @@ pub async fn serve_target(
                     }
                 }
             }
+            Ok::<_, String>(())
         })
         .await
         .unwrap_or_else(|_| {
             Err(format!(
-                "no source authenticated as {source_node:?} within {deadline:?}"
+                "no source authenticated as {source_node:?} within {deadline:?} ({} of {links} links)",
+                pipes.len()
             ))
         });
         drop(listener);
         let outcome = match accepted {
-            Ok(remote) => match connect_launcher(&pods_dir, &socket, HANDSHAKE_DEADLINE).await {
-                Ok(local) => pipe(remote, local).await,
-                Err(e) => Err(format!("the target launcher's migration socket: {e}")),
-            },
-            Err(e) => Err(e),
+            Ok(()) => join_pipes(pipes).await,
+            Err(e) => {
+                for p in pipes {
+                    p.abort();
+                }
+                Err(e)
+            }
         };
         done(outcome);
     });
     Ok(address)
 }
 
-/// The source side: takes the stream the source launcher offers on `socket` (below
-/// `pods_dir`) and carries it to the target node's handler at `target`, whose certificate
-/// must be `target_node`'s.
+/// The source side: takes the `links` streams the source launcher offers on `socket` (below
+/// `pods_dir`) — the conversation, then its page streams — and carries each, one after the
+/// other, to the target node's handler at `target`, whose certificate must be
+/// `target_node`'s.
 pub async fn carry_source(
     tls: Option<NodeTls>,
     target: &str,
     target_node: &str,
+    links: usize,
     pods_dir: &Path,
     socket: &Path,
     within: Duration,
 ) -> Result<(u64, u64), String> {
     let name = node_name(target_node)?;
-    let local = connect_launcher(pods_dir, socket, within).await?;
-    let tcp = tokio::time::timeout(HANDSHAKE_DEADLINE, TcpStream::connect(target))
-        .await
-        .map_err(|_| format!("the target node's handler at {target} did not answer"))?
-        .map_err(|e| format!("cannot reach the target node's handler at {target}: {e}"))?;
-    let _ = tcp.set_nodelay(true);
-    match tls {
-        None => pipe(local, tcp).await,
-        Some(tls) => {
-            let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
-            let remote = tokio::time::timeout(HANDSHAKE_DEADLINE, connector.connect(name, tcp))
+    let mut pipes = Vec::with_capacity(links);
+    let opened = async {
+        for _ in 0..links {
+            let local = connect_launcher(pods_dir, socket, within).await?;
+            let tcp = tokio::time::timeout(HANDSHAKE_DEADLINE, TcpStream::connect(target))
                 .await
-                .map_err(|_| {
-                    format!("no TLS handshake with {target} within {HANDSHAKE_DEADLINE:?}")
-                })?
-                .map_err(|e| {
-                    format!("TLS with the target node {target_node:?} at {target}: {e}")
-                })?;
-            pipe(local, remote).await
+                .map_err(|_| format!("the target node's handler at {target} did not answer"))?
+                .map_err(|e| format!("cannot reach the target node's handler at {target}: {e}"))?;
+            let _ = tcp.set_nodelay(true);
+            match &tls {
+                None => pipes.push(tokio::spawn(pipe(local, tcp))),
+                Some(tls) => {
+                    let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
+                    let remote = tokio::time::timeout(
+                        HANDSHAKE_DEADLINE,
+                        connector.connect(name.clone(), tcp),
+                    )
+                    .await
+                    .map_err(|_| {
+                        format!("no TLS handshake with {target} within {HANDSHAKE_DEADLINE:?}")
+                    })?
+                    .map_err(|e| {
+                        format!("TLS with the target node {target_node:?} at {target}: {e}")
+                    })?;
+                    pipes.push(tokio::spawn(pipe(local, remote)));
+                }
+            }
         }
+        Ok::<_, String>(())
     }
+    .await;
+    if let Err(e) = opened {
+        for p in pipes {
+            p.abort();
+        }
+        return Err(e);
+    }
+    join_pipes(pipes).await
 }
 
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -233,6 +286,7 @@ mod tests {
             "127.0.0.1".parse().unwrap(),
             Some(tls(1)),
             "node-1".into(),
+            1,
             base.clone(),
             base.join("migration-in.sock"),
             deadline,

@@ -17,7 +17,15 @@ pub enum Start {
     Boot,
     Restore(vmm::SnapshotPaths),
     /// Live migration from a source connecting to this address (over mutual TLS when given).
-    Receive(String, Option<api::protocol::MigrationTls>),
+    Receive(Incoming),
+}
+
+/// Where and how a migrated VM arrives (`run --incoming`).
+pub struct Incoming {
+    pub listen: String,
+    pub tls: Option<api::protocol::MigrationTls>,
+    /// Page streams the source opens beside the conversation (`--page-streams`).
+    pub page_streams: u8,
 }
 
 /// Ctrl-]: detach from the console and stop the VM.
@@ -142,7 +150,7 @@ fn start_vm(config: &VmConfig, start: &Start) -> Result<Vm, Failure> {
     let built = match start {
         Start::Boot => Vm::build(config),
         Start::Restore(paths) => Vm::restore(config, paths),
-        Start::Receive(listen, tls) => return receive(config, listen, tls.as_ref()),
+        Start::Receive(incoming) => return receive(config, incoming),
     };
     built.map_err(|e| {
         if e.is_config_error() {
@@ -153,21 +161,25 @@ fn start_vm(config: &VmConfig, start: &Start) -> Result<Vm, Failure> {
     })
 }
 
-/// `run --incoming`: waits at `listen` for one live migration of the VM `config` describes.
-fn receive(
-    config: &VmConfig,
-    listen: &str,
-    tls: Option<&api::protocol::MigrationTls>,
-) -> Result<Vm, Failure> {
-    let listener = crate::migration_link::MigrationListener::bind(listen, tls.is_some())
+/// `run --incoming`: waits at `listen` for one live migration of the VM `config` describes:
+/// the conversation's link, then one per page stream.
+fn receive(config: &VmConfig, incoming: &Incoming) -> Result<Vm, Failure> {
+    let tls = incoming.tls.as_ref();
+    api::protocol::validate_page_streams(incoming.page_streams)
+        .map_err(|e| bad_config(format!("--page-streams: {e}")))?;
+    let listener = crate::migration_link::MigrationListener::bind(&incoming.listen, tls.is_some())
         .map_err(|e| bad_config(format!("--incoming: {e}")))?;
     eprintln!(
         "virt-launcher: waiting for a live migration on {}",
         listener.address()
     );
-    let received = listener
-        .accept(tls)
-        .and_then(|mut s| Vm::migrate_in(&mut s, config).map_err(|e| e.to_string()));
+    let received = (0..=incoming.page_streams)
+        .map(|_| listener.accept(tls))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|mut links| {
+            let mut conversation = links.remove(0);
+            Vm::migrate_in_streams(&mut conversation, &mut links, config).map_err(|e| e.to_string())
+        });
     drop(listener);
     let vm = received.map_err(host_error)?;
     eprintln!("virt-launcher: the VM arrived");

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use launcher::remote::{MigrateRequest, SnapshotRequest};
-use launcher::standalone::{tls_from, Failure, NetworkMode, RunOptions, Start, EXIT_HOST_ERROR};
+use launcher::standalone::{
+    tls_from, Failure, Incoming, NetworkMode, RunOptions, Start, EXIT_HOST_ERROR,
+};
 
 #[derive(Parser)]
 #[command(name = "virt-launcher", version, about = "Runs one microvirt VM")]
@@ -80,6 +82,11 @@ struct MigrateArgs {
     /// Mutual TLS: a directory with ca.crt, tls.crt and tls.key (see deploy/README.md).
     #[arg(long, value_name = "DIR")]
     tls_dir: Option<PathBuf>,
+    /// Carry the pages on N more connections beside the conversation, each with a thread of
+    /// its own on both sides (KubeVirt uses 8); the target must be started with the same N
+    /// [default: 0, the conversation carries them].
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    page_streams: u8,
 }
 
 #[derive(Args)]
@@ -336,6 +343,10 @@ struct RunArgs {
     /// tls.key; see deploy/README.md).
     #[arg(long, value_name = "DIR", requires = "incoming")]
     tls_dir: Option<PathBuf>,
+    /// With --incoming: the source opens N page streams beside the conversation (its
+    /// `migrate --page-streams N`).
+    #[arg(long, value_name = "N", requires = "incoming", default_value_t = 0)]
+    page_streams: u8,
 }
 
 fn main() -> ExitCode {
@@ -359,7 +370,12 @@ fn main() -> ExitCode {
         Command::Run(args) => match &args.incoming {
             None => launcher::standalone::launch(&args.options(), Start::Boot),
             Some(addr) => tls_from(args.tls_dir.as_deref()).and_then(|tls| {
-                launcher::standalone::launch(&args.options(), Start::Receive(addr.clone(), tls))
+                let incoming = Incoming {
+                    listen: addr.clone(),
+                    tls,
+                    page_streams: args.page_streams,
+                };
+                launcher::standalone::launch(&args.options(), Start::Receive(incoming))
             }),
         },
         Command::Daemon(args) => return daemon(args),
@@ -382,6 +398,7 @@ fn main() -> ExitCode {
             progress_timeout: a.progress_timeout,
             auto_converge: a.auto_converge,
             tls_dir: a.tls_dir,
+            page_streams: a.page_streams,
         })
         .map(|()| 0),
         Command::Validate(args) => launcher::standalone::validate(

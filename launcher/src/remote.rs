@@ -30,6 +30,8 @@ pub struct MigrateRequest {
     pub progress_timeout: Option<u64>,
     pub auto_converge: bool,
     pub tls_dir: Option<PathBuf>,
+    /// Page streams beside the conversation.
+    pub page_streams: u8,
 }
 
 /// `snapshot`: asks the launcher on --socket for a snapshot into --to, showing progress on a
@@ -120,6 +122,7 @@ pub fn migrate(args: &MigrateRequest) -> Result<(), Failure> {
         max_downtime_ms: args.max_downtime_ms,
         progress_timeout_seconds: args.progress_timeout,
         allow_auto_converge: args.auto_converge,
+        page_streams: args.page_streams,
     };
     if let Err(e) = options.validate() {
         return Err(bad_config(format!("migrate: {e}")));

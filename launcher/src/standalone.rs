@@ -9,7 +9,7 @@ use vmm::config::{CacheMode, DiskConfig, MacAddr, NetConfig, TapSource};
 use vmm::VmConfig;
 
 pub use crate::failure::{bad_config, host_error, Failure, EXIT_BAD_CONFIG, EXIT_HOST_ERROR};
-pub use crate::foreground::Start;
+pub use crate::foreground::{Incoming, Start};
 
 /// How a manifest's pod network is attached (`--network`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -416,10 +416,12 @@ fn migrate_in_and_out_between_two_daemons() {
         Response::Ok
     );
     let mut cb = b.client();
+    // The pages travel on 3 page streams beside the conversation.
     let address = match cb.call(Request::PrepareMigrationTarget {
         vmi: Box::new(vmi),
         listen: "127.0.0.1:0".into(),
         tls: None,
+        page_streams: 3,
     }) {
         Response::MigrationListening { address } => address,
         other => panic!("{other:?}"),
@@ -431,13 +433,17 @@ fn migrate_in_and_out_between_two_daemons() {
             vmi: Box::new(probe_vmi("dirty", 30)),
             listen: "127.0.0.1:0".into(),
             tls: None,
+            page_streams: 0,
         }),
         Response::Error { .. }
     ));
     std::thread::sleep(Duration::from_millis(500));
     ca.send(&Request::MigrateOut {
         target: address,
-        options: MigrationOptions::default(),
+        options: MigrationOptions {
+            page_streams: 3,
+            ..Default::default()
+        },
         tls: None,
     });
     let mut rounds = 0;
@@ -509,6 +515,8 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
         vmi: Box::new(vmi.clone()),
         listen: "127.0.0.1:0".into(),
         tls: Some(tls),
+        // Every page stream is a TLS link of its own, authenticated like the conversation.
+        page_streams: 2,
     }) {
         Response::MigrationListening { address } => address,
         other => panic!("{other:?}"),
@@ -516,7 +524,10 @@ fn migration_over_mutual_tls_and_a_stranger_refused() {
     let migrate = |ca: &mut Client, address: String, tls: MigrationTls| {
         ca.send(&Request::MigrateOut {
             target: address,
-            options: MigrationOptions::default(),
+            options: MigrationOptions {
+                page_streams: 2,
+                ..Default::default()
+            },
             tls: Some(tls),
         });
         loop {

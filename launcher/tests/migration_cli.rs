@@ -122,12 +122,22 @@ fn migrate_between_two_node_namespaces() {
         said.contains("plain TCP is accepted on loopback only"),
         "{said}"
     );
-    let mut target = in_ns(&n.b, &["run", "--incoming", "tcp:10.77.0.2:7301", &tls_arg])
-        .args(vm_args(&probe, &cb_s))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // The pages travel on 4 page streams, each a TLS link of its own between the nodes.
+    let mut target = in_ns(
+        &n.b,
+        &[
+            "run",
+            "--incoming",
+            "tcp:10.77.0.2:7301",
+            &tls_arg,
+            "--page-streams=4",
+        ],
+    )
+    .args(vm_args(&probe, &cb_s))
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let mut source = in_ns(&n.a, &["run", "--socket", &socket.display().to_string()])
         .args(vm_args(&probe, &ca_s))
         .stdout(Stdio::null())
@@ -140,7 +150,7 @@ fn migrate_between_two_node_namespaces() {
         &n.a,
         &["migrate", "--socket", &socket.display().to_string()],
     )
-    .args(["--to", "10.77.0.2:7301", &tls_arg])
+    .args(["--to", "10.77.0.2:7301", &tls_arg, "--page-streams=4"])
     .output()
     .unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
@@ -267,6 +277,11 @@ fn migrate_over_a_unix_socket_and_refuse_bad_options() {
             vec!["--to", &to, "--progress-timeout", "0"],
             2,
             "progressTimeout",
+        ),
+        (
+            vec!["--to", &to, "--page-streams", "33"],
+            2,
+            "pageStreams: 33 is more than the 32",
         ),
         (vec!["--to", &to], 1, "is it waiting?"),
     ] {

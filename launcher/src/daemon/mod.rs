@@ -714,14 +714,17 @@ impl Daemon {
     /// VM has arrived, runs it as if it had been Synced here.
     ///
     /// `listen` as `unix:NAME` is a socket in this launcher's sockets directory (a node agent
-    /// proxies the stream to it): only the requester's user may connect to it.
+    /// proxies the stream to it): only the requester's user may connect to it. The source
+    /// connects `1 + page_streams` times: the conversation, then its page streams.
     fn migrate_in(
         self: &Arc<Self>,
         vmi: VirtualMachineInstance,
         listen: &str,
         tls: Option<MigrationTls>,
+        page_streams: u8,
         requester: Option<u32>,
     ) -> Result<String, String> {
+        api::protocol::validate_page_streams(page_streams)?;
         if !self.inner.lock().unwrap().life.is_empty() {
             return Err("this launcher already has a VM (or awaits one)".into());
         }
@@ -745,9 +748,14 @@ impl Daemon {
         }
         let me = self.clone();
         std::thread::spawn(move || {
-            let arrived = listener
-                .accept_from(tls.as_ref(), only_uid)
-                .and_then(|mut s| Vm::migrate_in(&mut s, &p.config).map_err(|e| e.to_string()));
+            let arrived = (0..=page_streams)
+                .map(|_| listener.accept_from(tls.as_ref(), only_uid))
+                .collect::<Result<Vec<_>, _>>()
+                .and_then(|mut links| {
+                    let mut conversation = links.remove(0);
+                    Vm::migrate_in_streams(&mut conversation, &mut links, &p.config)
+                        .map_err(|e| e.to_string())
+                });
             drop(listener);
             match arrived {
                 Ok(vm) => {
@@ -771,6 +779,8 @@ impl Daemon {
     /// `address` as `listen:unix:NAME`: the stream is offered on a socket in this launcher's
     /// sockets directory, for the node agent (the requester's user only) to take within
     /// `LINK_TIMEOUT` and carry to the target; the launcher itself reaches no network.
+    /// `options.page_streams` more links are opened (or offered) after the conversation's,
+    /// one after the other, so every hop sees them in the same order.
     fn migrate_out(
         &self,
         address: &str,
@@ -791,7 +801,7 @@ impl Daemon {
         }
         let mut paused_on_source = false;
         let result = (|| {
-            let mut stream = match address.strip_prefix("listen:") {
+            let listener = match address.strip_prefix("listen:") {
                 Some(_) if tls.is_some() => {
                     return Err("listen: hands the stream to the node agent, which holds the migration keys: tls is not taken with it".into())
                 }
@@ -799,15 +809,24 @@ impl Daemon {
                     let path = self
                         .pod_endpoint(endpoint)
                         .unwrap_or_else(|| Err(format!("{address:?}: listen: takes unix:NAME")))?;
-                    let l = crate::migration_link::MigrationListener::bind(
+                    Some(crate::migration_link::MigrationListener::bind(
                         &format!("unix:{}", path.display()),
-                        tls.is_some(),
-                    )?;
-                    l.accept_within(None, requester, crate::migration_link::LINK_TIMEOUT)?
+                        false,
+                    )?)
                 }
-                None => crate::migration_link::connect(address, tls)?,
+                None => None,
             };
-            vm.migrate_out(&mut stream, &config, &mut |p| {
+            let mut links = (0..=options.page_streams)
+                .map(|_| match &listener {
+                    Some(l) => {
+                        l.accept_within(None, requester, crate::migration_link::LINK_TIMEOUT)
+                    }
+                    None => crate::migration_link::connect(address, tls),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            drop(listener);
+            let mut stream = links.remove(0);
+            vm.migrate_out_streams(&mut stream, &mut links, &config, &mut |p| {
                 let e = Event::MigrationProgress {
                     phase: p.phase.to_string(),
                     pass: p.pass,
@@ -1120,12 +1139,15 @@ impl Daemon {
             Request::Shutdown {
                 grace_period_seconds,
             } => ok(self.shutdown(grace_period_seconds)),
-            Request::PrepareMigrationTarget { vmi, listen, tls } => {
-                match self.migrate_in(*vmi, &listen, tls, requester) {
-                    Ok(address) => Response::MigrationListening { address },
-                    Err(message) => Response::Error { message },
-                }
-            }
+            Request::PrepareMigrationTarget {
+                vmi,
+                listen,
+                tls,
+                page_streams,
+            } => match self.migrate_in(*vmi, &listen, tls, page_streams, requester) {
+                Ok(address) => Response::MigrationListening { address },
+                Err(message) => Response::Error { message },
+            },
             Request::CancelMigration => {
                 let abort = self.inner.lock().unwrap().migration_abort.clone();
                 match abort {
