@@ -312,7 +312,10 @@ impl Net {
     fn transmit_available(&mut self) -> Result<bool, Broken> {
         let active = self.active.as_mut().ok_or(Broken)?;
         let mut completed = false;
-        // Emptied after every writev, so no guest pointer outlives its slice guard.
+        // One chain's buffers as host pointers into guest RAM, refilled per chain. Guest RAM
+        // is mmap'd and stays mapped while `active.mem` holds it, through the writev below; the
+        // slices' pointer guards (which matter only for memory mapped on demand, as Xen's
+        // grants) are therefore not kept.
         let mut iovecs: Vec<libc::iovec> = Vec::with_capacity(8);
         loop {
             let chain = match active.tx.iter(&active.mem) {
@@ -326,7 +329,9 @@ impl Net {
             let Some(chain) = chain else { break };
             let head = chain.head_index();
             // Gather the chain as iovecs straight into guest memory: one writev, no copy.
-            let mut slices = Vec::with_capacity(4);
+            // Buffers that follow each other in memory (a header right before its frame)
+            // become one iovec.
+            iovecs.clear();
             let mut total = 0usize;
             let mut ok = true;
             for d in chain {
@@ -336,21 +341,20 @@ impl Net {
                     ok = false;
                     break;
                 }
-                match active.mem.get_slice(d.addr(), n) {
-                    Ok(s) => slices.push(s),
-                    Err(_) => {
-                        ok = false;
-                        break;
-                    }
+                let Ok(slice) = active.mem.get_slice(d.addr(), n) else {
+                    ok = false;
+                    break;
+                };
+                let at = slice.ptr_guard().as_ptr() as usize;
+                match iovecs.last_mut() {
+                    Some(last) if last.iov_base as usize + last.iov_len == at => last.iov_len += n,
+                    _ => iovecs.push(libc::iovec {
+                        iov_base: at as *mut libc::c_void,
+                        iov_len: n,
+                    }),
                 }
             }
             if ok && total > VNET_HDR_LEN {
-                let guards: Vec<_> = slices.iter().map(|s| s.ptr_guard()).collect();
-                iovecs.clear();
-                iovecs.extend(guards.iter().zip(&slices).map(|(g, s)| libc::iovec {
-                    iov_base: g.as_ptr() as *mut libc::c_void,
-                    iov_len: s.len(),
-                }));
                 match self.tap.writev(&iovecs) {
                     Ok(_) => {
                         self.counters.tx_frames += 1;
@@ -361,7 +365,6 @@ impl Net {
                         self.counters.tx_errors += 1;
                     }
                 }
-                iovecs.clear();
             } else {
                 self.counters.tx_errors += 1;
             }
