@@ -173,8 +173,12 @@ fn receive(config: &VmConfig, incoming: &Incoming) -> Result<Vm, Failure> {
         "virt-launcher: waiting for a live migration on {}",
         listener.address()
     );
+    // The source opens its page streams right after the conversation.
     let received = (0..=incoming.page_streams)
-        .map(|_| listener.accept(tls))
+        .map(|i| match i {
+            0 => listener.accept(tls),
+            _ => listener.accept_within(tls, None, crate::migration_link::LINK_TIMEOUT),
+        })
         .collect::<Result<Vec<_>, _>>()
         .and_then(|mut links| {
             let mut conversation = links.remove(0);

@@ -124,82 +124,102 @@ impl MigrationListener {
         tls: Option<&MigrationTls>,
         only_uid: Option<u32>,
     ) -> Result<Box<dyn Duplex>, String> {
-        if let (MigrationListener::Unix(l, p), Some(uid)) = (self, only_uid) {
-            loop {
-                let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
-                match peer_uid(&s) {
-                    Ok(peer) if peer == uid => {
-                        tracing::info!(path = %p.display(), "incoming migration");
-                        set_timeouts_unix(&s)?;
-                        return migration_tls::server(s, tls);
-                    }
-                    Ok(peer) => {
-                        tracing::warn!(
-                            peer,
-                            expected = uid,
-                            "migration connection from another user closed"
-                        )
-                    }
-                    Err(e) => tracing::warn!("migration connection: SO_PEERCRED: {e}"),
-                }
+        loop {
+            if let Some(s) = self.accept_one(tls, only_uid)? {
+                return Ok(s);
             }
         }
-        self.accept_any(tls)
     }
 
-    /// `accept_from` on a unix socket, giving up after `within` (a node agent that never
-    /// comes must not keep the VM waiting to migrate).
+    /// `accept_from`, giving up after `within`: a node agent that never comes must not keep
+    /// the VM waiting to migrate, and a source that opened the conversation but not its page
+    /// streams must not keep the target waiting for them.
     pub fn accept_within(
         &self,
         tls: Option<&MigrationTls>,
         only_uid: Option<u32>,
         within: Duration,
     ) -> Result<Box<dyn Duplex>, String> {
-        let MigrationListener::Unix(l, p) = self else {
-            return self.accept_from(tls, only_uid);
-        };
-        l.set_nonblocking(true).map_err(|e| e.to_string())?;
         let deadline = std::time::Instant::now() + within;
         loop {
-            match l.accept() {
-                Ok((s, _)) => {
-                    let peer = peer_uid(&s).map_err(|e| e.to_string())?;
-                    if only_uid.is_some_and(|u| u != peer) {
-                        tracing::warn!(peer, "migration connection from another user closed");
-                        continue;
-                    }
-                    s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                    set_timeouts_unix(&s)?;
-                    return migration_tls::server(s, tls);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if std::time::Instant::now() >= deadline {
-                        return Err(format!(
-                            "nobody took the migration stream at unix:{} within {within:?}",
-                            p.display()
-                        ));
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(format!("accept: {e}")),
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || !self.readable_within(left)? {
+                return Err(format!(
+                    "nobody took the migration stream at {} within {within:?}",
+                    self.address()
+                ));
+            }
+            if let Some(s) = self.accept_one(tls, only_uid)? {
+                return Ok(s);
             }
         }
     }
 
-    fn accept_any(&self, tls: Option<&MigrationTls>) -> Result<Box<dyn Duplex>, String> {
+    /// Whether a connection waits to be accepted, looking for at most `within`.
+    fn readable_within(&self, within: Duration) -> Result<bool, String> {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            MigrationListener::Tcp(l) => l.as_raw_fd(),
+            MigrationListener::Unix(l, _) => l.as_raw_fd(),
+        };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = within.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            n if n > 0 => Ok(true),
+            0 => Ok(false),
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    Ok(false)
+                } else {
+                    Err(format!("poll: {e}"))
+                }
+            }
+        }
+    }
+
+    /// Accepts one connection; None when `only_uid` names another user than its peer's (the
+    /// connection is closed unread).
+    fn accept_one(
+        &self,
+        tls: Option<&MigrationTls>,
+        only_uid: Option<u32>,
+    ) -> Result<Option<Box<dyn Duplex>>, String> {
         match self {
             MigrationListener::Tcp(l) => {
                 let (s, peer) = l.accept().map_err(|e| format!("accept: {e}"))?;
                 tracing::info!(%peer, tls = tls.is_some(), "incoming migration");
                 let _ = s.set_nodelay(true);
                 set_timeouts_tcp(&s)?;
-                migration_tls::server(s, tls)
+                migration_tls::server(s, tls).map(Some)
             }
             MigrationListener::Unix(l, p) => {
                 let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+                if let Some(uid) = only_uid {
+                    match peer_uid(&s) {
+                        Ok(peer) if peer == uid => {}
+                        Ok(peer) => {
+                            tracing::warn!(
+                                peer,
+                                expected = uid,
+                                "migration connection from another user closed"
+                            );
+                            return Ok(None);
+                        }
+                        Err(e) => {
+                            tracing::warn!("migration connection: SO_PEERCRED: {e}");
+                            return Ok(None);
+                        }
+                    }
+                }
                 tracing::info!(path = %p.display(), tls = tls.is_some(), "incoming migration");
                 set_timeouts_unix(&s)?;
-                migration_tls::server(s, tls)
+                migration_tls::server(s, tls).map(Some)
             }
         }
     }
@@ -259,6 +279,27 @@ pub fn connect(address: &str, tls: Option<&MigrationTls>) -> Result<Box<dyn Dupl
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_that_does_not_come_fails_the_wait_at_its_deadline() {
+        let l = MigrationListener::bind("127.0.0.1:0", false).unwrap();
+        let within = Duration::from_millis(300);
+        let started = std::time::Instant::now();
+        let e = match l.accept_within(None, None, within) {
+            Err(e) => e,
+            Ok(_) => panic!("a link nobody opened was accepted"),
+        };
+        assert!(
+            e.contains(&format!("at {} within 300ms", l.address())),
+            "{e}"
+        );
+        assert!(started.elapsed() >= within, "{:?}", started.elapsed());
+        // One that comes in time is taken.
+        let address = l.address();
+        let client = std::thread::spawn(move || TcpStream::connect(address).unwrap());
+        assert!(l.accept_within(None, None, Duration::from_secs(10)).is_ok());
+        client.join().unwrap();
+    }
 
     #[test]
     fn addresses() {

@@ -748,8 +748,16 @@ impl Daemon {
         }
         let me = self.clone();
         std::thread::spawn(move || {
+            // The source opens its page streams right after the conversation.
             let arrived = (0..=page_streams)
-                .map(|_| listener.accept_from(tls.as_ref(), only_uid))
+                .map(|i| match i {
+                    0 => listener.accept_from(tls.as_ref(), only_uid),
+                    _ => listener.accept_within(
+                        tls.as_ref(),
+                        only_uid,
+                        crate::migration_link::LINK_TIMEOUT,
+                    ),
+                })
                 .collect::<Result<Vec<_>, _>>()
                 .and_then(|mut links| {
                     let mut conversation = links.remove(0);
