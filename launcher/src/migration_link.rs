@@ -143,11 +143,15 @@ impl MigrationListener {
         let deadline = std::time::Instant::now() + within;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() || !self.readable_within(left)? {
+            if left.is_zero() {
                 return Err(format!(
                     "nobody took the migration stream at {} within {within:?}",
                     self.address()
                 ));
+            }
+            // poll(2) may wake a little before its timeout: only the deadline ends the wait.
+            if !self.readable_within(left)? {
+                continue;
             }
             if let Some(s) = self.accept_one(tls, only_uid)? {
                 return Ok(s);
@@ -167,7 +171,7 @@ impl MigrationListener {
             events: libc::POLLIN,
             revents: 0,
         };
-        let ms = within.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let ms = within.as_micros().div_ceil(1000).clamp(1, i32::MAX as u128) as i32;
         // SAFETY: one valid pollfd for the duration of the call.
         match unsafe { libc::poll(&mut pfd, 1, ms) } {
             n if n > 0 => Ok(true),
