@@ -296,6 +296,38 @@ impl GuestRam {
         })
     }
 
+    /// Runs `(gpa, pages)` of the pages the kernel has backed (or a boot mapped from a file):
+    /// a superset of what `nonzero_pages` yields, found from the page map alone, without
+    /// reading guest memory. Empty when RAM is not anonymous (shared or huge-page RAM, whose
+    /// page map says nothing useful here) or the page map cannot be read.
+    pub fn backed_runs(&self) -> Vec<(u64, u32)> {
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        if !self.anonymous {
+            return runs;
+        }
+        for region in self.memory.iter() {
+            let Ok(host) = region.get_host_address(MemoryRegionAddress(0)) else {
+                continue;
+            };
+            let Some(mut unbacked) = Unbacked::new(host) else {
+                return Vec::new();
+            };
+            let start = region.start_addr().0;
+            for i in 0..region.len() / PAGE_SIZE {
+                let at = host as usize + (i * PAGE_SIZE) as usize;
+                if !self.is_file_backed(at) && unbacked.is_unbacked(i) {
+                    continue;
+                }
+                let gpa = start + i * PAGE_SIZE;
+                match runs.last_mut() {
+                    Some((s, n)) if *s + *n as u64 * PAGE_SIZE == gpa && *n < u32::MAX => *n += 1,
+                    _ => runs.push((gpa, 1)),
+                }
+            }
+        }
+        runs
+    }
+
     pub fn layout(&self) -> &[RegionLayout] {
         &self.layout
     }
@@ -766,6 +798,19 @@ mod tests {
             assert!(u.is_unbacked(page), "page {page} was never written");
         }
         assert!(ram.is_anonymous());
+        // Backed runs: each written page, alone, and nothing else.
+        let runs = ram.backed_runs();
+        assert_eq!(
+            runs,
+            written
+                .iter()
+                .map(|p| (p * PAGE_SIZE, 1))
+                .collect::<Vec<_>>()
+        );
+        ram.memory()
+            .write_slice(&[1u8; 3 * PAGE_SIZE as usize], GuestAddress(6 * PAGE_SIZE))
+            .unwrap();
+        assert_eq!(ram.backed_runs()[1], (5 * PAGE_SIZE, 4));
     }
     use vm_memory::Bytes;
 

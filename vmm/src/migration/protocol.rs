@@ -6,7 +6,8 @@
 //! ```text
 //! Hello     ─ source: Hello ─────────────▶ Offered
 //! Offered   ─ target: Ready ─────────────▶ Precopy        (target: Refuse ▶ Ended)
-//! Precopy   ─ source: Pages ─────────────▶ Precopy
+//! Precopy   ─ source: Plan ──────────────▶ Precopy
+//!           ─ source: Pages ─────────────▶ Precopy
 //!           ─ source: Sync ──────────────▶ Syncing ─ target: Synced ▶ Precopy
 //!           ─ source: State ─────────────▶ StateSent
 //! StateSent ─ target: Restored ──────────▶ Restored
@@ -46,13 +47,14 @@ pub enum Stage {
     Ended,
 }
 
-const KINDS: [Kind; 12] = [
+const KINDS: [Kind; 13] = [
     Kind::Hello,
     Kind::Pages,
     Kind::State,
     Kind::Go,
     Kind::Cancel,
     Kind::Sync,
+    Kind::Plan,
     Kind::Ready,
     Kind::Refuse,
     Kind::Restored,
@@ -69,7 +71,7 @@ pub fn next(stage: Stage, from: Side, kind: Kind) -> Option<Stage> {
         (Hello, Source, Kind::Hello) => Offered,
         (Offered, Target, Kind::Ready) => Precopy,
         (Offered, Target, Kind::Refuse) => Ended,
-        (Precopy, Source, Kind::Pages) => Precopy,
+        (Precopy, Source, Kind::Plan | Kind::Pages) => Precopy,
         (Precopy, Source, Kind::Sync) => Syncing,
         (Syncing, Target, Kind::Synced) => Precopy,
         (Precopy, Source, Kind::State) => StateSent,
@@ -238,6 +240,7 @@ mod tests {
     const HAPPY: &[(Side, Kind)] = &[
         (Side::Source, Kind::Hello),
         (Side::Target, Kind::Ready),
+        (Side::Source, Kind::Plan),
         (Side::Source, Kind::Pages),
         (Side::Source, Kind::Sync),
         (Side::Target, Kind::Synced),
@@ -271,6 +274,9 @@ mod tests {
         // Only the target says its side of things, only the source the source's.
         assert_eq!(next(Stage::Restored, Side::Target, Kind::Go), None);
         assert_eq!(next(Stage::Precopy, Side::Target, Kind::Pages), None);
+        // A plan comes before the state; once the state is sent there is nothing to plan.
+        assert_eq!(next(Stage::StateSent, Side::Source, Kind::Plan), None);
+        assert_eq!(next(Stage::Offered, Side::Source, Kind::Plan), None);
     }
 
     #[test]
@@ -279,7 +285,7 @@ mod tests {
         assert_eq!(expected(Stage::Offered, Side::Target), "Ready");
         assert_eq!(
             expected(Stage::Precopy, Side::Source),
-            "Pages, State or Sync"
+            "Pages, State, Sync or Plan"
         );
         assert_eq!(expected(Stage::Restored, Side::Source), "Go");
         assert_eq!(expected(Stage::Done, Side::Source), "nothing");

@@ -451,6 +451,18 @@ impl<S: Read + Write, P: Write + Send> Sender<'_, '_, S, P> {
         Ok(())
     }
 
+    /// The memory this side holds, as Plan frames, so the target allocates it while the pages
+    /// are on their way rather than as each run lands (allocating is much of a target's
+    /// work). It names backed pages, a superset of the non-zero ones pass 0 sends: the target
+    /// allocates at most what the source holds.
+    fn send_plan(&mut self) -> Result<(), MigrationError> {
+        for payload in wire::plan_payloads(self.vm.ram.backed_runs().into_iter()) {
+            self.conv.say(Kind::Plan, &payload)?;
+            self.pw.bytes_sent += (wire::FRAME_HEADER + payload.len()) as u64;
+        }
+        Ok(())
+    }
+
     /// Hello, answered Ready (or refused with the target's reason); each page stream then
     /// says which it is.
     fn handshake(&mut self) -> Result<(), MigrationError> {
@@ -474,6 +486,7 @@ impl<S: Read + Write, P: Write + Send> Sender<'_, '_, S, P> {
         self.at.pass = Some(0);
         let logging_since = Instant::now();
         let mut policy = Convergence::new(self.config, started, logging_since);
+        self.send_plan()?;
         let before = self.pw.bytes_sent;
         let took = self.send_pass(vm.nonzero_pages())?;
         policy.pass_sent(self.pw.bytes_sent - before, took);

@@ -4,6 +4,7 @@
 //! side then confirms (Running).
 
 use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::protocol::Conversation;
@@ -177,7 +178,11 @@ fn receive_memory<S: Read + Write, P: Read + Send>(
     use std::sync::mpsc::channel;
     let count = page_streams.len();
     let memory = shell.memory();
+    let all_in = AtomicBool::new(false);
     std::thread::scope(|scope| {
+        let (planned, plan) = channel::<Vec<(u64, u64)>>();
+        let all_in = &all_in;
+        scope.spawn(move || prefault(memory, plan, all_in));
         let (marked, marks) = channel::<Result<(), MigrationError>>();
         let mut go_on = Vec::with_capacity(count);
         for (index, stream) in page_streams.iter_mut().enumerate() {
@@ -245,15 +250,53 @@ fn receive_memory<S: Read + Write, P: Read + Send>(
                         frame
                     })
                 }
+                Ok((Kind::Plan, len)) => match wire::plan_runs(&frame[..len], layout) {
+                    // The prefault thread gone (it only stops once all is in) changes nothing.
+                    Ok(runs) => drop(planned.send(runs)),
+                    Err(e) => break Err(e.into()),
+                },
                 Ok(_) => {}
                 Err(e) => break Err(e),
             }
         };
+        all_in.store(true, Ordering::Relaxed);
+        drop(planned);
         // Page streams' threads waiting at a mark end now; one still reading ends when the
         // source closes its stream.
         drop(go_on);
         received
     })
+}
+
+/// Allocates the memory the source's Plan frames name, 2 MiB at a time in the order the pages
+/// come (ascending on every stream), beside the threads taking the pages in, until the plan is
+/// done or everything has arrived (`all_in`). Where it is ahead, a run lands in allocated
+/// memory; where behind, it finds the pages there and moves on. Allocating never changes
+/// what a page holds, so it cannot race with a page being written.
+fn prefault(
+    memory: &crate::memory::GuestMemory,
+    plan: std::sync::mpsc::Receiver<Vec<(u64, u64)>>,
+    all_in: &AtomicBool,
+) {
+    use vm_memory::{GuestAddress, GuestMemoryBackend};
+    const STEP: u64 = 2 << 20;
+    for runs in plan {
+        for (gpa, len) in runs {
+            let end = gpa + len;
+            let mut at = gpa;
+            while at < end {
+                if all_in.load(Ordering::Relaxed) {
+                    return;
+                }
+                // Steps end on 2 MiB boundaries so whole blocks can become huge pages.
+                let n = (end - at).min(STEP - at % STEP);
+                if let Ok(slice) = memory.get_slice(GuestAddress(at), n as usize) {
+                    wire::populate(slice.ptr_guard_mut().as_ptr(), n as usize);
+                }
+                at += n;
+            }
+        }
+    }
 }
 
 /// Go, then the disks locked, then the guest resumed, then Running. The source measures its
