@@ -288,7 +288,7 @@ fn prefault(
                 if all_in.load(Ordering::Relaxed) {
                     return;
                 }
-                // Steps end on 2 MiB boundaries so whole blocks can become huge pages.
+                // 2 MiB steps: short enough to stop soon once everything is in.
                 let n = (end - at).min(STEP - at % STEP);
                 if let Ok(slice) = memory.get_slice(GuestAddress(at), n as usize) {
                     wire::populate(slice.ptr_guard_mut().as_ptr(), n as usize);

@@ -256,9 +256,12 @@ impl FrameHeader {
 /// than a page fault per 4 KiB while the stream is copied in. Best effort: an older kernel
 /// refuses it, and the copy faults the pages in as before.
 ///
-/// Small pages only: advising whole 2 MiB blocks as transparent huge pages (as QEMU does
-/// for its RAM) made a single-stream migration of 1 GiB about four times slower on this
-/// project's test machine in two runs, though it helped four streams; why is not known yet.
+/// Small pages only, for now: advising whole 2 MiB blocks as transparent huge pages (as QEMU
+/// does for its RAM) made a single-stream migration of 1 GiB about four times slower on this
+/// project's test machine in two runs, though it helped four streams. That machine is itself
+/// a VM whose host takes back free 2 MiB blocks (free page reporting), so a huge page likely
+/// comes from memory the host must fault in again, where small pages mostly do not; on a
+/// node without that, huge pages may well be faster, but that is not measured here.
 ///
 /// Raw bounds rather than a slice: the target's prefault thread allocates pages that a page
 /// stream's thread may be writing at the same time (allocating never changes the contents).
