@@ -240,13 +240,21 @@ mod tests {
     /// past the checksum are what is exercised.
     fn frame() -> impl Strategy<Value = Vec<u8>> {
         (
-            prop_oneof![Just(1u8), Just(2), Just(3), Just(4), Just(5), any::<u8>()],
+            prop_oneof![
+                Just(1u8),
+                Just(2),
+                Just(3),
+                Just(4),
+                Just(5),
+                Just(7),
+                any::<u8>()
+            ],
             proptest::collection::vec(any::<u8>(), 0..600),
             any::<u64>(),
             0u32..4,
         )
             .prop_map(|(kind, mut payload, gpa, pages)| {
-                if kind == Kind::Pages as u8 && payload.len() > 12 {
+                if (kind == Kind::Pages as u8 || kind == Kind::Plan as u8) && payload.len() > 12 {
                     // Often a plausible run header, so range checks meet real candidates.
                     payload[..8].copy_from_slice(&((gpa % (32 << 20)) & !0xfff).to_le_bytes());
                     payload[8..12].copy_from_slice(&pages.to_le_bytes());
@@ -288,6 +296,23 @@ mod tests {
             let e = Vm::migrate_in(&mut Scripted(std::io::Cursor::new(s)), &config()).unwrap_err();
             prop_assert_eq!(e.phase, Phase::Handshake);
         }
+    }
+
+    /// A Plan naming memory outside guest RAM fails the migration with the run it named,
+    /// before anything is allocated for it.
+    #[test]
+    fn a_plan_outside_guest_ram_fails_the_migration() {
+        let c = config();
+        let mut s = valid_start(&c);
+        let plan = wire::plan_payloads([(0u64, 1u32), (15 << 20, 512)].into_iter());
+        wire::write_frame(&mut s, Kind::Plan, &plan[0]).unwrap();
+        let e = Vm::migrate_in(&mut Scripted(std::io::Cursor::new(s)), &c).unwrap_err();
+        assert_eq!((e.side, e.phase), (Side::Target, Phase::Precopy), "{e}");
+        assert!(
+            e.to_string()
+                .contains("page run at 0xf00000 of 512 pages is not inside guest RAM"),
+            "{e}"
+        );
     }
 
     #[test]
