@@ -276,6 +276,40 @@ impl GuestRam {
     /// The guest may write pages concurrently; a caller that needs them stable logs dirty pages
     /// and looks again.
     pub fn nonzero_pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.maybe_backed_pages().filter_map(|(gpa, at)| {
+            // SAFETY: `at` is a page of a region mapped for the lifetime of `self`.
+            let page = unsafe { std::slice::from_raw_parts(at as *const u8, PAGE_SIZE as usize) };
+            (!is_zero(page)).then_some(gpa)
+        })
+    }
+
+    /// Runs `(gpa, pages)` of the pages the kernel has backed (or a boot mapped from a file):
+    /// a superset of what `nonzero_pages` yields, found from the page map alone, without
+    /// reading guest memory. Empty when RAM is not anonymous (shared or huge-page RAM, whose
+    /// page map says nothing useful here) or the page map cannot be read, as every page would
+    /// then count.
+    pub fn backed_runs(&self) -> Vec<(u64, u32)> {
+        let mut runs: Vec<(u64, u32)> = Vec::new();
+        let readable = self.memory.iter().all(|region| {
+            region
+                .get_host_address(MemoryRegionAddress(0))
+                .is_ok_and(|host| Unbacked::new(host).is_some())
+        });
+        if !self.anonymous || !readable {
+            return runs;
+        }
+        for (gpa, _) in self.maybe_backed_pages() {
+            match runs.last_mut() {
+                Some((s, n)) if *s + *n as u64 * PAGE_SIZE == gpa && *n < u32::MAX => *n += 1,
+                _ => runs.push((gpa, 1)),
+            }
+        }
+        runs
+    }
+
+    /// `(gpa, host address)` of every page of RAM, ascending, except those of anonymous RAM
+    /// the page map says were never backed (and a boot did not map from a file).
+    fn maybe_backed_pages(&self) -> impl Iterator<Item = (u64, usize)> + '_ {
         self.memory.iter().flat_map(move |region| {
             let (host, len) = match region.get_host_address(MemoryRegionAddress(0)) {
                 Ok(h) => (h as *const u8, region.len()),
@@ -288,44 +322,9 @@ impl GuestRam {
                 if !self.is_file_backed(at) && unbacked.as_mut().is_some_and(|u| u.is_unbacked(i)) {
                     return None;
                 }
-                // SAFETY: the region maps `len` bytes at `host` for the lifetime of `self`.
-                let page =
-                    unsafe { std::slice::from_raw_parts(at as *const u8, PAGE_SIZE as usize) };
-                (!is_zero(page)).then_some(start + i * PAGE_SIZE)
+                Some((start + i * PAGE_SIZE, at))
             })
         })
-    }
-
-    /// Runs `(gpa, pages)` of the pages the kernel has backed (or a boot mapped from a file):
-    /// a superset of what `nonzero_pages` yields, found from the page map alone, without
-    /// reading guest memory. Empty when RAM is not anonymous (shared or huge-page RAM, whose
-    /// page map says nothing useful here) or the page map cannot be read.
-    pub fn backed_runs(&self) -> Vec<(u64, u32)> {
-        let mut runs: Vec<(u64, u32)> = Vec::new();
-        if !self.anonymous {
-            return runs;
-        }
-        for region in self.memory.iter() {
-            let Ok(host) = region.get_host_address(MemoryRegionAddress(0)) else {
-                continue;
-            };
-            let Some(mut unbacked) = Unbacked::new(host) else {
-                return Vec::new();
-            };
-            let start = region.start_addr().0;
-            for i in 0..region.len() / PAGE_SIZE {
-                let at = host as usize + (i * PAGE_SIZE) as usize;
-                if !self.is_file_backed(at) && unbacked.is_unbacked(i) {
-                    continue;
-                }
-                let gpa = start + i * PAGE_SIZE;
-                match runs.last_mut() {
-                    Some((s, n)) if *s + *n as u64 * PAGE_SIZE == gpa && *n < u32::MAX => *n += 1,
-                    _ => runs.push((gpa, 1)),
-                }
-            }
-        }
-        runs
     }
 
     pub fn layout(&self) -> &[RegionLayout] {

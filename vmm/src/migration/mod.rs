@@ -313,6 +313,14 @@ mod tests {
                 .contains("page run at 0xf00000 of 512 pages is not inside guest RAM"),
             "{e}"
         );
+        // Runs inside RAM that name more of it than there is: refused, not queued.
+        let mut s = valid_start(&c);
+        let whole = wire::plan_payloads([(0u64, 4096u32)].into_iter());
+        for _ in 0..2 {
+            wire::write_frame(&mut s, Kind::Plan, &whole[0]).unwrap();
+        }
+        let e = Vm::migrate_in(&mut Scripted(std::io::Cursor::new(s)), &c).unwrap_err();
+        assert!(e.to_string().contains("more than guest RAM"), "{e}");
     }
 
     #[test]

@@ -179,6 +179,8 @@ fn receive_memory<S: Read + Write, P: Read + Send>(
     let count = page_streams.len();
     let memory = shell.memory();
     let all_in = AtomicBool::new(false);
+    let ram_bytes: u64 = layout.iter().map(|r| r.size).sum();
+    let mut planned_bytes = 0u64;
     std::thread::scope(|scope| {
         let (planned, plan) = channel::<Vec<(u64, u64)>>();
         let all_in = &all_in;
@@ -251,8 +253,16 @@ fn receive_memory<S: Read + Write, P: Read + Send>(
                     })
                 }
                 Ok((Kind::Plan, len)) => match wire::plan_runs(&frame[..len], layout) {
-                    // The prefault thread gone (it only stops once all is in) changes nothing.
-                    Ok(runs) => drop(planned.send(runs)),
+                    Ok(runs) => {
+                        // A plan naming more than guest RAM would only queue up here.
+                        planned_bytes += runs.iter().map(|(_, len)| len).sum::<u64>();
+                        if planned_bytes > ram_bytes {
+                            break Err(WireError::Malformed("Plan (more than guest RAM)").into());
+                        }
+                        // The prefault thread gone (it only stops once all is in) changes
+                        // nothing.
+                        drop(planned.send(runs));
+                    }
                     Err(e) => break Err(e.into()),
                 },
                 Ok(_) => {}

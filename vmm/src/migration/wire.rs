@@ -273,10 +273,17 @@ pub fn populate(at: *mut u8, len: usize) {
 
 /// The byte length of a run of `pages` pages at `gpa`, which must lie inside one RAM region.
 fn run_len(gpa: u64, pages: u32, layout: &[RegionLayout]) -> Result<usize, WireError> {
-    let len = (pages as u64) * PAGE_SIZE;
+    if pages > MAX_RUN_PAGES {
+        return Err(WireError::OutOfRange { gpa, pages });
+    }
+    Ok(run_bytes(gpa, pages, layout)? as usize)
+}
+
+/// The byte length of `pages` pages at `gpa`: page-aligned, not empty, inside one RAM region.
+fn run_bytes(gpa: u64, pages: u32, layout: &[RegionLayout]) -> Result<u64, WireError> {
+    let len = pages as u64 * PAGE_SIZE;
     let inside = gpa.is_multiple_of(PAGE_SIZE)
         && pages > 0
-        && pages <= MAX_RUN_PAGES
         && layout.iter().any(|r| {
             gpa >= r.guest_addr
                 && gpa
@@ -286,7 +293,7 @@ fn run_len(gpa: u64, pages: u32, layout: &[RegionLayout]) -> Result<usize, WireE
     if !inside {
         return Err(WireError::OutOfRange { gpa, pages });
     }
-    Ok(len as usize)
+    Ok(len)
 }
 
 /// Bytes of one run in a Plan frame: `gpa u64 | pages u32`.
@@ -319,19 +326,7 @@ pub fn plan_runs(payload: &[u8], layout: &[RegionLayout]) -> Result<Vec<(u64, u6
         .map(|run| {
             let gpa = u64::from_le_bytes(run[..8].try_into().unwrap());
             let pages = u32::from_le_bytes(run[8..].try_into().unwrap());
-            let len = pages as u64 * PAGE_SIZE;
-            let inside = gpa.is_multiple_of(PAGE_SIZE)
-                && pages > 0
-                && layout.iter().any(|r| {
-                    gpa >= r.guest_addr
-                        && gpa
-                            .checked_add(len)
-                            .is_some_and(|end| end <= r.guest_addr + r.size)
-                });
-            if !inside {
-                return Err(WireError::OutOfRange { gpa, pages });
-            }
-            Ok((gpa, len))
+            Ok((gpa, run_bytes(gpa, pages, layout)?))
         })
         .collect()
 }
