@@ -83,13 +83,11 @@ pub fn as_pod_user(cmd: &Command, dir: &Path) -> Command {
     c
 }
 
-/// Makes `cmd`'s process start in a cgroup laid out as the kubelet lays out the Pod with
-/// `pod_uid`'s (`.../kubepods/pod<UID>`, the cgroupfs driver's layout), so virt-handler's check
-/// that a socket's listener belongs to its Pod sees what it sees on a node. The process joins
-/// it before it runs (a `pre_exec` write to `cgroup.procs`), so everything it starts is in it.
-/// On a cgroup v1 node the `pids` hierarchy is used (one is enough), else the v2 tree.
-pub fn in_pod_cgroup(cmd: &mut Command, pod_uid: &str) {
-    use std::os::unix::process::CommandExt;
+/// The cgroup of the Pod with `pod_uid` as the kubelet lays it out (`.../kubepods/pod<UID>`,
+/// the cgroupfs driver's layout), created if missing: on a cgroup v1 node in the `pids`
+/// hierarchy (one is enough), else in the v2 tree. A process joins it by writing its PID to
+/// `cgroup.procs` there; the directory can be removed once no process is left in it.
+pub fn pod_cgroup(pod_uid: &str) -> PathBuf {
     let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup/pids"]
         .into_iter()
         .map(Path::new)
@@ -98,6 +96,16 @@ pub fn in_pod_cgroup(cmd: &mut Command, pod_uid: &str) {
     let dir = root.join(format!("microvirt-tests/kubepods/pod{pod_uid}"));
     std::fs::create_dir_all(&dir)
         .unwrap_or_else(|e| panic!("creating the Pod cgroup {}: {e}", dir.display()));
+    dir
+}
+
+/// Makes `cmd`'s process start in a cgroup laid out as the kubelet lays out the Pod with
+/// `pod_uid`'s (`.../kubepods/pod<UID>`, the cgroupfs driver's layout), so virt-handler's check
+/// that a socket's listener belongs to its Pod sees what it sees on a node. The process joins
+/// it before it runs (a `pre_exec` write to `cgroup.procs`), so everything it starts is in it.
+pub fn in_pod_cgroup(cmd: &mut Command, pod_uid: &str) {
+    use std::os::unix::process::CommandExt;
+    let dir = pod_cgroup(pod_uid);
     let procs = std::ffi::CString::new(
         dir.join("cgroup.procs")
             .into_os_string()

@@ -1,46 +1,73 @@
-//! controller-bench: N VirtualMachines applied at once → N launcher Pods rendered and N VMIs
-//! Scheduled, with the real `virt-controller run` process against the in-process API server.
-//! A stand-in scheduler+kubelet binds every new Pod to one of 10 nodes and marks it Running.
-//! Prints wall times, request counts and the controller process's RSS.
+//! controller-bench: N VirtualMachines applied at once → N VMIs Running, through the real
+//! `virt-controller run` process and one real `virt-handler run` process per node (10 nodes),
+//! against the in-process API server holding both to their deploy/rbac rules.
+//!
+//! A stand-in scheduler and kubelet binds every new launcher Pod to a node and starts in it,
+//! in the Pod's cgroup, **`launcher-stand-in`**: the launcher control protocol with no VM
+//! behind it (see its source), because 1000 guests do not fit on this machine. Everything
+//! else is the shipped path: the controller renders the Pods and moves the VMIs to Scheduled,
+//! each node's virt-handler finds the Pod's control socket below its pods directory, checks
+//! the listener is that Pod's, Syncs the VMI and reports it Running. Prints wall times,
+//! request counts and the processes' RSS.
 //!
 //! Usage: cargo run --release -p bench --bin controller-bench [-- VMS]   (default 1000)
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use api::{VirtualMachine, VirtualMachineInstance, VmiPhase};
+use api::VirtualMachine;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use tests::apiserver::ApiServer;
+use tests::cluster::{Cluster, CONTROLLER_NAMESPACE};
+use tests::rbac::service_account_user;
 
 const NODES: usize = 10;
 
-fn controller_binary() -> anyhow::Result<PathBuf> {
+/// Builds `bin` of `package` in this binary's profile (release for the figures: the shipped
+/// code's) and returns its path.
+fn built(package: &str, bin: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let path = exe.parent().unwrap().join("virt-controller");
+    let dir = exe.parent().context("the bench binary's directory")?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    // Built here (release, like this binary) so the figure is the shipped controller's.
-    let release = exe.parent().unwrap().ends_with("release");
     let mut cmd = Command::new(cargo);
-    cmd.args([
-        "build",
-        "-q",
-        "-p",
-        "controller",
-        "--bin",
-        "virt-controller",
-    ]);
-    if release {
+    cmd.args(["build", "-q", "-p", package, "--bin", bin]);
+    if dir.ends_with("release") {
         cmd.arg("--release");
     }
     if !cmd.status()?.success() {
-        bail!("building virt-controller failed");
+        bail!("building {bin} failed");
     }
-    Ok(path)
+    Ok(dir.join(bin))
+}
+
+/// Child processes killed (and their Pod cgroups removed) when the bench ends, however it ends.
+#[derive(Default)]
+struct Processes(Mutex<Vec<(Child, Option<PathBuf>)>>);
+
+impl Processes {
+    fn keep(&self, child: Child, cgroup: Option<PathBuf>) {
+        self.0.lock().unwrap().push((child, cgroup));
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        let mut all = self.0.lock().unwrap();
+        for (c, _) in all.iter_mut() {
+            let _ = c.kill();
+        }
+        for (c, cgroup) in all.iter_mut() {
+            let _ = c.wait();
+            if let Some(dir) = cgroup {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
 }
 
 fn rss_kib(pid: u32) -> (u64, u64) {
@@ -63,39 +90,147 @@ fn vm(i: usize) -> VirtualMachine {
         "spec": {"runStrategy": "Always", "template": {
             "metadata": {"labels": {"app": "fleet"}},
             "spec": {
+                // No NIC: virt-handler would wire the Pod network in the stand-in's network
+                // namespace, which is this host's (a stand-in Pod has none of its own).
                 "domain": {"cpu": {"cores": 1}, "memory": {"guest": "64Mi"},
-                           "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
+                           "devices": {"autoattachPodInterface": false,
+                                       "disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
                 "volumes": [{"name": "root", "containerDisk": {"image": "quay.io/containerdisks/alpine:3.20"}}]
             }}}
     }))
     .expect("valid VM")
 }
 
-/// Binds and starts every unbound launcher Pod (the scheduler and kubelets of 10 nodes).
-async fn kubelets(pods: Api<Pod>) {
-    let mut next = 0usize;
-    loop {
-        let unbound = pods
-            .list(&ListParams::default().fields("spec.nodeName="))
-            .await
-            .map(|l| l.items)
-            .unwrap_or_default();
-        let work = futures::stream::iter(unbound.into_iter().map(|p| {
-            next += 1;
-            let node = format!("node-{}", next % NODES);
-            let pods = pods.clone();
-            async move {
-                let name = p.metadata.name.unwrap();
-                let bind = json!({"spec": {"nodeName": node}});
-                if pods.patch(&name, &PatchParams::default(), &Patch::Merge(bind)).await.is_ok() {
-                    let run = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
-                    let _ = pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(run)).await;
+/// What the stand-in kubelets need: each node's pods directory (node-K's is `pods_dirs[K]`),
+/// the stand-in launcher's binary, and where its processes are kept.
+struct Kubelets {
+    pods: Api<Pod>,
+    pods_dirs: Vec<PathBuf>,
+    stand_in: PathBuf,
+    processes: Arc<Processes>,
+}
+
+impl Kubelets {
+    /// Binds every unbound launcher Pod to the next node and starts it there (the scheduler
+    /// and the kubelets of all nodes).
+    async fn run(self: Arc<Self>) {
+        let mut next = 0usize;
+        loop {
+            let unbound = self
+                .pods
+                .list(&ListParams::default().fields("spec.nodeName="))
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default();
+            let work = futures::stream::iter(unbound.into_iter().map(|p| {
+                next += 1;
+                let me = self.clone();
+                let node = next % NODES;
+                async move {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    if let Err(e) = me.start(p, node).await {
+                        eprintln!("controller-bench: kubelet of node-{node}, Pod {name}: {e:#}");
+                    }
                 }
-            }
-        }));
-        work.buffer_unordered(16).collect::<Vec<()>>().await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+            }));
+            work.buffer_unordered(32).collect::<Vec<()>>().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
+
+    /// Binds `pod` to node `node`, starts its launcher stand-in in the Pod's cgroup with its
+    /// control socket where the kubelet puts the Pod's `sockets` volume, and reports the Pod
+    /// Running once the socket is there (as the real Pod's readiness would).
+    async fn start(&self, pod: Pod, node: usize) -> anyhow::Result<()> {
+        let name = pod.metadata.name.context("a Pod without a name")?;
+        let uid = pod.metadata.uid.context("a Pod without a UID")?;
+        let bind = json!({"spec": {"nodeName": format!("node-{node}")}});
+        self.pods
+            .patch(&name, &PatchParams::default(), &Patch::Merge(bind))
+            .await
+            .context("binding")?;
+        let socket = api::launcher_pod::control_socket_on_node(&self.pods_dirs[node], &uid);
+        std::fs::create_dir_all(socket.parent().context("socket directory")?)?;
+        let child = Command::new(&self.stand_in)
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", self.stand_in.display()))?;
+        // Moved into the Pod's cgroup before the Pod is Running: virt-handler only looks for
+        // the socket then, and refuses a listener outside the Pod's cgroup.
+        let cgroup = tests::pod_cgroup(&uid);
+        let pid = child.id();
+        self.processes.keep(child, Some(cgroup.clone()));
+        std::fs::write(cgroup.join("cgroup.procs"), pid.to_string())
+            .with_context(|| format!("moving the stand-in into {}", cgroup.display()))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            if Instant::now() > deadline {
+                bail!(
+                    "the launcher stand-in made no socket at {} in 30 s",
+                    socket.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let run = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}});
+        self.pods
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(run))
+            .await
+            .context("reporting the Pod Running")?;
+        Ok(())
+    }
+}
+
+/// virt-handler for `node` under its service account, its pods directory `pods_dir`.
+fn start_handler(
+    cluster: &Cluster,
+    bin: &Path,
+    node: &str,
+    pods_dir: &Path,
+    dir: &Path,
+) -> anyhow::Result<Child> {
+    let kubeconfig = dir.join(format!("{node}.kubeconfig"));
+    let account = service_account_user(CONTROLLER_NAMESPACE, "virt-handler");
+    cluster.api.write_kubeconfig(&kubeconfig, Some(&account));
+    std::fs::create_dir_all(pods_dir)?;
+    let log = std::fs::File::create(dir.join(format!("{node}.log")))?;
+    Command::new(bin)
+        .args(["run", "--node-name", node, "--no-device-plugins"])
+        .args([
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--console-addr",
+            "127.0.0.1:0",
+        ])
+        .arg("--pods-dir")
+        .arg(pods_dir)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))
+}
+
+/// How many VMIs have reached Scheduled (or gone past it to Running), and how many Running,
+/// read from the server's store (so the bench's own looks cost no requests).
+fn phases(api: &tests::apiserver::ApiServer) -> (usize, usize) {
+    let phase_in = |p: &'static [&'static str]| {
+        move |v: &serde_json::Value| {
+            v["status"]["phase"]
+                .as_str()
+                .is_some_and(|x| p.contains(&x))
+        }
+    };
+    (
+        api.count(
+            "virtualmachineinstances",
+            phase_in(&["Scheduled", "Running"]),
+        ),
+        api.count("virtualmachineinstances", phase_in(&["Running"])),
+    )
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -105,29 +240,50 @@ async fn main() -> anyhow::Result<()> {
         .map(|a| a.parse())
         .transpose()?
         .unwrap_or(1000);
-    let bin = controller_binary()?;
-    let api = ApiServer::start().await;
+    let controller = built("controller", "virt-controller")?;
+    let handler = built("handler", "virt-handler")?;
+    let stand_in = built("bench", "launcher-stand-in")?;
+    let cluster = Cluster::start().await;
     let dir = std::env::temp_dir().join(format!("controller-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let kubeconfig = dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig, None);
-    let mut child = Command::new(&bin)
+    let processes = Arc::new(Processes::default());
+
+    let kubeconfig = dir.join("controller.kubeconfig");
+    let account = service_account_user(CONTROLLER_NAMESPACE, "virt-controller");
+    cluster.api.write_kubeconfig(&kubeconfig, Some(&account));
+    let child = Command::new(&controller)
         .args(["run", "--no-webhook", "--metrics-addr", "127.0.0.1:0"])
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let pid = child.id();
-    let client = api.client();
+        .with_context(|| format!("starting {}", controller.display()))?;
+    let controller_pid = child.id();
+    processes.keep(child, None);
+    let mut pods_dirs = Vec::new();
+    let mut handler_pids = Vec::new();
+    for k in 0..NODES {
+        let node = format!("node-{k}");
+        let pods_dir = dir.join(&node).join("pods");
+        let child = start_handler(&cluster, &handler, &node, &pods_dir, &dir)?;
+        handler_pids.push(child.id());
+        processes.keep(child, None);
+        pods_dirs.push(pods_dir);
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (idle_rss, _) = rss_kib(pid);
-    let requests_before = api.request_count();
+    let (idle_rss, _) = rss_kib(controller_pid);
+    let requests_before = cluster.api.request_count();
 
+    let client = cluster.client.clone();
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), "default");
-    let vmis: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), "default");
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    tokio::spawn(kubelets(pods.clone()));
+    let kubelets = Arc::new(Kubelets {
+        pods,
+        pods_dirs,
+        stand_in,
+        processes: processes.clone(),
+    });
+    let kubelet_task = tokio::spawn(kubelets.run());
 
     let start = Instant::now();
     futures::stream::iter((0..n).map(|i| {
@@ -142,66 +298,98 @@ async fn main() -> anyhow::Result<()> {
     let applied = start.elapsed();
 
     let mut pods_done = None;
+    let mut scheduled_done = None;
     let mut peak_rss = 0;
     let deadline = Duration::from_secs(600);
+    let mut next_report = Duration::from_secs(5);
     loop {
-        let (rss, _) = rss_kib(pid);
-        peak_rss = peak_rss.max(rss);
-        let pod_count = api.objects("pods").len();
-        if pods_done.is_none() && pod_count >= n {
+        peak_rss = peak_rss.max(rss_kib(controller_pid).0);
+        if pods_done.is_none() && cluster.api.count("pods", |_| true) >= n {
             pods_done = Some(start.elapsed());
         }
-        let scheduled = vmis
-            .list(&ListParams::default())
-            .await?
-            .items
-            .iter()
-            .filter(|v| v.status.as_ref().and_then(|s| s.phase) == Some(VmiPhase::Scheduled))
-            .count();
-        if scheduled >= n {
+        let (scheduled, running) = phases(&cluster.api);
+        if start.elapsed() >= next_report {
+            eprintln!(
+                "controller-bench: {:>5.1} s: {} Pods, {scheduled} VMIs Scheduled, {running} Running",
+                start.elapsed().as_secs_f64(),
+                cluster.api.count("pods", |_| true)
+            );
+            next_report += Duration::from_secs(5);
+        }
+        if scheduled_done.is_none() && scheduled >= n {
+            scheduled_done = Some(start.elapsed());
+        }
+        if running >= n {
             break;
         }
         if start.elapsed() > deadline {
-            bail!("only {scheduled}/{n} VMIs Scheduled after {deadline:?}");
+            bail!(
+                "only {running}/{n} VMIs Running ({scheduled} Scheduled) after {deadline:?}; the handlers' logs are in {}",
+                dir.display()
+            );
         }
-        if let Some(status) = child.try_wait()? {
-            bail!("virt-controller exited: {status}");
+        let exited = processes
+            .0
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter(|(_, cgroup)| cgroup.is_none())
+            .find_map(|(c, _)| c.try_wait().ok().flatten().map(|s| (c.id(), s)));
+        if let Some((pid, status)) = exited {
+            bail!(
+                "process {pid} (virt-controller or a virt-handler) exited: {status}; logs in {}",
+                dir.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let all_scheduled = start.elapsed();
-    let (rss, hwm) = rss_kib(pid);
-    let pods_total = api.objects("pods").len();
-    let requests = api.request_count() - requests_before;
-    let _ = child.kill();
-    let _ = child.wait();
+    let all_running = start.elapsed();
+    kubelet_task.abort();
+    let (rss, hwm) = rss_kib(controller_pid);
+    let handler_rss: Vec<(u64, u64)> = handler_pids.iter().map(|p| rss_kib(*p)).collect();
+    let handler_mean = handler_rss.iter().map(|r| r.0).sum::<u64>() as f64 / NODES as f64;
+    let handler_peak = handler_rss.iter().map(|r| r.1).max().unwrap_or(0);
+    let pods_total = cluster.api.objects("pods").len();
+    let requests = cluster.api.request_count() - requests_before;
+    drop(processes);
     let _ = std::fs::remove_dir_all(&dir);
 
-    println!("controller-bench: {n} VirtualMachines, {NODES} nodes, virt-controller as a separate process");
-    println!("| measure                                  | value        |");
-    println!("|------------------------------------------|--------------|");
+    let secs = |d: Option<Duration>| d.unwrap_or(all_running).as_secs_f64();
+    println!("controller-bench: {n} VirtualMachines, {NODES} nodes: virt-controller and one virt-handler per node as separate processes,");
+    println!("a launcher stand-in (the control protocol, no VM) in each launcher Pod");
+    println!("| measure                                      | value             |");
+    println!("|----------------------------------------------|-------------------|");
     println!(
-        "| VMs applied (32 concurrent creates)      | {:>9.2} s  |",
+        "| VMs applied (32 concurrent creates)          | {:>9.2} s       |",
         applied.as_secs_f64()
     );
     println!(
-        "| all {n:>4} launcher Pods created           | {:>9.2} s  |",
-        pods_done.unwrap_or(all_scheduled).as_secs_f64()
+        "| all {n:>4} launcher Pods created               | {:>9.2} s       |",
+        secs(pods_done)
     );
     println!(
-        "| all {n:>4} VMIs Scheduled                  | {:>9.2} s  |",
-        all_scheduled.as_secs_f64()
+        "| all {n:>4} VMIs Scheduled (virt-controller)    | {:>9.2} s       |",
+        secs(scheduled_done)
     );
-    println!("| launcher Pods in the end (duplicates?)   | {pods_total:>9}    |");
-    println!("| API requests (all clients)               | {requests:>9}    |");
     println!(
-        "| controller RSS idle                      | {:>9.1} MiB |",
+        "| all {n:>4} VMIs Running (virt-handler)         | {:>9.2} s       |",
+        all_running.as_secs_f64()
+    );
+    println!("| launcher Pods in the end (duplicates?)       | {pods_total:>9}         |");
+    println!("| API requests (all clients)                   | {requests:>9}         |");
+    println!(
+        "| virt-controller RSS idle                     | {:>9.1} MiB     |",
         idle_rss as f64 / 1024.0
     );
     println!(
-        "| controller RSS at the end / peak (HWM)   | {:>5.1} / {:>5.1} MiB |",
+        "| virt-controller RSS at the end / peak (HWM)  | {:>5.1} / {:>5.1} MiB |",
         rss as f64 / 1024.0,
         hwm.max(peak_rss) as f64 / 1024.0
+    );
+    println!(
+        "| virt-handler RSS per node, mean / peak (HWM) | {:>5.1} / {:>5.1} MiB |",
+        handler_mean / 1024.0,
+        handler_peak as f64 / 1024.0
     );
     if pods_total != n {
         bail!("{pods_total} launcher Pods for {n} VMIs");

@@ -653,6 +653,18 @@ impl ApiServer {
         self.inner.request_log.lock().unwrap().clone()
     }
 
+    /// How many stored objects of a kind (by plural) `f` holds for, without copying them.
+    pub fn count(&self, plural: &str, f: impl Fn(&Value) -> bool) -> usize {
+        let st = self.inner.state.lock().unwrap();
+        let suffix = format!("/{plural}");
+        st.objects
+            .iter()
+            .filter(|(k, _)| k.ends_with(&suffix))
+            .flat_map(|(_, m)| m.values())
+            .filter(|o| f(o))
+            .count()
+    }
+
     /// Every stored object of a kind (by plural, e.g. "pods"), in key order.
     pub fn objects(&self, plural: &str) -> Vec<Value> {
         let st = self.inner.state.lock().unwrap();

@@ -374,13 +374,6 @@ impl Inner {
         }
     }
 
-    pub(super) fn uid_exists(&self, st: &State, uid: &str) -> bool {
-        st.objects
-            .values()
-            .flat_map(|m| m.values())
-            .any(|o| meta_str(o, "uid") == Some(uid))
-    }
-
     pub(super) fn scale_of(&self, t: &Target, obj: &Value) -> ApiResult<Value> {
         self.scale_of_locked(&t.rtype, obj)
     }
