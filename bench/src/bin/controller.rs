@@ -53,20 +53,25 @@ impl Processes {
     fn keep(&self, child: Child, cgroup: Option<PathBuf>) {
         self.0.lock().unwrap().push((child, cgroup));
     }
-}
 
-impl Drop for Processes {
-    fn drop(&mut self) {
+    /// Kills every process kept so far and removes its Pod cgroup.
+    fn stop_all(&self) {
         let mut all = self.0.lock().unwrap();
         for (c, _) in all.iter_mut() {
             let _ = c.kill();
         }
-        for (c, cgroup) in all.iter_mut() {
+        for (mut c, cgroup) in all.drain(..) {
             let _ = c.wait();
             if let Some(dir) = cgroup {
                 let _ = std::fs::remove_dir(dir);
             }
         }
+    }
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        self.stop_all();
     }
 }
 
@@ -364,7 +369,8 @@ async fn main() -> anyhow::Result<()> {
     let handler_peak = handler_rss.iter().map(|r| r.1).max().unwrap_or(0);
     let pods_total = cluster.api.objects("pods").len();
     let requests = cluster.api.request_count() - requests_before;
-    drop(processes);
+    // Before their directories go (the stand-in kubelet still holds the list).
+    processes.stop_all();
     let _ = std::fs::remove_dir_all(&dir);
 
     let secs = |d: Option<Duration>| d.unwrap_or(all_running).as_secs_f64();

@@ -129,6 +129,12 @@ fn serve(stream: UnixStream, machine: &mut Machine) -> std::io::Result<()> {
             let launcher = format!("launcher-stand-in {}", env!("CARGO_PKG_VERSION"));
             send(&mut out, &Response::Hello { version, launcher })?;
         }
+        // Worded as the launcher words them: virt-handler retries an older version on "is
+        // not supported".
+        Ok(Request::Hello { version }) => {
+            let message = format!("protocol version {version} is not supported; this launcher speaks versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}");
+            return send(&mut out, &Response::Error { message });
+        }
         _ => {
             let message = format!(
                 "expected hello with a protocol version from {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
