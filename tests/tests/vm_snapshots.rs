@@ -204,7 +204,7 @@ async fn bound_claim(c: &Cluster, name: &str) -> PersistentVolumeClaim {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_captures_the_claims_and_restores_bring_them_back() {
-    let (c, _controller, node, work) = site("mv-vmsnap-ok").await;
+    let (c, controller, node, work) = site("mv-vmsnap-ok").await;
     storage(&c, "csi", "csi.example.com", true).await;
     claim(&c, &node, "db-root", "csi", b"version 1").await;
     let db = vm(&c, "db", "Halted", "db-root", "").await;
@@ -296,6 +296,39 @@ async fn a_snapshot_captures_the_claims_and_restores_bring_them_back() {
     assert_eq!(pvc.labels()["copy"], "yes");
     assert_eq!(pvc.owner_references()[0].uid, copy.uid().unwrap());
     assert_eq!(disk(&node, "copy-root"), b"version 1");
+
+    // A pass that created the new VM and then lost its status write (a conflict, a crash, a
+    // cache that had not seen it yet): the next pass finds the VM it wrote, under a new UID,
+    // and finishes instead of refusing it as a VM that is not the snapshot's.
+    controller.stop().await;
+    restore(&c, "again", "db-again", "snap", "").await;
+    let again = c.api::<VirtualMachineRestore>().get("again").await.unwrap();
+    let again_uid = again.uid().unwrap();
+    let mut written: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "db-again", "annotations": {
+            ANNOTATION_LAST_RESTORE: format!("again-{again_uid}")}},
+        "spec": db.spec,
+    }))
+    .unwrap();
+    let volumes = &mut written.spec.template.spec.as_mut().unwrap().volumes;
+    let root = volumes.iter_mut().find(|v| v.name == "root").unwrap();
+    root.persistent_volume_claim.as_mut().unwrap().claim_name = format!("restore-{again_uid}-root");
+    let written = c
+        .api::<VirtualMachine>()
+        .create(&PostParams::default(), &written)
+        .await
+        .unwrap();
+    let _controller = c.replica(test_config(), None);
+    let r = restore_ends(&c, "again")
+        .await
+        .expect("the restore finishes");
+    let claim_again = &r.status.unwrap().restores[0].persistent_volume_claim_name;
+    let vm_again = c.api::<VirtualMachine>().get("db-again").await.unwrap();
+    assert_eq!(vm_again.uid(), written.uid(), "the VM it wrote is kept");
+    let pvc = bound_claim(&c, claim_again).await;
+    assert_eq!(pvc.owner_references()[0].uid, written.uid().unwrap());
+    assert_eq!(disk(&node, claim_again), b"version 1");
 
     // InPlace: the VM's own claim replaced by the snapshot's data, under its name.
     restore(
@@ -546,13 +579,30 @@ spec:
     .await
 }
 
-/// The clone once it has ended in `phase`.
+/// The clone once it has ended in `phase`; on timeout, its status and the restores are shown.
 async fn clone_ends(c: &Cluster, name: &str, phase: ClonePhase) -> VirtualMachineClone {
-    eventually(&format!("clone {name} {phase:?}"), T, || async {
+    let start = std::time::Instant::now();
+    loop {
         let v = c.api::<VirtualMachineClone>().get(name).await.unwrap();
-        (v.status.as_ref()?.phase? == phase).then_some(v)
-    })
-    .await
+        if v.status.as_ref().and_then(|s| s.phase) == Some(phase) {
+            return v;
+        }
+        if start.elapsed() > T {
+            let restores = c.api::<VirtualMachineRestore>();
+            let restores: Vec<_> = restores.list(&Default::default()).await.unwrap().items;
+            let restores: Vec<_> = restores
+                .into_iter()
+                .map(|r| (r.name_any(), r.status))
+                .collect();
+            panic!(
+                "timed out after {T:?} waiting for clone {name} {phase:?}; its status: {}; the \
+                 restores: {}",
+                serde_json::to_string(&v.status).unwrap(),
+                serde_json::to_string(&restores).unwrap()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn failure_of(clone: &VirtualMachineClone) -> String {
@@ -721,6 +771,102 @@ async fn clones_get_their_own_identity_and_disks_and_leave_the_source_alone() {
         .join("disk.img");
     assert_eq!(std::fs::read(kept).unwrap(), b"version 1");
     finish(node, &work).await;
+}
+
+/// Every step of a clone may run again after its status write is lost (a conflict, a crash):
+/// it must find what it made where it left it, and not fail on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_finish_when_their_status_writes_are_lost() {
+    let (c, _controller, node, work) = site("mv-vmclone-lost").await;
+    storage(&c, "csi", "csi.example.com", true).await;
+    claim(&c, &node, "db-root", "csi", b"version 1").await;
+    vm_with_identity(&c, "db", "db-root").await;
+    snapshot(&c, "golden", "VirtualMachine", "db").await;
+    snapshot_ends(&c, "golden", SnapshotPhase::Succeeded).await;
+    let put = Some(axum::http::Method::PUT);
+    let claims_post = "/namespaces/default/persistentvolumeclaims";
+
+    // The pass that makes the restore never gets its phase written: every later pass starts
+    // over, and finds the target VM that restore made.
+    let status = "/virtualmachineclones/of-snapshot/status";
+    c.api.fail_requests(put.clone(), status, 409, u64::MAX);
+    let source =
+        "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: golden}";
+    let one = clone_of(&c, "of-snapshot", source).await;
+    let (restore, target) = restore_made(&c, &one).await;
+    let vm = c.api::<VirtualMachine>().get(&target).await.unwrap();
+    bound_claim(&c, &root_claim(&vm)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    c.api.clear_faults(status);
+    clone_succeeds_once(&c, &one, &restore, &vm).await;
+
+    // The pass that ends the clone loses its write: the next one must find the restore it
+    // waited on still there. The restore's claim is held back until the clone waits on it.
+    c.api
+        .fail_requests(Some(axum::http::Method::POST), claims_post, 503, u64::MAX);
+    let source = "  source: {apiGroup: kubevirt.io, kind: VirtualMachine, name: db}";
+    let two = clone_of(&c, "of-vm", source).await;
+    eventually("of-vm restoring", T, || async {
+        let v = c.api::<VirtualMachineClone>().get("of-vm").await.unwrap();
+        (v.status?.phase? == ClonePhase::RestoreInProgress).then_some(())
+    })
+    .await;
+    let status = "/virtualmachineclones/of-vm/status";
+    c.api.fail_requests(put, status, 409, u64::MAX);
+    c.api.clear_faults(claims_post);
+    let (restore, target) = restore_made(&c, &two).await;
+    let vm = c.api::<VirtualMachine>().get(&target).await.unwrap();
+    bound_claim(&c, &root_claim(&vm)).await;
+    // Its passes (every 2 s, and retried after each refused write) see the restore complete
+    // and the claim bound, and try to end it.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    c.api.clear_faults(status);
+    clone_succeeds_once(&c, &two, &restore, &vm).await;
+
+    // The source snapshot of the first clone stays.
+    assert!(c
+        .api::<VirtualMachineSnapshot>()
+        .get_opt("golden")
+        .await
+        .unwrap()
+        .is_some());
+    finish(node, &work).await;
+}
+
+/// The clone's restore once complete, and the VM it names.
+async fn restore_made(c: &Cluster, clone: &VirtualMachineClone) -> (String, String) {
+    let restore = format!("tmp-restore-{}", clone.uid().unwrap());
+    let target = eventually(&format!("{restore} complete"), T, || async {
+        let r = c
+            .api::<VirtualMachineRestore>()
+            .get_opt(&restore)
+            .await
+            .unwrap()?;
+        (r.status?.complete == Some(true)).then_some(r.spec.target.name)
+    })
+    .await;
+    (restore, target)
+}
+
+/// The clone Succeeded into `vm` (made once), its restore and own snapshot deleted.
+async fn clone_succeeds_once(
+    c: &Cluster,
+    clone: &VirtualMachineClone,
+    restore: &str,
+    vm: &VirtualMachine,
+) {
+    let done = clone_ends(c, &clone.name_any(), ClonePhase::Succeeded).await;
+    assert_eq!(done.status.unwrap().target_name, Some(vm.name_any()));
+    let vm_now = c.api::<VirtualMachine>().get(&vm.name_any()).await.unwrap();
+    assert_eq!(vm_now.uid(), vm.uid(), "the target was made once");
+    let temporary = format!("tmp-snapshot-{}", clone.uid().unwrap());
+    eventually("the clone's restore and snapshot deleted", T, || async {
+        let restores = c.api::<VirtualMachineRestore>();
+        let snapshots = c.api::<VirtualMachineSnapshot>();
+        let gone = restores.get_opt(restore).await.unwrap().is_none();
+        (gone && snapshots.get_opt(&temporary).await.unwrap().is_none()).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

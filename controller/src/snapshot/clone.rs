@@ -12,8 +12,11 @@
 //!    identity patches are made from the VM the snapshot holds (`api::clone::identity_patches`,
 //!    where bad input is refused) and a VirtualMachineRestore (`tmp-restore-<clone UID>`, the
 //!    clone's own) makes the target VM from the snapshot: `RestoreInProgress`.
-//! 4. `RestoreInProgress`: once the restore is complete and every claim it made is bound, the
-//!    clone's snapshot and restore are deleted: `Succeeded`. A failed restore fails the clone.
+//! 4. `RestoreInProgress`: once the restore is complete and every claim it made is bound:
+//!    `Succeeded`. A failed restore fails the clone.
+//! 5. `Succeeded` or `Failed`: the clone's own snapshot and restore are deleted. Only now, after
+//!    the ending is written: every step above may run again after a lost status write, and
+//!    must find what it made where it left it.
 //!
 //! Nothing here writes to the source VM or its claims: a failed clone leaves them as they were
 //! (a snapshot only reads them; a restore into a new VM makes new claims).
@@ -51,8 +54,10 @@ pub fn error_policy(c: Arc<VirtualMachineClone>, err: &Error, ctx: Arc<Context>)
 
 /// Where a clone stands (its `status.phase`).
 enum Stage {
-    /// Succeeded, failed or being deleted: nothing to do.
-    Settled,
+    /// Being deleted: its snapshot and restore go with it (owner references).
+    Deleted,
+    /// Succeeded or failed: its own snapshot and restore are deleted.
+    Ended,
     /// Nothing done yet.
     Starting,
     /// Waiting for the snapshot of the source VM.
@@ -88,7 +93,13 @@ pub async fn reconcile(clone: Arc<VirtualMachineClone>, ctx: Arc<Context>) -> Re
         ctx,
     };
     let step = match pass.stage() {
-        Stage::Settled => return Ok(Action::await_change()),
+        Stage::Deleted => return Ok(Action::await_change()),
+        Stage::Ended => {
+            // Cleaned up only once the ending is written: a pass that deleted the restore and
+            // then lost its status write would find the restore gone and fail the clone.
+            pass.clean_up().await?;
+            return Ok(Action::await_change());
+        }
         Stage::Starting => pass.start().await?,
         Stage::Snapshotting(name) => pass.snapshotting(&name).await?,
         Stage::CreatingTarget(name) => pass.create_target(&name).await?,
@@ -120,7 +131,7 @@ impl Pass {
 
     fn stage(&self) -> Stage {
         if self.clone.meta().deletion_timestamp.is_some() {
-            return Stage::Settled;
+            return Stage::Deleted;
         }
         let snapshot = self.status.snapshot_name.clone().unwrap_or_default();
         match self.status.phase {
@@ -130,9 +141,7 @@ impl Pass {
             Some(ClonePhase::RestoreInProgress) => {
                 Stage::Restoring(self.status.restore_name.clone().unwrap_or_default())
             }
-            Some(ClonePhase::Succeeded | ClonePhase::Failed | ClonePhase::Unknown) => {
-                Stage::Settled
-            }
+            Some(ClonePhase::Succeeded | ClonePhase::Failed | ClonePhase::Unknown) => Stage::Ended,
         }
     }
 
@@ -153,6 +162,25 @@ impl Pass {
             Ok(s) => s,
             Err(why) => return Ok(Err(Hold::Refused(why))),
         };
+        let restore = temporary_restore_name(&self.uid);
+        if self
+            .api::<VirtualMachineRestore>()
+            .get_opt(&restore)
+            .await?
+            .is_some()
+        {
+            // A pass that made the restore and lost its status write: the target may exist
+            // already, made by that restore, so it is not judged again.
+            let snapshot = match source {
+                CloneSource::Snapshot(name) => name,
+                CloneSource::Vm(_) => temporary_snapshot_name(&self.uid),
+            };
+            self.status.snapshot_name = Some(snapshot.clone());
+            self.status
+                .creation_time
+                .get_or_insert_with(controller_runtime::time::now_rfc3339);
+            return self.create_target(&snapshot).await;
+        }
         if let Err(hold) = self.target().await? {
             return Ok(Err(hold));
         }
@@ -382,7 +410,6 @@ impl Pass {
                 )));
             }
         }
-        self.clean_up().await?;
         self.status.phase = Some(ClonePhase::Succeeded);
         set_done(&mut self.status.conditions);
         let target = self.status.target_name.clone().unwrap_or_default();
@@ -413,7 +440,6 @@ impl Pass {
     }
 
     async fn fail(&mut self, why: String) -> Result<Action> {
-        self.clean_up().await?;
         self.status.phase = Some(ClonePhase::Failed);
         set_progress(&mut self.status.conditions, false, "Failed", &why);
         self.ctx

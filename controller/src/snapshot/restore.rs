@@ -352,6 +352,12 @@ impl Pass {
             return Ok(Ok(()));
         };
         let target = vm.name_any();
+        // First: a VM this restore wrote (created under a new name, so its UID is not the
+        // source's) whose pass then lost its status write, or was run again from a cache that
+        // did not show it yet, is ours to finish, not a stranger in the way.
+        if vm.annotations().get(ANNOTATION_LAST_RESTORE) == Some(&self.mark()) {
+            return Ok(Ok(()));
+        }
         if vm.uid() != source.metadata.uid {
             return Ok(Err(Hold::Refused(format!(
                 "spec.target: VirtualMachine {target:?} exists and is not the VM this snapshot \
@@ -359,9 +365,6 @@ impl Pass {
                 source.metadata.name.as_deref().unwrap_or(""),
                 source.metadata.name.as_deref().unwrap_or("")
             ))));
-        }
-        if vm.annotations().get(ANNOTATION_LAST_RESTORE) == Some(&self.mark()) {
-            return Ok(Ok(())); // Already written by this restore.
         }
         // Held while it is judged and written, so it cannot start in between; not while a
         // snapshot reads it.

@@ -632,6 +632,12 @@ impl ApiServer {
         st.faults.iter().map(|f| f.remaining).sum()
     }
 
+    /// Forgets the injected faults on paths containing `path_contains` that were not hit yet.
+    pub fn clear_faults(&self, path_contains: &str) {
+        let mut st = self.inner.state.lock().unwrap();
+        st.faults.retain(|f| f.path_contains != path_contains);
+    }
+
     /// Ends every open watch stream (as an API server restart or a load balancer would).
     pub fn drop_watches(&self) {
         self.inner.watch_epoch.send_modify(|e| *e += 1);
