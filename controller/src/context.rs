@@ -118,6 +118,8 @@ pub struct Context {
     pub cdi: crate::cdi::CdiPresence,
     /// The flags' cluster-wide settings with the KubeVirt CR's configuration over them.
     pub settings: controller_runtime::LiveSettings,
+    /// The launcher Pods and VMIs as the watches see them (see `caches`).
+    pub caches: crate::caches::Caches,
 }
 
 impl Context {
@@ -139,6 +141,7 @@ impl Context {
                 client_for_settings,
                 config_defaults,
             ),
+            caches: Default::default(),
         })
     }
 

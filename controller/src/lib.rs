@@ -2,6 +2,7 @@
 //! Pods, with kube-runtime `Controller`s (one pure-ish `reconcile` + `error_policy` per kind),
 //! leader election through a Lease, an admission webhook and Prometheus metrics.
 
+pub mod caches;
 pub mod cdi;
 pub mod context;
 pub mod crds;

@@ -42,9 +42,14 @@ pub async fn run_controllers(
             let _ = rx.recv().await;
         })
     };
+    let feeds = ctx.caches.start(
+        all::<Pod>(&ctx),
+        launcher_pods(),
+        all::<VirtualMachineInstance>(&ctx),
+    );
     let all = futures::future::join_all([
-        vms(&ctx, stop()),
-        vmis(&ctx, stop()),
+        vms(&ctx, feeds.vmis, stop()),
+        vmis(&ctx, feeds.launcher_pods, stop()),
         replica_owners::<VirtualMachineInstanceReplicaSet>(&ctx, stop()),
         replica_owners::<VirtualMachinePool>(&ctx, stop()),
         migrations(&ctx, stop()),
@@ -62,6 +67,7 @@ pub async fn run_controllers(
         }
     }
     ctx.metrics.set_ready(false);
+    ctx.caches.stop();
 }
 
 type Running = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -73,21 +79,26 @@ where
     Api::all(ctx.client.clone())
 }
 
-fn vms(ctx: &Arc<Context>, stop: Stop) -> Running {
-    let wc = watcher::Config::default;
+/// VMs, woken by their VMIs through the watch that fills the VMI cache they read.
+fn vms(
+    ctx: &Arc<Context>,
+    vmis: crate::caches::Feed<VirtualMachineInstance>,
+    stop: Stop,
+) -> Running {
     Box::pin(
-        Controller::new(all::<VirtualMachine>(ctx), wc())
-            .owns(all::<VirtualMachineInstance>(ctx), wc())
+        Controller::new(all::<VirtualMachine>(ctx), watcher::Config::default())
+            .owns_stream(vmis)
             .graceful_shutdown_on(stop)
             .run(crate::vm::reconcile, crate::vm::error_policy, ctx.clone())
             .for_each(|_| async {}),
     )
 }
 
-fn vmis(ctx: &Arc<Context>, stop: Stop) -> Running {
+/// VMIs, woken by their launcher Pods through the watch that fills the Pod cache they read.
+fn vmis(ctx: &Arc<Context>, launcher_pods: crate::caches::Feed<Pod>, stop: Stop) -> Running {
     let wc = watcher::Config::default;
     let controller = Controller::new(all::<VirtualMachineInstance>(ctx), wc())
-        .owns(all::<Pod>(ctx), launcher_pods())
+        .owns_stream(launcher_pods)
         // A failed evacuation migration is retried by its VMI (after a pause).
         .watches(all::<VirtualMachineInstanceMigration>(ctx), wc(), |m| {
             m.annotations()

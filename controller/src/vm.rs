@@ -389,12 +389,18 @@ impl Pass<'_> {
     }
 
     /// The VMI of the VM's name, if this VM controls it (or nobody does); a foreign one is
-    /// the failure's message.
+    /// the failure's message. From the cache if it has it; "none" only from the API server
+    /// (see `caches`), so a VMI is never created twice.
     async fn owned_vmi(
         &self,
     ) -> Result<std::result::Result<Option<VirtualMachineInstance>, String>> {
         let uid = self.vm.uid().unwrap_or_default();
-        Ok(match self.vmis.get_opt(&self.name).await? {
+        let ns = self.vm.namespace().unwrap_or_default();
+        let vmi = match self.ctx.caches.vmi(&ns, &self.name) {
+            Some(cached) => Some(cached.as_ref().clone()),
+            None => self.vmis.get_opt(&self.name).await?,
+        };
+        Ok(match vmi {
             Some(v) if v.owner_references().is_empty() || controlled_by(&v, &uid) => Ok(Some(v)),
             Some(_) => Err(format!(
                 "VirtualMachineInstance {} exists and is not controlled by this VirtualMachine",

@@ -144,6 +144,21 @@ fn termination_reason(pod: &Pod) -> String {
     }
 }
 
+/// Among a VMI's Pods, the active one (by uid), or when none is recorded the one that is not
+/// a migration target.
+fn launcher_among<'a>(
+    pods: impl Iterator<Item = &'a Pod> + Clone,
+    active: &BTreeMap<String, String>,
+) -> Option<&'a Pod> {
+    let by_uid = pods
+        .clone()
+        .find(|p| p.uid().is_some_and(|u| active.contains_key(&u)));
+    by_uid.or_else(|| {
+        pods.filter(|_| active.is_empty())
+            .find(|p| !p.labels().contains_key(api::labels::MIGRATION_JOB))
+    })
+}
+
 /// One reconcile of one VMI: the object, where to write, and the status and labels being built.
 struct Pass<'a> {
     vmi: &'a VirtualMachineInstance,
@@ -314,19 +329,16 @@ impl Pass<'_> {
     }
 
     /// The VMI's launcher Pod: the active one, or (before any is recorded) one an earlier
-    /// round created whose status write was lost, adopted.
+    /// round created whose status write was lost, adopted. From the cache if it has it;
+    /// "none" only from the API server (see `caches`).
     async fn launcher_pod(&self) -> Result<Option<Pod>> {
-        let all = pods_of(&self.pods, self.vmi, self.ctx).await?;
         let active = self.status.active_pods.clone().unwrap_or_default();
-        let pod = all
-            .iter()
-            .find(|p| p.uid().is_some_and(|u| active.contains_key(&u)))
-            .or_else(|| {
-                all.iter()
-                    .filter(|_| active.is_empty())
-                    .find(|p| !p.labels().contains_key(api::labels::MIGRATION_JOB))
-            });
-        Ok(pod.cloned())
+        let cached = self.ctx.caches.launcher_pods_of(self.vmi);
+        if let Some(p) = launcher_among(cached.iter().map(|p| p.as_ref()), &active) {
+            return Ok(Some(p.clone()));
+        }
+        let all = pods_of(&self.pods, self.vmi, self.ctx).await?;
+        Ok(launcher_among(all.iter(), &active).cloned())
     }
 
     async fn create_pod(&mut self) -> Result<()> {

@@ -290,6 +290,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (idle_rss, _) = rss_kib(controller_pid);
     let requests_before = cluster.api.request_count();
+    let logged_before = cluster.api.request_log().len();
 
     let client = cluster.client.clone();
     let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), "default");
@@ -369,6 +370,7 @@ async fn main() -> anyhow::Result<()> {
     let handler_peak = handler_rss.iter().map(|r| r.1).max().unwrap_or(0);
     let pods_total = cluster.api.objects("pods").len();
     let requests = cluster.api.request_count() - requests_before;
+    let by_kind = requests_by_kind(&cluster.api.request_log()[logged_before..]);
     // Before their directories go (the stand-in kubelet still holds the list).
     processes.stop_all();
     let _ = std::fs::remove_dir_all(&dir);
@@ -419,8 +421,45 @@ async fn main() -> anyhow::Result<()> {
         mean_ms(1),
         mean_ms(2)
     );
+    println!("API requests by kind (most first; per VM in the last column):");
+    for ((method, what, code), count) in by_kind.iter().take(20) {
+        println!(
+            "  {method:<6} {what:<46} {code} {count:>7} {:>6.2}",
+            *count as f64 / n as f64
+        );
+    }
     if pods_total != n {
         bail!("{pods_total} launcher Pods for {n} VMIs");
     }
     Ok(())
+}
+
+/// Requests counted by method, what they touch (`pods`, `pods/{name}`, `pods/{name}/status`;
+/// names and namespaces folded) and status code, most first.
+fn requests_by_kind<M: std::fmt::Display>(
+    log: &[(M, String, u16)],
+) -> Vec<((String, String, u16), u64)> {
+    let mut counts: std::collections::HashMap<(String, String, u16), u64> = Default::default();
+    for (method, path, code) in log {
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        // /api/v1/... or /apis/{group}/{version}/...; then [namespaces/{ns}/]{plural}[/{name}[/{sub}]]
+        let rest = match segments.first() {
+            Some(&"api") => segments.get(2..).unwrap_or_default(),
+            _ => segments.get(3..).unwrap_or_default(),
+        };
+        let rest = match rest {
+            ["namespaces", _, tail @ ..] if !tail.is_empty() => tail,
+            other => other,
+        };
+        let what = match rest {
+            [plural] => plural.to_string(),
+            [plural, _] => format!("{plural}/{{name}}"),
+            [plural, _, sub, ..] => format!("{plural}/{{name}}/{sub}"),
+            [] => path.clone(),
+        };
+        *counts.entry((method.to_string(), what, *code)).or_default() += 1;
+    }
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1));
+    counts
 }
