@@ -460,6 +460,6 @@ fn requests_by_kind<M: std::fmt::Display>(
         *counts.entry((method.to_string(), what, *code)).or_default() += 1;
     }
     let mut counts: Vec<_> = counts.into_iter().collect();
-    counts.sort_by(|a, b| b.1.cmp(&a.1));
+    counts.sort_by_key(|c| std::cmp::Reverse(c.1));
     counts
 }
