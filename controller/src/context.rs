@@ -120,6 +120,9 @@ pub struct Context {
     pub settings: controller_runtime::LiveSettings,
     /// The launcher Pods and VMIs as the watches see them (see `caches`).
     pub caches: crate::caches::Caches,
+    /// The VM and VMI reconcilers' writes not yet seen in their caches: a pass on an older
+    /// copy waits for the echo instead of writing again.
+    pub unseen_writes: controller_runtime::UnseenWrites,
 }
 
 impl Context {
@@ -142,6 +145,7 @@ impl Context {
                 config_defaults,
             ),
             caches: Default::default(),
+            unseen_writes: Default::default(),
         })
     }
 

@@ -485,7 +485,14 @@ impl Pass<'_> {
         let mut labels = vmi.labels().clone();
         labels.insert(api::labels::MIGRATION_TARGET_NODE.into(), node);
         vstatus.migration_state = Some(hand_off.clone());
-        crate::vmi::write(&self.apis.vmis, vmi, Some(labels), vstatus).await?;
+        crate::vmi::write(
+            &self.apis.vmis,
+            vmi,
+            Some(labels),
+            vstatus,
+            &self.ctx.unseen_writes,
+        )
+        .await?;
         self.status.migration_state = Some(hand_off);
         enter(&mut self.status, MigrationPhase::PreparingTarget);
         self.write().await
@@ -628,7 +635,7 @@ async fn succeed(
     let mut labels = vmi.labels().clone();
     labels.remove(api::labels::MIGRATION_TARGET_NODE);
     labels.insert(api::labels::NODE_NAME.into(), target_node.clone());
-    crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
+    crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus, &ctx.unseen_writes).await?;
     // Source Pods: the ones the VMI ran in before.
     for p in crate::vmi::pods_of(&apis.pods, vmi, ctx).await? {
         if p.uid().is_some_and(|u| old_pods.contains_key(&u)) {
@@ -698,7 +705,7 @@ async fn fail(
         }
         let mut labels = vmi.labels().clone();
         labels.remove(api::labels::MIGRATION_TARGET_NODE);
-        crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus).await?;
+        crate::vmi::write(&apis.vmis, vmi, Some(labels), vstatus, &ctx.unseen_writes).await?;
     }
     if let Some(ms) = status.migration_state.as_mut() {
         ms.failed = Some(true);

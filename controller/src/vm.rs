@@ -276,6 +276,10 @@ enum Outcome {
 }
 
 async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
+    if ctx.unseen_writes.predate_own_write(vm) {
+        // The echo of the last write is on its way and wakes this VM again.
+        return Ok(Action::await_change());
+    }
     let ns = vm.namespace().unwrap_or_default();
     let mut pass = Pass {
         vm,
@@ -343,14 +347,23 @@ async fn reconcile_inner(vm: &VirtualMachine, ctx: &Context) -> Result<Action> {
 
 impl Pass<'_> {
     async fn write(&self, then: Action) -> Result<Action> {
-        write_status(&self.vms, self.vm, self.status.clone()).await?;
+        let written = write_status(&self.vms, self.vm, self.status.clone()).await?;
+        if written.resource_version() != self.vm.resource_version() {
+            self.ctx.unseen_writes.wrote(self.vm, &[]);
+        }
         Ok(then)
     }
 
     async fn patch(&self, p: &serde_json::Value) -> Result<Action> {
-        self.vms
+        let written = self
+            .vms
             .patch(&self.name, &PatchParams::default(), &Patch::Merge(p))
             .await?;
+        if written.metadata.deletion_timestamp.is_some() && written.finalizers().is_empty() {
+            self.ctx.unseen_writes.forget(self.vm);
+        } else {
+            self.ctx.unseen_writes.wrote(self.vm, &[]);
+        }
         Ok(Action::await_change())
     }
 

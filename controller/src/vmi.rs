@@ -179,6 +179,10 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         status: vmi.status.clone().unwrap_or_default(),
         labels: vmi.labels().clone(),
     };
+    if ctx.unseen_writes.predate_own_write(vmi) {
+        // The echo of the last write is on its way and wakes this VMI again.
+        return Ok(Action::await_change());
+    }
     if vmi.metadata.deletion_timestamp.is_some() {
         return pass.finalize().await;
     }
@@ -235,7 +239,7 @@ async fn reconcile_inner(vmi: &VirtualMachineInstance, ctx: &Context) -> Result<
         }
     }
     let labels = (&pass.labels != vmi.labels()).then_some(pass.labels);
-    write(&pass.vmis, vmi, labels, pass.status).await?;
+    write(&pass.vmis, vmi, labels, pass.status, &ctx.unseen_writes).await?;
     Ok(action)
 }
 
@@ -249,6 +253,11 @@ impl Pass<'_> {
                 &Patch::Merge(&p),
             )
             .await?;
+        if present {
+            self.ctx.unseen_writes.wrote(self.vmi, &[]);
+        } else {
+            self.ctx.unseen_writes.forget(self.vmi);
+        }
         Ok(Action::await_change())
     }
 
@@ -298,7 +307,14 @@ impl Pass<'_> {
             Some("FailedCreate"),
             Some(msg),
         );
-        write(&self.vmis, self.vmi, None, self.status).await?;
+        write(
+            &self.vmis,
+            self.vmi,
+            None,
+            self.status,
+            &self.ctx.unseen_writes,
+        )
+        .await?;
         Ok(Action::await_change())
     }
 
@@ -442,19 +458,33 @@ impl Pass<'_> {
     }
 }
 
-/// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed.
+/// Writes labels (a guarded merge patch) and then status (PUT /status), each only if changed;
+/// each write is noted in `unseen` as soon as it is made.
 pub async fn write(
     vmis: &Api<VirtualMachineInstance>,
     vmi: &VirtualMachineInstance,
     labels: Option<BTreeMap<String, String>>,
     status: VirtualMachineInstanceStatus,
+    unseen: &controller_runtime::UnseenWrites,
 ) -> Result<()> {
     let mut current = match labels {
         Some(l) => write_labels(vmis, vmi, &l).await?,
         None => vmi.clone(),
     };
+    let labelled = current.resource_version() != vmi.resource_version();
+    if labelled {
+        unseen.wrote(vmi, &[]);
+    }
     // The new status is compared with the one this round read, not with the label write's echo.
     current.status = vmi.status.clone();
-    write_status(vmis, &current, status).await?;
+    let written = write_status(vmis, &current, status).await?;
+    if written.resource_version() != current.resource_version() {
+        let between: Vec<String> = current
+            .resource_version()
+            .filter(|_| labelled)
+            .into_iter()
+            .collect();
+        unseen.wrote(vmi, &between);
+    }
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! - [`settings`]: the KubeVirt CR's `spec.configuration`, followed live;
 //! - [`time`]: the timestamps Kubernetes objects carry;
 //! - [`backoff`]: per-object exponential retry (client-go's per-item rate limiter);
+//! - [`unseen_writes`]: a reconciler's own writes its cache has not shown yet;
 //! - [`events`]: Events that never fail a reconcile;
 //! - [`metrics_http`]: the `/metrics` and `/healthz` endpoint;
 //! - [`tls`]: HTTPS serving with optional client certificates (webhook, virt-api);
@@ -20,6 +21,7 @@ pub mod objects;
 pub mod settings;
 pub mod time;
 pub mod tls;
+pub mod unseen_writes;
 pub mod websocket;
 
 pub use backoff::RetryBackoff;
@@ -30,3 +32,4 @@ pub use objects::{
     has_finalizer, is_conflict, is_not_found, write_labels, write_status,
 };
 pub use settings::LiveSettings;
+pub use unseen_writes::UnseenWrites;
