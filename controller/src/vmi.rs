@@ -45,7 +45,8 @@ pub fn error_policy(vmi: Arc<VirtualMachineInstance>, err: &Error, ctx: Arc<Cont
 }
 
 /// The Pods made for this VMI (its launcher and any migration target), read from the API
-/// server rather than a cache so that a Pod created a moment ago is never created twice.
+/// server (what a cache miss is asked of, see `caches`) so that a Pod created a moment ago is
+/// never created twice.
 pub async fn pods_of(
     pods: &Api<Pod>,
     vmi: &VirtualMachineInstance,
