@@ -793,12 +793,7 @@ async fn clones_finish_when_their_status_writes_are_lost() {
     let source =
         "  source: {apiGroup: snapshot.kubevirt.io, kind: VirtualMachineSnapshot, name: golden}";
     let one = clone_of(&c, "of-snapshot", source).await;
-    let (restore, target) = restore_made(&c, &one).await;
-    let vm = c.api::<VirtualMachine>().get(&target).await.unwrap();
-    bound_claim(&c, &root_claim(&vm)).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    c.api.clear_faults(status);
-    clone_succeeds_once(&c, &one, &restore, &vm).await;
+    clone_succeeds_once(&c, &one, status).await;
 
     // The pass that ends the clone loses its write: the next one must find the restore it
     // waited on still there. The restore's claim is held back until the clone waits on it.
@@ -814,14 +809,7 @@ async fn clones_finish_when_their_status_writes_are_lost() {
     let status = "/virtualmachineclones/of-vm/status";
     c.api.fail_requests(put, status, 409, u64::MAX);
     c.api.clear_faults(claims_post);
-    let (restore, target) = restore_made(&c, &two).await;
-    let vm = c.api::<VirtualMachine>().get(&target).await.unwrap();
-    bound_claim(&c, &root_claim(&vm)).await;
-    // Its passes (every 2 s, and retried after each refused write) see the restore complete
-    // and the claim bound, and try to end it.
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    c.api.clear_faults(status);
-    clone_succeeds_once(&c, &two, &restore, &vm).await;
+    clone_succeeds_once(&c, &two, status).await;
 
     // The source snapshot of the first clone stays.
     assert!(c
@@ -833,8 +821,11 @@ async fn clones_finish_when_their_status_writes_are_lost() {
     finish(node, &work).await;
 }
 
-/// The clone's restore once complete, and the VM it names.
-async fn restore_made(c: &Cluster, clone: &VirtualMachineClone) -> (String, String) {
+/// Once the clone's restore is complete and the target's claim bound, and its passes (every
+/// 2 s, and retried after each refused write) have had time to see that, the clone's status
+/// writes (refused at `status_path`) are let through: it must end Succeeded into the VM its
+/// restore made, once, with its restore and own snapshot deleted.
+async fn clone_succeeds_once(c: &Cluster, clone: &VirtualMachineClone, status_path: &str) {
     let restore = format!("tmp-restore-{}", clone.uid().unwrap());
     let target = eventually(&format!("{restore} complete"), T, || async {
         let r = c
@@ -845,25 +836,20 @@ async fn restore_made(c: &Cluster, clone: &VirtualMachineClone) -> (String, Stri
         (r.status?.complete == Some(true)).then_some(r.spec.target.name)
     })
     .await;
-    (restore, target)
-}
+    let vm = c.api::<VirtualMachine>().get(&target).await.unwrap();
+    bound_claim(c, &root_claim(&vm)).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    c.api.clear_faults(status_path);
 
-/// The clone Succeeded into `vm` (made once), its restore and own snapshot deleted.
-async fn clone_succeeds_once(
-    c: &Cluster,
-    clone: &VirtualMachineClone,
-    restore: &str,
-    vm: &VirtualMachine,
-) {
     let done = clone_ends(c, &clone.name_any(), ClonePhase::Succeeded).await;
-    assert_eq!(done.status.unwrap().target_name, Some(vm.name_any()));
-    let vm_now = c.api::<VirtualMachine>().get(&vm.name_any()).await.unwrap();
+    assert_eq!(done.status.unwrap().target_name, Some(target.clone()));
+    let vm_now = c.api::<VirtualMachine>().get(&target).await.unwrap();
     assert_eq!(vm_now.uid(), vm.uid(), "the target was made once");
     let temporary = format!("tmp-snapshot-{}", clone.uid().unwrap());
     eventually("the clone's restore and snapshot deleted", T, || async {
         let restores = c.api::<VirtualMachineRestore>();
         let snapshots = c.api::<VirtualMachineSnapshot>();
-        let gone = restores.get_opt(restore).await.unwrap().is_none();
+        let gone = restores.get_opt(&restore).await.unwrap().is_none();
         (gone && snapshots.get_opt(&temporary).await.unwrap().is_none()).then_some(())
     })
     .await;
