@@ -9,6 +9,12 @@
 //! node's key cannot pose as another. A target accepts connections until one authenticates,
 //! each TLS handshake within `HANDSHAKE_DEADLINE`, the whole wait within the caller's
 //! deadline: a stranger that connects and trickles bytes holds nothing up.
+//!
+//! The target launcher takes its first link as the conversation and the rest as page streams,
+//! which are silent until the conversation's handshake is done: links must reach it in the
+//! order the source opened them. Handshakes finish in any order under load, so the target
+//! answers each link with `LINK_TAKEN` once it is connected to the target launcher, and the
+//! source opens the next link only after that answer.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -23,6 +29,13 @@ use tokio_rustls::rustls::pki_types::ServerName;
 
 /// How long a peer has to finish the TLS handshake (and show its certificate).
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The byte the target writes on a link once it has carried it to the target launcher.
+pub const LINK_TAKEN: u8 = 0x4b;
+
+/// How long the source waits for `LINK_TAKEN`: the target may take up to `HANDSHAKE_DEADLINE`
+/// to reach its launcher.
+const TAKEN_DEADLINE: Duration = Duration::from_secs(20);
 
 /// This node's migration identity: its certificate and key, and the CA every node's is signed
 /// by (`--migration-tls-dir`). Held by virt-handler only.
@@ -131,9 +144,9 @@ async fn join_pipes(
 /// publish; then, in the background, takes `links` connections that authenticate as
 /// `source_node` (or, without TLS, the first `links` connections) within `deadline` — the
 /// conversation and its page streams — and pipes each to a connection of its own to the
-/// target launcher's socket `socket` below `pods_dir`, in the order they authenticated (the
-/// target launcher puts page streams in order by their own headers). `done` gets the
-/// outcome once every pipe has ended.
+/// target launcher's socket `socket` below `pods_dir`, in the order they authenticated,
+/// answering each with `LINK_TAKEN` (the source opens one link at a time, so that is the order
+/// it opened them). `done` gets the outcome once every pipe has ended.
 #[allow(clippy::too_many_arguments)]
 pub async fn serve_target(
     ip: IpAddr,
@@ -157,10 +170,11 @@ pub async fn serve_target(
         let accepted = tokio::time::timeout(deadline, async {
             while pipes.len() < links {
                 tokio::select! {
-                    Some(remote) = winner.recv() => {
+                    Some(mut remote) = winner.recv() => {
                         let local = connect_launcher(&pods_dir, &socket, HANDSHAKE_DEADLINE)
                             .await
                             .map_err(|e| format!("the target launcher's migration socket: {e}"))?;
+                        taken(&mut remote).await?;
                         pipes.push(tokio::spawn(pipe(remote, local)));
                     }
                     a = listener.accept() => {
@@ -213,7 +227,7 @@ pub async fn serve_target(
 /// The source side: takes the `links` streams the source launcher offers on `socket` (below
 /// `pods_dir`) — the conversation, then its page streams — and carries each, one after the
 /// other, to the target node's handler at `target`, whose certificate must be
-/// `target_node`'s.
+/// `target_node`'s; the next link is opened once the target has answered `LINK_TAKEN`.
 pub async fn carry_source(
     tls: Option<NodeTls>,
     target: &str,
@@ -233,8 +247,8 @@ pub async fn carry_source(
                 .map_err(|_| format!("the target node's handler at {target} did not answer"))?
                 .map_err(|e| format!("cannot reach the target node's handler at {target}: {e}"))?;
             let _ = tcp.set_nodelay(true);
-            match &tls {
-                None => pipes.push(tokio::spawn(pipe(local, tcp))),
+            let mut remote: Box<dyn Stream> = match &tls {
+                None => Box::new(tcp),
                 Some(tls) => {
                     let connector = tokio_rustls::TlsConnector::from(tls.client.clone());
                     let remote = tokio::time::timeout(
@@ -248,9 +262,11 @@ pub async fn carry_source(
                     .map_err(|e| {
                         format!("TLS with the target node {target_node:?} at {target}: {e}")
                     })?;
-                    pipes.push(tokio::spawn(pipe(local, remote)));
+                    Box::new(remote)
                 }
-            }
+            };
+            await_taken(&mut remote, target).await?;
+            pipes.push(tokio::spawn(pipe(local, remote)));
         }
         Ok::<_, String>(())
     }
@@ -262,6 +278,35 @@ pub async fn carry_source(
         return Err(e);
     }
     join_pipes(pipes).await
+}
+
+/// The target's answer on a link it has carried to its launcher.
+async fn taken(remote: &mut Box<dyn Stream>) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt;
+    tokio::time::timeout(HANDSHAKE_DEADLINE, async {
+        remote.write_all(&[LINK_TAKEN]).await?;
+        remote.flush().await
+    })
+    .await
+    .map_err(|_| "the source did not take the link's answer".to_string())?
+    .map_err(|e| format!("answering the source: {e}"))
+}
+
+/// The source's wait for the target's `LINK_TAKEN` on a link.
+async fn await_taken(remote: &mut Box<dyn Stream>, target: &str) -> Result<(), String> {
+    use tokio::io::AsyncReadExt;
+    let mut b = [0u8];
+    tokio::time::timeout(TAKEN_DEADLINE, remote.read_exact(&mut b))
+        .await
+        .map_err(|_| format!("the target node's handler at {target} did not take the link within {TAKEN_DEADLINE:?}"))?
+        .map_err(|e| format!("the target node's handler at {target} closed the link: {e}"))?;
+    if b[0] != LINK_TAKEN {
+        return Err(format!(
+            "the target node's handler at {target} answered {:#04x}, not a taken link",
+            b[0]
+        ));
+    }
+    Ok(())
 }
 
 trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
@@ -322,6 +367,83 @@ mod tests {
             "still listening after the deadline"
         );
         trickler.abort();
+        let _ = std::fs::remove_dir_all(base);
+    }
+
+    /// The source opens a link only once the target has answered the one before with
+    /// `LINK_TAKEN`: a target whose handshakes finish out of order still hands the launcher
+    /// the conversation first. Here the target answers the conversation's link a second late;
+    /// no second connection may come before that answer, and the links arrive in the order the
+    /// source launcher offered them.
+    #[tokio::test]
+    async fn the_source_opens_each_link_after_the_target_has_taken_the_one_before() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let base = std::env::temp_dir().join(format!("mv-proxy-order-{}", std::process::id()));
+        let dirs = ::tests::tls::write_dirs(&base, &["node-1", "node-2"]);
+        let tls = |i: usize| NodeTls::new(&MigrationTls::from_dir(&dirs[i]).unwrap()).unwrap();
+        // The source launcher: offers three links on its Pod's socket, each naming itself.
+        let pod_uid = format!("proxy-order-{}", std::process::id());
+        let pods_dir = base.join("pods");
+        let socket = pods_dir.join(&pod_uid).join("migration-out.sock");
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let mut offer = std::process::Command::new("python3");
+        offer.args([
+            "-c",
+            "import socket,sys\n\
+             l=socket.socket(socket.AF_UNIX)\nl.bind(sys.argv[1])\nl.listen(8)\n\
+             c=[]\n\
+             for i in range(3):\n    s,_=l.accept()\n    s.sendall(b'link%d' % i)\n    c.append(s)\n\
+             for s in c:\n    s.recv(1)\n",
+        ]);
+        offer.arg(&socket);
+        ::tests::in_pod_cgroup(&mut offer, &pod_uid);
+        let mut offer = offer.spawn().unwrap();
+
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = listener.local_addr().unwrap().to_string();
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls(1).server.clone());
+        let node_1 = tls(0);
+        let carried = tokio::spawn(async move {
+            carry_source(
+                Some(node_1),
+                &target,
+                "node-2",
+                3,
+                &pods_dir,
+                &socket,
+                Duration::from_secs(10),
+            )
+            .await
+        });
+        let mut order = Vec::new();
+        let mut links = Vec::new();
+        for i in 0..3 {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut s = acceptor.accept(tcp).await.unwrap();
+            if i == 0 {
+                let early = tokio::time::timeout(Duration::from_secs(1), listener.accept()).await;
+                assert!(
+                    early.is_err(),
+                    "a second link opened before the first was taken"
+                );
+            }
+            s.write_all(&[LINK_TAKEN]).await.unwrap();
+            s.flush().await.unwrap();
+            let mut name = [0u8; 5];
+            s.read_exact(&mut name).await.unwrap();
+            order.push(String::from_utf8_lossy(&name).into_owned());
+            links.push(s);
+        }
+        assert_eq!(order, ["link0", "link1", "link2"]);
+        // The target ends each link; the source launcher then closes its side.
+        for s in &mut links {
+            s.shutdown().await.unwrap();
+        }
+        let (sent, received) = carried.await.unwrap().unwrap();
+        drop(links);
+        assert_eq!((sent, received), (15, 0), "bytes carried each way");
+        assert!(offer.wait().unwrap().success());
+        let _ = std::fs::remove_dir(::tests::pod_cgroup(&pod_uid));
         let _ = std::fs::remove_dir_all(base);
     }
 }
