@@ -381,7 +381,8 @@ mod tests {
         let base = std::env::temp_dir().join(format!("mv-proxy-order-{}", std::process::id()));
         let dirs = ::tests::tls::write_dirs(&base, &["node-1", "node-2"]);
         let tls = |i: usize| NodeTls::new(&MigrationTls::from_dir(&dirs[i]).unwrap()).unwrap();
-        // The source launcher: offers three links on its Pod's socket, each naming itself.
+        // The source launcher: offers three links on its Pod's socket, each naming itself
+        // (and gives up after 30 s, should this test fail before it is done).
         let pod_uid = format!("proxy-order-{}", std::process::id());
         let pods_dir = base.join("pods");
         let socket = pods_dir.join(&pod_uid).join("migration-out.sock");
@@ -390,6 +391,7 @@ mod tests {
         offer.args([
             "-c",
             "import socket,sys\n\
+             socket.setdefaulttimeout(30)\n\
              l=socket.socket(socket.AF_UNIX)\nl.bind(sys.argv[1])\nl.listen(8)\n\
              c=[]\n\
              for i in range(3):\n    s,_=l.accept()\n    s.sendall(b'link%d' % i)\n    c.append(s)\n\

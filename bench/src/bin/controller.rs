@@ -54,6 +54,15 @@ impl Processes {
         self.0.lock().unwrap().push((child, cgroup));
     }
 
+    /// CPU seconds used by the processes kept in Pod cgroups (the launcher stand-ins).
+    fn stand_ins_cpu_seconds(&self) -> f64 {
+        let all = self.0.lock().unwrap();
+        all.iter()
+            .filter(|(_, cgroup)| cgroup.is_some())
+            .map(|(c, _)| cpu_seconds(&c.id().to_string()))
+            .sum()
+    }
+
     /// Kills every process kept so far and removes its Pod cgroup.
     fn stop_all(&self) {
         let mut all = self.0.lock().unwrap();
@@ -86,6 +95,25 @@ fn rss_kib(pid: u32) -> (u64, u64) {
             .unwrap_or(0)
     };
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// CPU time (user + system) the process `pid` (or `self`) has used, in seconds; 0 once it is
+/// gone.
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name may hold spaces: the fields start after its closing parenthesis, with
+    // the state (field 3); utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let ticks = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    // SAFETY: sysconf reads a constant.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks(14)
+        .zip(ticks(15))
+        .map_or(0.0, |(u, s)| (u + s) as f64 / per_second)
 }
 
 fn vm(i: usize) -> VirtualMachine {
@@ -304,6 +332,14 @@ async fn main() -> anyhow::Result<()> {
     });
     let kubelet_task = tokio::spawn(kubelets.clone().run());
 
+    let cpu_at_start = [
+        cpu_seconds(&controller_pid.to_string()),
+        handler_pids
+            .iter()
+            .map(|p| cpu_seconds(&p.to_string()))
+            .sum(),
+        cpu_seconds("self"),
+    ];
     let start = Instant::now();
     futures::stream::iter((0..n).map(|i| {
         let vms = vms.clone();
@@ -363,6 +399,16 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let all_running = start.elapsed();
+    let cpu = [
+        cpu_seconds(&controller_pid.to_string()) - cpu_at_start[0],
+        handler_pids
+            .iter()
+            .map(|p| cpu_seconds(&p.to_string()))
+            .sum::<f64>()
+            - cpu_at_start[1],
+        cpu_seconds("self") - cpu_at_start[2],
+        processes.stand_ins_cpu_seconds(),
+    ];
     kubelet_task.abort();
     let (rss, hwm) = rss_kib(controller_pid);
     let handler_rss: Vec<(u64, u64)> = handler_pids.iter().map(|p| rss_kib(*p)).collect();
@@ -420,6 +466,16 @@ async fn main() -> anyhow::Result<()> {
         mean_ms(0),
         mean_ms(1),
         mean_ms(2)
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "CPU seconds from the first create to all Running ({:.1} s × {cores} cores = {:.1} CPU s):",
+        all_running.as_secs_f64(),
+        all_running.as_secs_f64() * cores as f64
+    );
+    println!(
+        "  virt-controller {:.1} | virt-handlers ({NODES}) {:.1} | this bench (the API server, the stand-in kubelet, the creates) {:.1} | launcher stand-ins {:.1}",
+        cpu[0], cpu[1], cpu[2], cpu[3]
     );
     println!("API requests by kind (most first; per VM in the last column):");
     for ((method, what, code), count) in by_kind.iter().take(20) {
